@@ -1,0 +1,107 @@
+"""Torch reference for paged attention: the CPU path, and the oracle the Triton kernels are tested against.
+
+Shapes (all kernels in kernels/attention share these signatures):
+
+- ``k_cache``, ``v_cache``: one layer's view of the paged cache,
+  ``[num_blocks, block_size, num_kv_heads, head_dim]``; may be strided (the engine's
+  cache is block-major, see libs/kvpool/layout.py), so nothing here assumes contiguity.
+- ``slot_mapping``: ``[T]`` int64, flat slot ``block_id * block_size + offset`` per token.
+- ``block_tables``: ``[B, max_blocks]`` int32, padded with any valid block id.
+- ``seq_lens``: ``[B]`` int32, context length of each sequence *including* this step's tokens.
+- ``query_start_loc``: ``[B + 1]`` int32, cumulative query lengths (varlen layout).
+- ``q``: ``[T, num_heads, head_dim]``; ``num_heads`` is a multiple of ``num_kv_heads`` (GQA).
+
+Queries sit at the end of their sequence: query ``j`` of a sequence with ``n`` queries and
+context ``L`` is at position ``L - n + j`` and attends to keys ``[0, L - n + j]``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def store_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write this step's K and V (``[T, kv_heads, head_dim]``) into their cache slots."""
+    block_size = k_cache.shape[1]
+    blocks = torch.div(slot_mapping, block_size, rounding_mode="floor")
+    offsets = slot_mapping - blocks * block_size
+    k_cache[blocks, offsets] = key.to(k_cache.dtype)
+    v_cache[blocks, offsets] = value.to(v_cache.dtype)
+
+
+def _gather_context(cache: torch.Tensor, table: torch.Tensor, length: int) -> torch.Tensor:
+    """``[length, kv_heads, head_dim]``: one sequence's keys or values in position order."""
+    block_size = cache.shape[1]
+    n_blocks = (length + block_size - 1) // block_size
+    return cache[table[:n_blocks]].flatten(0, 1)[:length]
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One query per sequence (``q``: ``[B, num_heads, head_dim]``) over its paged context."""
+    batch, num_heads, head_dim = q.shape
+    out = torch.empty_like(q)
+    if batch == 0:
+        return out
+    lens = seq_lens.tolist()
+    for i, length in enumerate(lens):
+        k = _gather_context(k_cache, block_tables[i], length)
+        v = _gather_context(v_cache, block_tables[i], length)
+        out[i] = _attend(q[i : i + 1], k, v, scale, causal_offset=None)[0]
+    return out
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Causal varlen attention of each sequence's new queries over its whole paged context
+    (the cached prefix and this chunk). Covers prefill and chunked prefill."""
+    out = torch.empty_like(q)
+    starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    for i, length in enumerate(lens):
+        s, e = starts[i], starts[i + 1]
+        if e == s:
+            continue
+        k = _gather_context(k_cache, block_tables[i], length)
+        v = _gather_context(v_cache, block_tables[i], length)
+        out[s:e] = _attend(q[s:e], k, v, scale, causal_offset=length - (e - s))
+    return out
+
+
+def _attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal_offset: int | None
+) -> torch.Tensor:
+    """``q``: [n, Hq, D]; ``k``, ``v``: [L, Hkv, D]. Query j sits at position causal_offset + j."""
+    n, num_heads, _ = q.shape
+    length, num_kv_heads, _ = k.shape
+    qh = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
+    kh = k.to(q.dtype).transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
+    vh = v.to(q.dtype).transpose(0, 1).unsqueeze(0)
+    mask = None
+    if causal_offset is not None and n > 1:
+        rows = torch.arange(n, device=q.device).unsqueeze(1) + causal_offset
+        mask = torch.arange(length, device=q.device).unsqueeze(0) <= rows  # [n, L]
+    o = F.scaled_dot_product_attention(
+        qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=num_heads != num_kv_heads
+    )
+    return o[0].transpose(0, 1)

@@ -1,0 +1,12 @@
+"""Block keys: the one function prefill, decode, router and cache_store call to name KV blocks."""
+
+from libs.blocks.keys import (
+    KEY_BYTES,
+    BlockKey,
+    Namespace,
+    block_keys,
+    chain_key,
+    full_block_keys,
+)
+
+__all__ = ["KEY_BYTES", "BlockKey", "Namespace", "block_keys", "chain_key", "full_block_keys"]

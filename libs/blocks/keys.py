@@ -1,0 +1,143 @@
+"""Chained 128-bit block keys (DESIGN.md, "Block keys").
+
+A prompt is cut into blocks of ``block_size`` tokens. Block ``i``'s key is
+``H(key[i-1] || tokens of block i)``; the chain starts from the *namespace*, a hash of
+everything that makes KV bytes incompatible (weights digest, dtype, block size, layout
+version, tensor-parallel layout). Because every key depends on all tokens before it, a
+key identifies the whole prefix, so "block i exists in the pool" means "the KV of
+tokens [0, (i+1)*block_size) exists".
+
+The last, partial block (m < block_size tokens) gets ``H(key[n-1] || its m tokens)``
+with the suffix ``:partial:m``. It is written so decode can load a whole prompt, and it
+is never the parent of another key: the next block of a longer prompt hashes the full
+block instead, so a partial key never aliases a full one.
+
+H is BLAKE2b with a 16-byte digest and a domain-separation ``person`` tag: fixed,
+seedless and fast in C. Python's ``hash`` is salted per process and must never be used.
+Tokens are hashed as little-endian uint32, so the same ids give the same bytes on every
+machine and in every process.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from dataclasses import dataclass
+from typing import Sequence
+
+KEY_BYTES = 16
+_BLOCK_PERSON = b"tidepool.block"
+_NAMESPACE_PERSON = b"tidepool.ns"
+_PARTIAL = ":partial:"
+
+
+def _token_bytes(tokens: Sequence[int]) -> bytes:
+    """Token ids as little-endian uint32 bytes (``array`` is native-endian; swap on BE)."""
+    arr = array("I", tokens)
+    if arr.itemsize != 4:  # pragma: no cover - every supported platform has 4-byte "I"
+        arr = array("L", tokens)
+    import sys
+
+    if sys.byteorder == "big":  # pragma: no cover
+        arr.byteswap()
+    return arr.tobytes()
+
+
+def chain_key(parent: bytes, tokens: Sequence[int]) -> bytes:
+    """``H(parent || tokens)``: the key of a block whose predecessor's key is ``parent``."""
+    if len(parent) != KEY_BYTES:
+        raise ValueError(f"parent key must be {KEY_BYTES} bytes, got {len(parent)}")
+    h = hashlib.blake2b(digest_size=KEY_BYTES, person=_BLOCK_PERSON)
+    h.update(parent)
+    h.update(_token_bytes(tokens))
+    return h.digest()
+
+
+@dataclass(frozen=True)
+class Namespace:
+    """Everything that makes two caches' KV bytes incompatible.
+
+    Two engines may share blocks only if all these fields agree. ``digest`` is the root
+    of every key chain, so a different model or block size changes every key.
+    """
+
+    model_digest: str
+    dtype: str
+    block_size: int
+    layout_version: int = 1
+    tp_layout: str = "tp1"
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {self.block_size}")
+        if not self.model_digest:
+            raise ValueError("model_digest must not be empty")
+
+    @property
+    def digest(self) -> bytes:
+        desc = "|".join(
+            [
+                f"model={self.model_digest}",
+                f"dtype={self.dtype}",
+                f"block_size={self.block_size}",
+                f"layout={self.layout_version}",
+                f"tp={self.tp_layout}",
+            ]
+        ).encode()
+        return hashlib.blake2b(desc, digest_size=KEY_BYTES, person=_NAMESPACE_PERSON).digest()
+
+    @property
+    def hex(self) -> str:
+        return self.digest.hex()
+
+
+@dataclass(frozen=True)
+class BlockKey:
+    """One block's key. ``num_tokens < block_size`` exactly when ``partial``."""
+
+    digest: bytes
+    num_tokens: int
+    partial: bool = False
+
+    def __str__(self) -> str:
+        if self.partial:
+            return f"{self.digest.hex()}{_PARTIAL}{self.num_tokens}"
+        return self.digest.hex()
+
+    @classmethod
+    def parse(cls, text: str, block_size: int) -> "BlockKey":
+        """Inverse of ``str()``; raises ``ValueError`` naming what is wrong."""
+        head, sep, tail = text.partition(_PARTIAL)
+        if len(head) != 2 * KEY_BYTES:
+            raise ValueError(f"block key must be {2 * KEY_BYTES} hex digits, got {len(head)}")
+        try:
+            digest = bytes.fromhex(head)
+        except ValueError:
+            raise ValueError("block key is not hexadecimal") from None
+        if not sep:
+            return cls(digest, block_size, False)
+        if not tail.isdigit() or not 0 < int(tail) < block_size:
+            raise ValueError(f"partial token count must be in [1, {block_size}), got {tail!r}")
+        return cls(digest, int(tail), True)
+
+
+def block_keys(
+    namespace: Namespace, token_ids: Sequence[int], *, include_partial: bool = True
+) -> list[BlockKey]:
+    """Keys of every block of ``token_ids``: full blocks, then the partial tail if any."""
+    bs = namespace.block_size
+    parent = namespace.digest
+    keys: list[BlockKey] = []
+    n_full = len(token_ids) // bs
+    for i in range(n_full):
+        parent = chain_key(parent, token_ids[i * bs : (i + 1) * bs])
+        keys.append(BlockKey(parent, bs))
+    rest = len(token_ids) - n_full * bs
+    if include_partial and rest:
+        keys.append(BlockKey(chain_key(parent, token_ids[n_full * bs :]), rest, True))
+    return keys
+
+
+def full_block_keys(namespace: Namespace, token_ids: Sequence[int]) -> list[bytes]:
+    """Digests of the full blocks only: what a prefix cache indexes."""
+    return [k.digest for k in block_keys(namespace, token_ids, include_partial=False)]
