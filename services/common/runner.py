@@ -1,0 +1,89 @@
+"""Run a service's app on uvloop until SIGINT/SIGTERM, then shut down cleanly.
+
+Shutdown order: stop accepting connections, give in-flight requests
+``settings.shutdown_timeout_s`` to finish, run the app's ``on_shutdown``/``on_cleanup``
+hooks, then cancel and await any task still alive (each one is logged by name: a task that
+outlives cleanup is a leak in the service, and it should be visible, not silent).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+from typing import Callable
+
+import uvloop
+from aiohttp import web
+
+from services.common.app import SERVICE_NAME
+from services.common.settings import BaseSettings
+
+_LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def configure_logging(level: str) -> None:
+    """Root logging at ``level`` to stderr, one line per record (the service's only log sink)."""
+    logging.basicConfig(level=level.upper(), format=_LOG_FORMAT, stream=sys.stderr, force=True)
+
+
+def run_service(
+    app: web.Application,
+    settings: BaseSettings,
+    *,
+    announce: Callable[[str], None] = lambda line: print(line, flush=True),
+) -> None:
+    """Serve ``app`` on ``settings.host:port`` with uvloop until SIGINT or SIGTERM.
+
+    When the socket is bound, ``announce`` gets one line ending with the service's URL
+    (``tidepool <name> ready at http://127.0.0.1:8000``); with ``port=0`` it carries the port
+    the kernel picked, which is how launchers and tests find a service.
+    """
+    configure_logging(settings.log_level)
+    uvloop.run(serve(app, settings, announce=announce))
+
+
+async def serve(
+    app: web.Application,
+    settings: BaseSettings,
+    *,
+    announce: Callable[[str], None],
+) -> None:
+    """The coroutine behind :func:`run_service`, for callers that own the event loop."""
+    name = app.get(SERVICE_NAME, "service")
+    log = logging.getLogger(f"tidepool.{name}")
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    runner = web.AppRunner(
+        app, handle_signals=False, access_log=None, shutdown_timeout=settings.shutdown_timeout_s
+    )
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, settings.host, settings.port)
+        await site.start()
+        host, port = runner.addresses[0][:2]
+        announce(f"tidepool {name} ready at http://{_url_host(host)}:{port}")
+        await stop.wait()
+        log.info("shutting down")
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+        await runner.cleanup()
+        await _cancel_leftover_tasks(log)
+    log.info("stopped")
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+async def _cancel_leftover_tasks(log: logging.Logger) -> None:
+    current = asyncio.current_task()
+    leftover = [t for t in asyncio.all_tasks() if t is not current and not t.done()]
+    for task in leftover:
+        log.warning("task %s still running after cleanup; cancelling", task.get_name())
+        task.cancel()
+    await asyncio.gather(*leftover, return_exceptions=True)
