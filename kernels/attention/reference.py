@@ -28,7 +28,11 @@ def store_kv(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Write this step's K and V (``[T, kv_heads, head_dim]``) into their cache slots."""
+    """Write this step's K and V (``[T, kv_heads, head_dim]``) into their cache slots.
+    Slots ``< 0`` are padding (e.g. a CUDA-graph batch padded past its real tokens) and write
+    nothing."""
+    keep = slot_mapping >= 0
+    key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
     block_size = k_cache.shape[1]
     blocks = torch.div(slot_mapping, block_size, rounding_mode="floor")
     offsets = slot_mapping - blocks * block_size

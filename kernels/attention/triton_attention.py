@@ -1,0 +1,474 @@
+"""Triton paged attention: the GPU path behind the attention backend.
+
+Same signatures and semantics as ``kernels/attention/reference.py`` (read its docstring for
+the shapes). Everything here is written for the engine's block-major cache, whose per-layer
+K and V caches are strided views, and for GQA models with few KV heads:
+
+- ``store_kv``: one program per token copies its ``[kv_heads, head_dim]`` K and V rows into
+  their slots. A negative slot is padding and writes nothing.
+- ``paged_decode_attention``: one program per (sequence, KV head, split). The program loads
+  each K/V tile of its sequence once and serves all ``group`` query heads of that KV head as
+  the rows of one ``[group padded to 16, head_dim]`` query tile, so the tensor cores do the
+  GQA fan-out instead of re-reading the cache per query head. With few sequences the
+  context is split across programs (flash-decoding); a second kernel merges the splits by
+  their log-sum-exp. The split count comes from host ints only (tensor shapes and the SM
+  count); each program sizes its own split from its sequence's actual length, so a loose
+  block-table width costs no extra work beyond empty programs.
+- ``paged_prefill_attention``: flash-attention over the paged context. One program per
+  (query tile, KV head); a query tile packs ``BLOCK_M // group`` consecutive query tokens
+  times the ``group`` heads of one KV head, so again each K/V tile is loaded once for the
+  whole group. Query tiles are laid out without a host sync: sequence ``i`` owns the tiles
+  starting at ``query_start_loc[i] // BLOCK_Q + i``, which bounds the grid by
+  ``T // BLOCK_Q + B`` programs; each program binary-searches ``query_start_loc`` for its
+  sequence and exits if its tile is past the sequence's queries (zero-length entries get
+  one such empty program).
+
+Keys are gathered token by token through the block table (``BLOCK_N`` tokens per tile,
+independent of the block size), so tiles span several small blocks. All softmax
+arithmetic is fp32 (base-2 exponentials with the scale folded into ``log2(e)``); on CUDA
+16-bit inputs feed the tensor cores directly with fp32 accumulation, elsewhere (the CPU
+interpreter, whose bf16 arithmetic is wrong, and fp32 inputs) operands are converted to
+fp32 and multiplied in IEEE fp32. Outputs are stored in the query dtype.
+
+The wrappers never read device memory on the host: they launch kernels whose grids derive
+from tensor shapes and host ints and allocate with ``torch.empty``, so the decode step can
+be captured in a CUDA graph (compile the kernels with one eager call before capturing).
+
+Constraints: ``head_dim`` is any size from 1 up (tiles are padded to a power of two of at
+least 16, so sizes that are not powers of two waste some lanes); ``block_size`` is any
+positive size (powers of two make the slot arithmetic cheapest). A sequence with no
+context (``seq_len`` 0, e.g. CUDA-graph padding) gets a zero output, as in the reference.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+
+# Decode tiling: keys per tile, and the fewest keys worth giving a split of its own.
+_DECODE_BLOCK_N = 64
+_MIN_SPLIT_TOKENS = 128
+_MAX_SPLITS = 64
+# Decode aims for this many programs per SM before it stops splitting further.
+_DECODE_PROGRAMS_PER_SM = 2
+# Prefill tiling: query rows (tokens x group heads) and keys per tile.
+_PREFILL_BLOCK_M = 128
+_PREFILL_BLOCK_N = 64
+# SM count assumed off CUDA (the interpreter), so the split heuristic stays exercised.
+_CPU_SM_COUNT = 4
+
+
+# --------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _store_kv_kernel(
+    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    stride_kt, stride_kh, stride_kd,
+    stride_vt, stride_vh, stride_vd,
+    stride_kcb, stride_kcs, stride_kch, stride_kcd,
+    stride_vcb, stride_vcs, stride_vch, stride_vcd,
+    num_kv_heads, head_dim,
+    BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    if slot >= 0:  # negative slots are padding (e.g. CUDA-graph batch padding)
+        block = slot // BLOCK_SIZE
+        offset = slot % BLOCK_SIZE
+        h = tl.arange(0, BLOCK_H)
+        d = tl.arange(0, BLOCK_D)
+        mask = (h[:, None] < num_kv_heads) & (d[None, :] < head_dim)
+        k = tl.load(key_ptr + token * stride_kt + h[:, None] * stride_kh + d[None, :] * stride_kd,
+                    mask=mask)
+        v = tl.load(value_ptr + token * stride_vt + h[:, None] * stride_vh + d[None, :] * stride_vd,
+                    mask=mask)
+        k_dst = (k_cache_ptr + block * stride_kcb + offset * stride_kcs
+                 + h[:, None] * stride_kch + d[None, :] * stride_kcd)
+        v_dst = (v_cache_ptr + block * stride_vcb + offset * stride_vcs
+                 + h[:, None] * stride_vch + d[None, :] * stride_vcd)
+        # Through fp32: a plain copy when dtypes match, a rounding cast when they do not.
+        tl.store(k_dst, k.to(tl.float32).to(k_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(v_dst, v.to(tl.float32).to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _attend_tile(
+    q, m_i, l_i, acc,
+    k_cache_ptr, v_cache_ptr, table_row_ptr, stride_bt_n, kv_head,
+    tile_start, key_end, q_pos, qk_scale,
+    stride_kb, stride_kt, stride_kh, stride_kd,
+    stride_vb, stride_vt, stride_vh, stride_vd,
+    head_dim,
+    CAUSAL: tl.constexpr, NATIVE_DOT: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+):
+    """One online-softmax step: fold keys ``[tile_start, tile_start + BLOCK_N) ∩ [0, key_end)``
+    into the running max ``m_i``, denominator ``l_i`` and output ``acc`` of every query row.
+    With ``CAUSAL``, row ``r`` only sees keys at positions ``<= q_pos[r]``."""
+    pos = tile_start + tl.arange(0, BLOCK_N)
+    key_valid = pos < key_end
+    # Gather: each key's block id from the block table, then its row inside the block.
+    block = tl.load(table_row_ptr + (pos // BLOCK_SIZE) * stride_bt_n, mask=key_valid, other=0)
+    block = block.to(tl.int64)  # block * block stride overflows int32 on large caches
+    row = pos % BLOCK_SIZE
+    d = tl.arange(0, BLOCK_D)
+    kv_mask = key_valid[:, None] & (d[None, :] < head_dim)
+    k = tl.load(k_cache_ptr + block[:, None] * stride_kb + row[:, None] * stride_kt
+                + kv_head * stride_kh + d[None, :] * stride_kd, mask=kv_mask, other=0.0)
+    v = tl.load(v_cache_ptr + block[:, None] * stride_vb + row[:, None] * stride_vt
+                + kv_head * stride_vh + d[None, :] * stride_vd, mask=kv_mask, other=0.0)
+    if NATIVE_DOT:
+        s = tl.dot(q, tl.trans(k))
+    else:
+        s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+    s = s * qk_scale
+    if CAUSAL:
+        visible = key_valid[None, :] & (pos[None, :] <= q_pos[:, None])
+    else:
+        visible = key_valid[None, :]
+    s = tl.where(visible, s, float("-inf"))
+    # Callers guarantee every row sees at least one key of the first tile it folds in, so
+    # m_new is finite and exp2(-inf - m_new) = 0 handles both masked keys and the first step.
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if NATIVE_DOT:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
+    out_ptr, part_out_ptr, part_lse_ptr,
+    qk_scale,
+    stride_qb, stride_qh, stride_qd,
+    stride_kb, stride_kt, stride_kh, stride_kd,
+    stride_vb, stride_vt, stride_vh, stride_vd,
+    stride_bt_b, stride_bt_n,
+    stride_ob, stride_oh, stride_od,
+    num_heads, head_dim,
+    num_splits,
+    GROUP: tl.constexpr, SPLIT: tl.constexpr, NATIVE_DOT: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
+    # num_splits is a runtime int (one compiled kernel serves every split count); SPLIT says
+    # whether it is above 1, i.e. whether to write partials for the reduce kernel.
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    # This split's share of the sequence, in whole tiles, sized from the actual length.
+    chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    start = split * chunk
+    end = tl.minimum(start + chunk, seq_len)
+
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    head = kv_head * GROUP + g
+    q_mask = (g[:, None] < GROUP) & (d[None, :] < head_dim)
+    q = tl.load(q_ptr + seq * stride_qb + head[:, None] * stride_qh + d[None, :] * stride_qd,
+                mask=q_mask, other=0.0)
+    if not NATIVE_DOT:
+        q = q.to(tl.float32)
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    table_row_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt_b
+    for tile_start in range(start, end, BLOCK_N):
+        m_i, l_i, acc = _attend_tile(
+            q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row_ptr, stride_bt_n, kv_head,
+            tile_start, end, g, qk_scale,
+            stride_kb, stride_kt, stride_kh, stride_kd, stride_vb, stride_vt, stride_vh, stride_vd,
+            head_dim, False, NATIVE_DOT, BLOCK_N, BLOCK_D, BLOCK_SIZE,
+        )
+
+    # An empty range (seq_len 0, or a split past the end) leaves l_i = 0: output zeros.
+    empty = l_i == 0.0
+    o = acc / tl.where(empty, 1.0, l_i)[:, None]
+    if not SPLIT:
+        tl.store(out_ptr + seq * stride_ob + head[:, None] * stride_oh + d[None, :] * stride_od,
+                 o.to(out_ptr.dtype.element_ty), mask=q_mask)
+    else:
+        # Partials are [B, num_heads, num_splits, BLOCK_D] fp32 and their log2-sum-exp2.
+        # Empty splits store zeros and -inf so the reduction weighs them 0 without NaNs.
+        row = (seq * num_heads + head) * num_splits + split
+        tl.store(part_out_ptr + row[:, None] * BLOCK_D + d[None, :], o, mask=q_mask)
+        lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
+        tl.store(part_lse_ptr + row, lse, mask=g < GROUP)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    part_out_ptr, part_lse_ptr, out_ptr,
+    stride_ob, stride_oh, stride_od,
+    num_heads, head_dim, num_splits,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Merge one (sequence, head)'s split partials: softmax-weighted by their log-sum-exp."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    row = (seq * num_heads + head) * num_splits + s
+    lse = tl.load(part_lse_ptr + row, mask=s < num_splits, other=float("-inf"))
+    m = tl.max(lse, axis=0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # every split empty: all weights 0
+    w = tl.exp2(lse - m)
+    live = lse > float("-inf")
+    o = tl.load(part_out_ptr + row[:, None] * BLOCK_D + d[None, :], mask=live[:, None], other=0.0)
+    total = tl.sum(w, axis=0)
+    o = tl.sum(o * w[:, None], axis=0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(out_ptr + seq * stride_ob + head * stride_oh + d * stride_od,
+             o.to(out_ptr.dtype.element_ty), mask=d < head_dim)
+
+
+@triton.jit
+def _find_seq(query_start_loc_ptr, tile, num_seqs, BLOCK_Q: tl.constexpr):
+    """The last sequence ``i`` whose first query tile, ``query_start_loc[i] // BLOCK_Q + i``,
+    is at or before ``tile`` (binary search over the monotone tile starts)."""
+    lo = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        first_tile = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+        if first_tile <= tile:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, out_ptr,
+    qk_scale, num_seqs,
+    stride_qt, stride_qh, stride_qd,
+    stride_kb, stride_kt, stride_kh, stride_kd,
+    stride_vb, stride_vt, stride_vh, stride_vd,
+    stride_bt_b, stride_bt_n,
+    stride_ot, stride_oh, stride_od,
+    head_dim,
+    GROUP: tl.constexpr, NATIVE_DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq = _find_seq(query_start_loc_ptr, tile, num_seqs, BLOCK_Q)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    first = (tile - (q_start // BLOCK_Q + seq)) * BLOCK_Q  # first query of this tile, in-sequence
+    if first < q_len:
+        seq_len = tl.load(seq_lens_ptr + seq)
+        prefix = seq_len - q_len  # keys already cached before this chunk
+
+        # Row r of the tile is query token first + r // GROUP, head r % GROUP of this KV head.
+        r = tl.arange(0, BLOCK_M)
+        token = first + r // GROUP
+        head = kv_head * GROUP + r % GROUP
+        row_valid = (r < BLOCK_Q * GROUP) & (token < q_len)
+        d = tl.arange(0, BLOCK_D)
+        qo_mask = row_valid[:, None] & (d[None, :] < head_dim)
+        t64 = (q_start + token).to(tl.int64)
+        q = tl.load(q_ptr + t64[:, None] * stride_qt + head[:, None] * stride_qh
+                    + d[None, :] * stride_qd, mask=qo_mask, other=0.0)
+        if not NATIVE_DOT:
+            q = q.to(tl.float32)
+        q_pos = prefix + token
+
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        table_row_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt_b
+        # Keys [0, prefix + first] are visible to every row: no causal mask needed there.
+        unmasked_end = (prefix + first + 1) // BLOCK_N * BLOCK_N
+        causal_end = prefix + tl.minimum(first + BLOCK_Q, q_len)  # past the tile's last query
+        for tile_start in range(0, unmasked_end, BLOCK_N):
+            m_i, l_i, acc = _attend_tile(
+                q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row_ptr, stride_bt_n, kv_head,
+                tile_start, causal_end, q_pos, qk_scale,
+                stride_kb, stride_kt, stride_kh, stride_kd, stride_vb, stride_vt, stride_vh,
+                stride_vd, head_dim, False, NATIVE_DOT, BLOCK_N, BLOCK_D, BLOCK_SIZE,
+            )
+        # Padding rows (past q_len) have q_pos beyond causal_end; key 0 keeps them finite.
+        for tile_start in range(unmasked_end, causal_end, BLOCK_N):
+            m_i, l_i, acc = _attend_tile(
+                q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row_ptr, stride_bt_n, kv_head,
+                tile_start, causal_end, q_pos, qk_scale,
+                stride_kb, stride_kt, stride_kh, stride_kd, stride_vb, stride_vt, stride_vh,
+                stride_vd, head_dim, True, NATIVE_DOT, BLOCK_N, BLOCK_D, BLOCK_SIZE,
+            )
+        o = acc / l_i[:, None]
+        tl.store(out_ptr + t64[:, None] * stride_ot + head[:, None] * stride_oh
+                 + d[None, :] * stride_od, o.to(out_ptr.dtype.element_ty), mask=qo_mask)
+
+
+# --------------------------------------------------------------------------- host side
+
+
+def _head_block(head_dim: int) -> int:
+    # tl.dot needs every tile dimension >= 16, and tl.arange a power of two.
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+def _native_dot(q: torch.Tensor, cache: torch.Tensor) -> bool:
+    """Feed the tensor cores 16-bit operands directly (CUDA only: the interpreter's bf16
+    arithmetic is wrong, and fp32 inputs keep IEEE fp32 products)."""
+    return q.is_cuda and q.dtype == cache.dtype and q.dtype in (torch.float16, torch.bfloat16)
+
+
+def _check_gqa(q: torch.Tensor, k_cache: torch.Tensor) -> int:
+    num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    if q.shape[2] != k_cache.shape[3]:
+        raise ValueError(f"head_dim mismatch: q {q.shape[2]} vs cache {k_cache.shape[3]}")
+    return num_heads // num_kv_heads
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def decode_num_splits(batch: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
+    """How many programs share one sequence's context, from host ints only.
+
+    Enough splits to give every SM ``_DECODE_PROGRAMS_PER_SM`` programs, but no split shorter
+    than ``_MIN_SPLIT_TOKENS`` keys of the longest possible context (``max_context``: the
+    block-table width in tokens): below that the reduction costs more than it saves."""
+    if device.type == "cuda":
+        sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    else:
+        sms = _CPU_SM_COUNT
+    programs = batch * num_kv_heads
+    wanted = triton.cdiv(_DECODE_PROGRAMS_PER_SM * sms, max(programs, 1))
+    most = max(1, max_context // _MIN_SPLIT_TOKENS)
+    return max(1, min(wanted, most, _MAX_SPLITS))
+
+
+def store_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write this step's K and V (``[T, kv_heads, head_dim]``) into their cache slots.
+    Slots ``< 0`` are padding and write nothing."""
+    num_tokens, num_kv_heads, head_dim = key.shape
+    if num_tokens == 0:
+        return
+    _store_kv_kernel[(num_tokens,)](
+        key, value, k_cache, v_cache, slot_mapping,
+        *key.stride(), *value.stride(), *k_cache.stride(), *v_cache.stride(),
+        num_kv_heads, head_dim,
+        BLOCK_SIZE=k_cache.shape[1],
+        BLOCK_H=triton.next_power_of_2(num_kv_heads),
+        BLOCK_D=triton.next_power_of_2(head_dim),
+    )
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One query per sequence (``q``: ``[B, num_heads, head_dim]``) over its paged context."""
+    max_context = block_tables.shape[1] * k_cache.shape[1]
+    num_splits = decode_num_splits(q.shape[0], k_cache.shape[2], max_context, q.device)
+    return paged_decode_attention_splits(
+        q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits=num_splits
+    )
+
+
+def paged_decode_attention_splits(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    *,
+    num_splits: int,
+) -> torch.Tensor:
+    """``paged_decode_attention`` with an explicit split count (tests and benchmarks)."""
+    batch, num_heads, head_dim = q.shape
+    group = _check_gqa(q, k_cache)
+    num_kv_heads = k_cache.shape[2]
+    out = torch.empty((batch, num_heads, head_dim), dtype=q.dtype, device=q.device)
+    if batch == 0:
+        return out
+    block_d = _head_block(head_dim)
+    if num_splits > 1:
+        part_out = torch.empty((batch, num_heads, num_splits, block_d), dtype=torch.float32,
+                               device=q.device)
+        part_lse = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
+    else:  # unused by the kernel without SPLIT
+        part_out = part_lse = out
+    _decode_kernel[(batch, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse,
+        scale * _LOG2E,
+        *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(), *out.stride(),
+        num_heads, head_dim, num_splits,
+        GROUP=group, SPLIT=num_splits > 1, NATIVE_DOT=_native_dot(q, k_cache),
+        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=_DECODE_BLOCK_N,
+        BLOCK_D=block_d, BLOCK_SIZE=k_cache.shape[1],
+        num_warps=4,
+    )
+    if num_splits > 1:
+        _decode_reduce_kernel[(batch, num_heads)](
+            part_out, part_lse, out, *out.stride(), num_heads, head_dim, num_splits,
+            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
+            num_warps=1 if block_d <= 64 else 2,
+        )
+    return out
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Causal varlen attention of each sequence's new queries over its whole paged context
+    (the cached prefix and this chunk). Covers prefill and chunked prefill."""
+    num_tokens, num_heads, head_dim = q.shape
+    group = _check_gqa(q, k_cache)
+    num_seqs = query_start_loc.shape[0] - 1
+    out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
+    if num_tokens == 0 or num_seqs <= 0:
+        return out
+    block_d = _head_block(head_dim)
+    block_m = max(_PREFILL_BLOCK_M, triton.next_power_of_2(group))
+    block_q = block_m // group  # query tokens per tile
+    _prefill_kernel[(num_tokens // block_q + num_seqs, k_cache.shape[2])](
+        q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out,
+        scale * _LOG2E, num_seqs,
+        *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(), *out.stride(),
+        head_dim,
+        GROUP=group, NATIVE_DOT=_native_dot(q, k_cache),
+        BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=_PREFILL_BLOCK_N, BLOCK_D=block_d,
+        BLOCK_SIZE=k_cache.shape[1],
+        num_warps=4 if block_d <= 64 else 8,
+    )
+    return out

@@ -1,0 +1,168 @@
+"""Triton paged attention against the torch reference.
+
+On a machine without CUDA the kernels run in the Triton interpreter (tests/conftest.py sets
+TRITON_INTERPRET=1), so shapes stay small; with CUDA the same tests run the real kernels.
+Every problem uses the engine's block-major cache (strided per-layer views), shuffled block
+tables padded with valid ids, and queries that are a strided view of a fused QKV buffer.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from kernels.attention import reference as ref  # noqa: E402
+from kernels.attention import triton_attention as tri  # noqa: E402
+from kernels.attention.problems import PagedProblem, make_decode_problem, make_problem  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+# (num_heads, num_kv_heads, head_dim, block_size): SmolLM2's 9/3 GQA, MQA, plain MHA, and a
+# head_dim that is not a power of two.
+SHAPES = [(9, 3, 64, 16), (4, 1, 32, 8), (8, 8, 32, 16), (6, 2, 80, 16)]
+SHAPE_IDS = ["gqa9-3-d64-bs16", "mqa4-1-d32-bs8", "mha8-8-d32-bs16", "gqa6-2-d80-bs16"]
+# The kernels compute in fp32 and round once on store; the bf16 reference rounds inside SDPA.
+TOLERANCE = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+
+
+def _problem(query_lens, context_lens, shape, dtype, seed=0) -> PagedProblem:
+    num_heads, num_kv_heads, head_dim, block_size = shape
+    return make_problem(
+        query_lens, context_lens, num_heads=num_heads, num_kv_heads=num_kv_heads,
+        head_dim=head_dim, block_size=block_size, dtype=dtype, device=DEVICE, seed=seed,
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
+def test_decode_matches_reference(shape, dtype):
+    bs = shape[3]
+    # One token, exactly one block, one past a block boundary, and several key tiles.
+    p = _problem([1] * 5, [1, bs, bs + 1, 3 * bs - 1, 150], shape, dtype)
+    expected = ref.paged_decode_attention(*p.decode_args())
+    got = tri.paged_decode_attention(*p.decode_args())
+    assert got.shape == expected.shape and got.dtype == dtype
+    torch.testing.assert_close(got, expected, **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("num_splits", [2, 5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_decode_split_k_matches_reference(num_splits, dtype):
+    # A 1-token sequence leaves all but its first split empty; 300 tokens fill several.
+    p = _problem([1] * 3, [1, 70, 300], SHAPES[0], dtype)
+    expected = ref.paged_decode_attention(*p.decode_args())
+    got = tri.paged_decode_attention_splits(*p.decode_args(), num_splits=num_splits)
+    torch.testing.assert_close(got, expected, **TOLERANCE[dtype])
+
+
+def test_decode_picks_split_k_for_one_long_sequence():
+    p = _problem([1], [700], SHAPES[0], torch.float32)
+    width_tokens = p.block_tables.shape[1] * p.block_size
+    assert tri.decode_num_splits(1, 3, width_tokens, p.q.device) > 1
+    assert tri.decode_num_splits(1, 3, 64, p.q.device) == 1  # too short to be worth splitting
+    torch.testing.assert_close(
+        tri.paged_decode_attention(*p.decode_args()),
+        ref.paged_decode_attention(*p.decode_args()),
+        **TOLERANCE[torch.float32],
+    )
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_empty_sequence_gives_zeros_like_reference(num_splits):
+    # CUDA-graph padding rows have seq_len 0: they must come out finite (zeros), not NaN.
+    p = _problem([1] * 3, [40, 5, 90], SHAPES[0], torch.float32)
+    p.seq_lens[1] = 0
+    expected = ref.paged_decode_attention(*p.decode_args())
+    got = tri.paged_decode_attention_splits(*p.decode_args(), num_splits=num_splits)
+    assert torch.all(got[1] == 0)
+    torch.testing.assert_close(got, expected, **TOLERANCE[torch.float32])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
+def test_prefill_matches_reference(shape, dtype):
+    # Whole prompt; zero-length entry with a cached prefix; a chunk spanning two query tiles
+    # after a longer prefix; a one-token chunk; a zero-length entry with no context at all.
+    query_lens = [7, 0, 50, 1, 0, 33]
+    context_lens = [7, 5, 140, 34, 0, 45]
+    p = _problem(query_lens, context_lens, shape, dtype)
+    expected = ref.paged_prefill_attention(*p.prefill_args())
+    got = tri.paged_prefill_attention(*p.prefill_args())
+    assert got.shape == expected.shape and got.dtype == dtype
+    torch.testing.assert_close(got, expected, **TOLERANCE[dtype])
+
+
+def test_prefill_causal_edge_at_key_tile_boundaries():
+    # The kernel skips the causal mask for keys every row of a query tile sees; a tile whose
+    # first query sits at positions 60..65 (around the 64-key tile edge) checks that split,
+    # for the first query tile of a sequence and for a later one (GQA 9/3 packs 42 tokens per
+    # tile, so the second tile of a 100-query chunk after a 20-token prefix starts at 62).
+    query_lens = [3] * 6 + [100]
+    context_lens = [prefix + 3 for prefix in range(60, 66)] + [120]
+    p = _problem(query_lens, context_lens, SHAPES[0], torch.float32)
+    torch.testing.assert_close(
+        tri.paged_prefill_attention(*p.prefill_args()),
+        ref.paged_prefill_attention(*p.prefill_args()),
+        **TOLERANCE[torch.float32],
+    )
+
+
+def test_prefill_query_tiles_of_one_long_mha_sequence():
+    # Without GQA packing a query tile holds 128 tokens: 300 queries span three tiles.
+    p = _problem([300, 4], [310, 4], (2, 2, 32, 8), torch.float32)
+    torch.testing.assert_close(
+        tri.paged_prefill_attention(*p.prefill_args()),
+        ref.paged_prefill_attention(*p.prefill_args()),
+        **TOLERANCE[torch.float32],
+    )
+
+
+def test_prefill_of_single_tokens_equals_decode():
+    p = _problem([1] * 4, [3, 16, 17, 90], SHAPES[0], torch.float32)
+    torch.testing.assert_close(
+        tri.paged_prefill_attention(*p.prefill_args()),
+        tri.paged_decode_attention(*p.decode_args()),
+        **TOLERANCE[torch.float32],
+    )
+
+
+@pytest.mark.parametrize(
+    "key_dtype,cache_dtype",
+    [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+     (torch.float32, torch.bfloat16)],
+    ids=["fp32", "bf16", "fp32-into-bf16"],
+)
+def test_store_kv_writes_exactly_its_slots(key_dtype, cache_dtype):
+    num_heads, num_kv_heads, head_dim, block_size = SHAPES[0]
+    gen = torch.Generator().manual_seed(3)
+    p = make_decode_problem(
+        [40, 70], num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+        block_size=block_size, dtype=cache_dtype, device=DEVICE, seed=3,
+    )
+    num_slots = p.k_cache.shape[0] * block_size
+    slots = torch.randperm(num_slots, generator=gen)[:9]
+    slots[4] = -1  # padding: writes nothing
+    slots = slots.to(DEVICE)
+    # K and V as the model produces them: strided views of one fused QKV buffer.
+    qkv = torch.randn((9, (num_heads + 2 * num_kv_heads) * head_dim), generator=gen)
+    qkv = qkv.to(dtype=key_dtype, device=DEVICE)
+    kv = qkv[:, num_heads * head_dim :].view(9, 2, num_kv_heads, head_dim)
+    key, value = kv[:, 0], kv[:, 1]
+
+    expected = p.cache.clone()
+    ref.store_kv(key, value, expected[:, 1, 0], expected[:, 1, 1], slots)
+    before = p.cache.clone()
+    tri.store_kv(key, value, p.k_cache, p.v_cache, slots)
+    if key_dtype == cache_dtype or DEVICE == "cuda":
+        assert torch.equal(p.cache, expected)
+    else:  # the interpreter truncates fp32 -> bf16 where CUDA rounds to nearest even
+        torch.testing.assert_close(p.cache, expected, atol=0, rtol=2**-7)
+
+    # Exactly the 8 real slots changed, in layer 1 only, K and V both.
+    changed = (p.cache != before).flatten(4).any(-1)  # [blocks, layers, 2, block_size]
+    written = torch.zeros_like(changed)
+    real = slots[slots >= 0]
+    written[real // block_size, 1, :, real % block_size] = True
+    assert torch.equal(changed, written)
