@@ -24,6 +24,7 @@ import argparse
 import datetime
 import statistics
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -153,6 +154,37 @@ def check_ours(case: Case, swappers: dict[str, BlockSwapper]) -> None:
             raise AssertionError(f"{name}: swap-in wrote the wrong bytes")
 
 
+def host_us(fn: Callable[[], None], calls: int = 300) -> float:
+    """Host time per call of ``fn`` (enqueue cost), on a swap too small to keep the GPU busy."""
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / calls * 1e6
+
+
+def host_costs(cache: torch.Tensor, swappers: dict[str, BlockSwapper]) -> dict[str, float]:
+    """What sits in front of every swap on the host, for two scattered blocks."""
+    from kernels.swap import triton_swap
+    from kernels.swap.checks import as_block_ids
+
+    ids = [5, cache.shape[0] - 7]
+    ids_dev = torch.tensor(ids, device="cuda")
+    staging = torch.empty(len(ids), *cache.shape[1:], dtype=cache.dtype, device="cuda")
+    staged = swappers["staged"]
+    return {
+        "check ids (as_block_ids)": host_us(lambda: as_block_ids(ids, cache.shape[0], unique=True)),
+        "Triton launch (launch_gather)": host_us(lambda: triton_swap.launch_gather(cache, ids_dev, staging)),
+        "torch.index_select launch": host_us(lambda: torch.index_select(cache, 0, ids_dev, out=staging)),
+        "swap_out, staged": host_us(lambda: staged.swap_out(ids).release()),
+        "swap_out, one run": host_us(lambda: staged.swap_out([9, 10]).release()),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--num-blocks", type=int, default=4096)
@@ -190,6 +222,7 @@ def main() -> None:
                     print(f"{name} {direction} {n}: {type(exc).__name__}: {exc}", file=sys.stderr)
                     rows.setdefault(name, {})[f"{direction} {n}"] = float("nan")
                 print(f"{direction} n={n:4d} {name:52s} {rows[name][f'{direction} {n}']:7.2f} GB/s", flush=True)
+    overheads = host_costs(cache, swappers)
     for swapper in swappers.values():
         swapper.close()
 
@@ -208,6 +241,9 @@ def main() -> None:
     ]
     for name, values in rows.items():
         lines.append(f"| {name} | " + " | ".join(f"{values[c]:.1f}" for c in columns) + " |")
+    lines += ["", "Host time per call (µs), two scattered blocks, mean of 300 calls after 20 warm-up calls:", ""]
+    lines += ["| step | µs |", "|---|---:|"]
+    lines += [f"| {name} | {us:.1f} |" for name, us in overheads.items()]
     table = "\n".join(lines)
     print("\n" + table)
     if args.markdown:

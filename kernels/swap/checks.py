@@ -9,20 +9,18 @@ range, duplicate and run checks on device ids would synchronise the device.
 from __future__ import annotations
 
 import math
-import operator
 from collections.abc import Sequence
 from typing import Union
 
+import numpy as np
 import torch
 
 from kernels.swap.errors import BlockIdError, SwapAlignmentError, SwapShapeError
 
-BlockIds = Union[torch.Tensor, Sequence[int]]
+BlockIds = Union[torch.Tensor, np.ndarray, Sequence[int]]
 
 # The Triton kernel moves 16-byte vectors, so every block must start on a 16-byte boundary.
 TRITON_ALIGNMENT = 16
-
-_INTEGER_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 
 
 def block_nbytes(cache: torch.Tensor) -> int:
@@ -30,12 +28,14 @@ def block_nbytes(cache: torch.Tensor) -> int:
     return math.prod(cache.shape[1:]) * cache.element_size()
 
 
-def device_ids(ids: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Host ids on ``device``, without blocking the host: they go through pinned memory,
-    which the caching host allocator keeps alive until the copy has read it."""
+def device_ids(ids: np.ndarray, device: torch.device) -> torch.Tensor:
+    """Checked host ids as an int64 tensor on ``device``, without blocking the host: they
+    go through pinned memory, which the caching host allocator keeps alive until the copy
+    has read it."""
+    ids_cpu = torch.from_numpy(ids)
     if device.type != "cuda":
-        return ids
-    return ids.pin_memory().to(device, non_blocking=True)
+        return ids_cpu
+    return ids_cpu.pin_memory().to(device, non_blocking=True)
 
 
 def check_cache(cache: torch.Tensor) -> None:
@@ -59,11 +59,12 @@ def check_cache(cache: torch.Tensor) -> None:
         )
 
 
-def as_block_ids(block_ids: BlockIds, num_blocks: int, *, unique: bool) -> torch.Tensor:
-    """Block ids as a 1-D int64 CPU tensor, each in ``[0, num_blocks)``.
+def as_block_ids(block_ids: BlockIds, num_blocks: int, *, unique: bool) -> np.ndarray:
+    """Block ids as a 1-D int64 numpy array, each in ``[0, num_blocks)``.
 
-    ``unique`` is set for scatters: two sources written to one block would race in the
-    kernel and leave whichever landed last.
+    numpy, not torch: for a few hundred ids each torch op costs several microseconds of
+    host time, and that time sits in front of every swap. ``unique`` is set for scatters:
+    two sources written to one block would race in the kernel, the last one winning.
     """
     if isinstance(block_ids, torch.Tensor):
         if block_ids.device.type != "cpu":
@@ -71,32 +72,30 @@ def as_block_ids(block_ids: BlockIds, num_blocks: int, *, unique: bool) -> torch
                 f"block ids must be a CPU tensor, got one on {block_ids.device}: they are "
                 "checked and split into runs on the host, which would synchronise the device"
             )
-        if block_ids.dtype not in _INTEGER_DTYPES:
+        if block_ids.dtype.is_floating_point or block_ids.dtype.is_complex or block_ids.dtype == torch.bool:
             raise BlockIdError(f"block ids must be integers, got dtype {block_ids.dtype}")
-        if block_ids.dim() != 1:
-            raise BlockIdError(f"block ids must be 1-D, got shape {tuple(block_ids.shape)}")
-        ids = block_ids.to(torch.int64)
-    else:
-        try:
-            values = [operator.index(v) for v in block_ids]
-        except TypeError as exc:
-            raise BlockIdError(f"block ids must be a sequence of ints: {exc}") from None
-        ids = torch.tensor(values, dtype=torch.int64)
-    if ids.numel() == 0:
-        return ids
-    bad = ids[(ids < 0) | (ids >= num_blocks)]
-    if bad.numel():
+        block_ids = block_ids.numpy()
+    ids = np.asarray(block_ids)
+    if ids.ndim != 1:
+        raise BlockIdError(f"block ids must be 1-D, got shape {ids.shape}")
+    if ids.size == 0:
+        return np.empty(0, dtype=np.int64)
+    if ids.dtype.kind not in "iu":
+        raise BlockIdError(f"block ids must be integers, got {ids.dtype} ({ids[:4].tolist()}...)")
+    ids = ids.astype(np.int64, copy=False)
+    if ids.min() < 0 or ids.max() >= num_blocks:
+        bad = ids[(ids < 0) | (ids >= num_blocks)][0]
         raise BlockIdError(
-            f"block id {int(bad[0])} is out of range: the cache has {num_blocks} blocks "
+            f"block id {bad} is out of range: the cache has {num_blocks} blocks "
             f"(valid ids 0..{num_blocks - 1})"
         )
     if unique:
-        values, counts = torch.unique(ids, return_counts=True)
-        repeated = values[counts > 1]
-        if repeated.numel():
+        ordered = np.sort(ids)
+        repeated = ordered[1:][ordered[1:] == ordered[:-1]]
+        if repeated.size:
             raise BlockIdError(
-                f"block id {int(repeated[0])} appears {int(counts[counts > 1][0])} times: "
-                "a scatter must not write one block twice"
+                f"block id {repeated[0]} appears {int(np.count_nonzero(ids == repeated[0]))} "
+                "times: a scatter must not write one block twice"
             )
     return ids
 
@@ -148,17 +147,17 @@ def check_triton_operands(cache: torch.Tensor, *staging: torch.Tensor) -> None:
             )
 
 
-def check_gather(cache: torch.Tensor, block_ids: BlockIds, out: torch.Tensor) -> torch.Tensor:
-    """Checks for ``gather_blocks``; returns the ids as a CPU int64 tensor (repeats allowed)."""
+def check_gather(cache: torch.Tensor, block_ids: BlockIds, out: torch.Tensor) -> np.ndarray:
+    """Checks for ``gather_blocks``; returns the ids as int64 numpy (repeats allowed)."""
     check_cache(cache)
     ids = as_block_ids(block_ids, cache.shape[0], unique=False)
-    check_staging(cache, out, ids.numel(), "out")
+    check_staging(cache, out, ids.size, "out")
     return ids
 
 
-def check_scatter(src: torch.Tensor, block_ids: BlockIds, cache: torch.Tensor) -> torch.Tensor:
-    """Checks for ``scatter_blocks``; returns the ids as a CPU int64 tensor (no repeats)."""
+def check_scatter(src: torch.Tensor, block_ids: BlockIds, cache: torch.Tensor) -> np.ndarray:
+    """Checks for ``scatter_blocks``; returns the ids as int64 numpy (no repeats)."""
     check_cache(cache)
     ids = as_block_ids(block_ids, cache.shape[0], unique=True)
-    check_staging(cache, src, ids.numel(), "src")
+    check_staging(cache, src, ids.size, "src")
     return ids

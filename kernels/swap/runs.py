@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -22,30 +23,30 @@ class Run:
     length: int
 
 
-def count_runs(ids: torch.Tensor) -> int:
-    """Number of maximal runs of consecutive ids in a 1-D CPU int64 tensor (0 if empty)."""
-    if ids.numel() == 0:
+def count_runs(ids: np.ndarray) -> int:
+    """Number of maximal runs of consecutive ids in a 1-D int64 array (0 if empty)."""
+    if ids.size == 0:
         return 0
-    return 1 + int(torch.count_nonzero(ids[1:] != ids[:-1] + 1))
+    return 1 + int(np.count_nonzero(ids[1:] - ids[:-1] != 1))
 
 
-def block_runs(ids: torch.Tensor) -> list[Run]:
+def block_runs(ids: np.ndarray) -> list[Run]:
     """The maximal runs of consecutive ids, in order (``[3, 4, 5, 9, 10, 2]`` gives
     ``3..5``, ``9..10``, ``2``)."""
-    if ids.numel() == 0:
+    if ids.size == 0:
         return []
-    breaks = (torch.nonzero(ids[1:] != ids[:-1] + 1).flatten() + 1).tolist()
+    breaks = (np.flatnonzero(ids[1:] - ids[:-1] != 1) + 1).tolist()
     starts = [0, *breaks]
-    ends = [*breaks, ids.numel()]
+    ends = [*breaks, ids.size]
     first_ids = ids[starts].tolist()
     return [Run(start=b, offset=s, length=e - s) for b, s, e in zip(first_ids, starts, ends)]
 
 
-def single_run(ids: torch.Tensor) -> Run | None:
+def single_run(ids: np.ndarray) -> Run | None:
     """The one run covering all of ``ids``, or None when they are not consecutive."""
     if count_runs(ids) != 1:
         return None
-    return Run(start=int(ids[0]), offset=0, length=ids.numel())
+    return Run(start=int(ids[0]), offset=0, length=ids.size)
 
 
 def copy_run(cache: torch.Tensor, staging: torch.Tensor, run: Run, *, out: bool) -> None:
@@ -59,10 +60,10 @@ def copy_run(cache: torch.Tensor, staging: torch.Tensor, run: Run, *, out: bool)
         blocks.copy_(rows, non_blocking=True)
 
 
-def copy_if_one_run(cache: torch.Tensor, ids: torch.Tensor, staging: torch.Tensor, *, out: bool) -> bool:
+def copy_if_one_run(cache: torch.Tensor, ids: np.ndarray, staging: torch.Tensor, *, out: bool) -> bool:
     """The single-copy path: move ``ids`` with one copy if they are one run (or nothing if
     empty) and return True; return False, moving nothing, when they need a kernel."""
-    if ids.numel() == 0:
+    if ids.size == 0:
         return True
     run = single_run(ids)
     if run is None:

@@ -51,6 +51,7 @@ from collections import deque
 from types import TracebackType
 from typing import Literal
 
+import numpy as np
 import torch
 
 from kernels.swap import reference
@@ -71,6 +72,7 @@ class _Slot:
     def __init__(self, host: torch.Tensor, ids: torch.Tensor, event: torch.cuda.Event | None) -> None:
         self.host = host
         self.ids = ids
+        self.ids_np = ids.numpy()  # same memory: filling it costs no torch op
         self.event = event
 
     def wait(self) -> None:
@@ -264,7 +266,7 @@ class BlockSwapper:
                 self._shared_event.synchronize()
             for slot in self._slots:
                 # Handles still out keep their slot object; drop its memory all the same.
-                slot.host = slot.ids = None
+                slot.host = slot.ids = slot.ids_np = None
             self._slots = []
             self._free.clear()
             self._staging = None
@@ -297,7 +299,7 @@ class BlockSwapper:
         Returns once the copy is enqueued; ``buf.host`` waits for it to land.
         """
         ids = as_block_ids(block_ids, self._cache.shape[0], unique=False)
-        buf = self.acquire(ids.numel())
+        buf = self.acquire(ids.size)
         try:
             with self._lock:
                 self._check_open()
@@ -317,8 +319,8 @@ class BlockSwapper:
             raise StagingStateError("this staging buffer belongs to another swapper")
         with self._lock:
             slot = buf._live_slot()
-            if ids.numel() != buf.n:
-                raise SwapShapeError(f"{ids.numel()} block ids for a staging buffer of {buf.n} blocks")
+            if ids.size != buf.n:
+                raise SwapShapeError(f"{ids.size} block ids for a staging buffer of {buf.n} blocks")
             self._swap(ids, slot, out=False)
 
     # -- internals --------------------------------------------------------------------
@@ -338,36 +340,36 @@ class BlockSwapper:
     def _stream(self) -> torch.cuda.Stream | None:
         return torch.cuda.current_stream(self._cache.device) if self._on_cuda else None
 
-    def _direct_runs(self, ids: torch.Tensor) -> list[Run] | None:
+    def _direct_runs(self, ids: np.ndarray) -> list[Run] | None:
         if count_runs(ids) > self._max_direct_runs:
             return None
         return block_runs(ids)
 
-    def _device_ids_for(self, ids: torch.Tensor, slot: _Slot) -> torch.Tensor:
+    def _device_ids_for(self, ids: np.ndarray, slot: _Slot) -> torch.Tensor:
         """The ids where the kernel reads them, through the slot's pinned list (no allocation)."""
         if self._device_ids is None:
-            return ids
-        n = ids.numel()
+            return torch.from_numpy(ids)
+        n = ids.size
         slot.wait()  # the slot's id list may still be read by its previous swap
-        slot.ids[:n].copy_(ids)
+        slot.ids_np[:n] = ids
         self._device_ids[:n].copy_(slot.ids[:n], non_blocking=True)
         return self._device_ids[:n]
 
-    def _kernel_gather(self, ids: torch.Tensor, slot: _Slot, out: torch.Tensor) -> None:
+    def _kernel_gather(self, ids: np.ndarray, slot: _Slot, out: torch.Tensor) -> None:
         if self._backend == "triton":
             self._triton.launch_gather(self._cache, self._device_ids_for(ids, slot), out)
         else:
             reference.gather_blocks(self._cache, ids, out)
 
-    def _kernel_scatter(self, ids: torch.Tensor, slot: _Slot, src: torch.Tensor) -> None:
+    def _kernel_scatter(self, ids: np.ndarray, slot: _Slot, src: torch.Tensor) -> None:
         if self._backend == "triton":
             self._triton.launch_scatter(src, self._device_ids_for(ids, slot), self._cache)
         else:
             reference.scatter_blocks(src, ids, self._cache)
 
-    def _swap(self, ids: torch.Tensor, slot: _Slot, *, out: bool) -> None:
+    def _swap(self, ids: np.ndarray, slot: _Slot, *, out: bool) -> None:
         """Enqueue one swap: device→host when ``out``, host→device otherwise."""
-        n = ids.numel()
+        n = ids.size
         if n == 0:
             return
         stream = self._stream()
@@ -390,16 +392,16 @@ class BlockSwapper:
         if stream is not None:
             slot.event.record(stream)
 
-    def _gather_scattered(self, ids: torch.Tensor, slot: _Slot) -> None:
-        n = ids.numel()
+    def _gather_scattered(self, ids: np.ndarray, slot: _Slot) -> None:
+        n = ids.size
         if self._staging is None:
             self._kernel_gather(ids, slot, slot.host[:n])
             return
         self._kernel_gather(ids, slot, self._staging[:n])
         slot.host[:n].copy_(self._staging[:n], non_blocking=True)
 
-    def _scatter_scattered(self, ids: torch.Tensor, slot: _Slot) -> None:
-        n = ids.numel()
+    def _scatter_scattered(self, ids: np.ndarray, slot: _Slot) -> None:
+        n = ids.size
         if self._staging is None:
             self._kernel_scatter(ids, slot, slot.host[:n])
             return

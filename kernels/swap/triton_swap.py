@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import os
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -85,9 +86,9 @@ def _launch(src: torch.Tensor, dst: torch.Tensor, ids_on_device: torch.Tensor, c
     chunks = triton.cdiv(block_vecs * _VEC_WORDS, CHUNK_WORDS)
     if chunks > _MAX_CHUNKS:
         raise SwapShapeError(f"a block of {block_nbytes(cache)} bytes is too large for the swap kernel's grid")
-    # Triton launches on the current device; make it the cache's.
-    device = torch.cuda.device(cache.device) if cache.is_cuda else contextlib.nullcontext()
-    with device:
+    # Triton launches on the current device; make it the cache's (switching costs host time).
+    switch = cache.is_cuda and cache.device.index != torch.cuda.current_device()
+    with torch.cuda.device(cache.device) if switch else contextlib.nullcontext():
         _copy_blocks_kernel[(n, chunks)](
             _words(src), _words(dst), ids_on_device, block_vecs, GATHER=gather, CHUNK=CHUNK_WORDS
         )
@@ -117,7 +118,7 @@ def scatter_blocks(src: torch.Tensor, block_ids: BlockIds, cache: torch.Tensor) 
     _swap(cache, check_scatter(src, block_ids, cache), src, out=False)
 
 
-def _swap(cache: torch.Tensor, ids: torch.Tensor, staging: torch.Tensor, *, out: bool) -> None:
+def _swap(cache: torch.Tensor, ids: np.ndarray, staging: torch.Tensor, *, out: bool) -> None:
     check_triton_operands(cache, staging)
     check_device(cache)
     if copy_if_one_run(cache, ids, staging, out=out):

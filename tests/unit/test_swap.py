@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import threading
 
+import numpy as np
 import pytest
 import torch
 
@@ -163,7 +164,9 @@ BAD_CALLS = {
     "id_negative": (lambda c, o: (c, [-1], o[:1]), BlockIdError, "out of range"),
     "ids_2d": (lambda c, o: (c, torch.tensor([[1, 2]]), o[:2]), BlockIdError, "1-D"),
     "ids_float_tensor": (lambda c, o: (c, torch.tensor([1.0]), o[:1]), BlockIdError, "integers"),
-    "ids_float_list": (lambda c, o: (c, [1.5], o[:1]), BlockIdError, "ints"),
+    "ids_float_list": (lambda c, o: (c, [1.5], o[:1]), BlockIdError, "integers"),
+    "ids_bool_tensor": (lambda c, o: (c, torch.tensor([True]), o[:1]), BlockIdError, "integers"),
+    "ids_bf16_tensor": (lambda c, o: (c, torch.tensor([1], dtype=torch.bfloat16), o[:1]), BlockIdError, "integers"),
 }
 
 
@@ -231,12 +234,12 @@ def test_triton_refuses_cpu_cache_without_interpreter(monkeypatch):
 
 
 def test_block_runs():
-    ids = torch.tensor([3, 4, 5, 9, 10, 2])
+    ids = np.array([3, 4, 5, 9, 10, 2])
     assert count_runs(ids) == 3
     assert block_runs(ids) == [Run(3, 0, 3), Run(9, 3, 2), Run(2, 5, 1)]
-    assert single_run(torch.tensor([7, 8, 9])) == Run(7, 0, 3)
-    assert single_run(torch.tensor([9, 8])) is None
-    assert count_runs(torch.empty(0, dtype=torch.int64)) == 0 and block_runs(torch.tensor([4])) == [Run(4, 0, 1)]
+    assert single_run(np.array([7, 8, 9])) == Run(7, 0, 3)
+    assert single_run(np.array([9, 8])) is None
+    assert count_runs(np.empty(0, dtype=np.int64)) == 0 and block_runs(np.array([4])) == [Run(4, 0, 1)]
 
 
 # -- the staging pool ----------------------------------------------------------------
