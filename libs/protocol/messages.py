@@ -1,0 +1,330 @@
+"""The messages services exchange (DESIGN.md, "One request, storage-pool mode").
+
+Router -> prefill: :class:`PrefillRequest`, answered by :class:`PrefillResult`.
+Router -> decode: :class:`DecodeRequest`, answered by a stream of :class:`TokenEvent`.
+Router -> prefill/decode: :class:`AbortRequest`.
+Prefill/decode -> router: :class:`RegisterInstance` once, then :class:`Heartbeat`.
+Anyone: :class:`ErrorMessage` where a msgpack peer needs an error it can decode.
+
+Every class documents each field; ``validate`` holds the value rules a receiver relies on.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from libs.protocol.message import Message, check
+
+MAX_LOGPROBS = 20
+
+Role = Literal["prefill", "decode"]
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+def _check_token_ids(ids: list[int], name: str, *, non_empty: bool = False) -> None:
+    check(not non_empty or len(ids) > 0, name, "must not be empty")
+    check(not ids or min(ids) >= 0, name, "token ids must be >= 0")
+
+
+@dataclass(kw_only=True)
+class SamplingSpec(Message, version=1):
+    """How to sample tokens; the OpenAI sampling parameters in engine terms.
+
+    Attributes:
+        temperature: softmax temperature, >= 0; 0 means greedy.
+        top_p: nucleus sampling mass, in (0, 1]; 1 is off.
+        top_k: keep the k most likely tokens; -1 is off, otherwise >= 1.
+        min_p: drop tokens below ``min_p`` times the top probability, in [0, 1]; 0 is off.
+        presence_penalty: OpenAI presence penalty, in [-2, 2].
+        frequency_penalty: OpenAI frequency penalty, in [-2, 2].
+        repetition_penalty: multiplicative penalty on seen tokens, > 0; 1 is off.
+        seed: per-request RNG seed for reproducible sampling; None draws from the engine.
+        max_tokens: most tokens to generate, >= 1 (counting the first token).
+        stop_token_ids: token ids that end generation (besides EOS), each >= 0.
+        ignore_eos: keep generating past EOS (benchmarks).
+        logprobs: number of top alternatives to return per token, 0..20; None returns none
+            (0 returns only the sampled token's logprob).
+        n: number of completions sampled from one prompt, >= 1.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    max_tokens: int
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    n: int = 1
+
+    def validate(self) -> None:
+        check(self.temperature >= 0 and math.isfinite(self.temperature), "temperature", "must be finite and >= 0")
+        check(0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
+        check(self.top_k == -1 or self.top_k >= 1, "top_k", "must be -1 (off) or >= 1")
+        check(0 <= self.min_p <= 1, "min_p", "must be in [0, 1]")
+        check(-2 <= self.presence_penalty <= 2, "presence_penalty", "must be in [-2, 2]")
+        check(-2 <= self.frequency_penalty <= 2, "frequency_penalty", "must be in [-2, 2]")
+        check(
+            self.repetition_penalty > 0 and math.isfinite(self.repetition_penalty),
+            "repetition_penalty",
+            "must be finite and > 0",
+        )
+        check(self.max_tokens >= 1, "max_tokens", "must be >= 1")
+        _check_token_ids(self.stop_token_ids, "stop_token_ids")
+        check(self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs", f"must be in 0..{MAX_LOGPROBS}")
+        check(self.n >= 1, "n", "must be >= 1")
+
+
+@dataclass(kw_only=True)
+class TokenLogprobs(Message, version=1):
+    """The log-probability of one sampled token and of its top alternatives.
+
+    Attributes:
+        token_id: the sampled token.
+        logprob: its log-probability (may be ``-inf``).
+        top_ids: the most likely tokens, most likely first (``SamplingSpec.logprobs`` of them).
+        top_logprobs: their log-probabilities, same length as ``top_ids``.
+    """
+
+    token_id: int
+    logprob: float
+    top_ids: list[int] = field(default_factory=list)
+    top_logprobs: list[float] = field(default_factory=list)
+
+    def validate(self) -> None:
+        check(self.token_id >= 0, "token_id", "must be >= 0")
+        check(len(self.top_logprobs) == len(self.top_ids), "top_logprobs", "must have one entry per top_ids entry")
+        check(len(self.top_ids) <= MAX_LOGPROBS, "top_ids", f"at most {MAX_LOGPROBS} alternatives")
+        _check_token_ids(self.top_ids, "top_ids")
+
+
+@dataclass(kw_only=True)
+class PrefillRequest(Message, version=1):
+    """Router -> prefill: compute a prompt's KV, write its blocks to the pool, sample token 1.
+
+    Attributes:
+        request_id: the router's id for the request, unique while it runs.
+        prompt_token_ids: the tokenized prompt, non-empty.
+        sampling: how to sample the first token(s); ``n`` first tokens are sampled.
+        lease_ttl_s: seconds the handoff lease pins the written blocks for decode, > 0.
+        want_trace: return the handoff trace (timings and decisions) with the result.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingSpec
+    lease_ttl_s: float = 30.0
+    want_trace: bool = False
+
+    def validate(self) -> None:
+        check(len(self.request_id) > 0, "request_id", "must not be empty")
+        _check_token_ids(self.prompt_token_ids, "prompt_token_ids", non_empty=True)
+        check(self.lease_ttl_s > 0 and math.isfinite(self.lease_ttl_s), "lease_ttl_s", "must be finite and > 0")
+
+
+@dataclass(kw_only=True)
+class PrefillResult(Message, version=1):
+    """Prefill -> router: the first token(s) and where the prompt's KV blocks are.
+
+    Sent once every block write has been acknowledged (or has failed).
+
+    Attributes:
+        request_id: as in the request.
+        first_token_ids: the first sampled token of each of the ``n`` completions.
+        first_logprobs: their logprobs, one per first token, when the request asked for them.
+        block_keys: the pool keys of the prompt's blocks in order (the last may be partial).
+        lease_id: the handoff lease pinning the blocks, for decode to release; None when
+            nothing was written under a lease.
+        num_prompt_tokens: tokens in the prompt.
+        num_cached_tokens: prompt tokens found already computed (local prefix cache + pool).
+        num_computed_tokens: prompt tokens computed by this prefill.
+        bytes_written: KV bytes written to the pool.
+        blocks_written: blocks written to the pool.
+        blocks_failed: blocks whose write failed (e.g. no room); decode recomputes them.
+        timings: named durations in seconds (``queue_s``, ``compute_s``, ``write_s``, ...).
+        trace: the handoff trace, when ``want_trace`` was set.
+    """
+
+    request_id: str
+    first_token_ids: list[int]
+    first_logprobs: list[TokenLogprobs] | None = None
+    block_keys: list[str] = field(default_factory=list)
+    lease_id: str | None = None
+    num_prompt_tokens: int
+    num_cached_tokens: int = 0
+    num_computed_tokens: int = 0
+    bytes_written: int = 0
+    blocks_written: int = 0
+    blocks_failed: int = 0
+    timings: dict[str, float] = field(default_factory=dict)
+    trace: dict[str, Any] | None = None
+
+    def validate(self) -> None:
+        _check_token_ids(self.first_token_ids, "first_token_ids", non_empty=True)
+        check(
+            self.first_logprobs is None or len(self.first_logprobs) == len(self.first_token_ids),
+            "first_logprobs",
+            "must have one entry per first token",
+        )
+        for name in (
+            "num_prompt_tokens",
+            "num_cached_tokens",
+            "num_computed_tokens",
+            "bytes_written",
+            "blocks_written",
+            "blocks_failed",
+        ):
+            check(getattr(self, name) >= 0, name, "must be >= 0")
+
+
+@dataclass(kw_only=True)
+class DecodeRequest(Message, version=1):
+    """Router -> decode: load the prompt's blocks (or compute them) and stream the completion.
+
+    Attributes:
+        request_id: the router's id for the request.
+        prompt_token_ids: the tokenized prompt, non-empty.
+        first_token_id: the first token sampled by prefill; None means decode does the
+            prefill itself (no prefill answered, or the router skipped it).
+        first_logprobs: logprobs of the first token, when prefill computed them.
+        sampling: how to sample; ``n`` must be 1 (the router fans out n > 1).
+        block_keys: pool keys of the prompt's blocks, from :class:`PrefillResult`.
+        lease_id: the handoff lease to release once the blocks are loaded.
+        want_trace: send the handoff trace on the final :class:`TokenEvent`.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    first_token_id: int | None = None
+    first_logprobs: TokenLogprobs | None = None
+    sampling: SamplingSpec
+    block_keys: list[str] = field(default_factory=list)
+    lease_id: str | None = None
+    want_trace: bool = False
+
+    def validate(self) -> None:
+        check(len(self.request_id) > 0, "request_id", "must not be empty")
+        _check_token_ids(self.prompt_token_ids, "prompt_token_ids", non_empty=True)
+        check(self.first_token_id is None or self.first_token_id >= 0, "first_token_id", "must be >= 0")
+        check(self.sampling.n == 1, "sampling.n", "must be 1 for decode")
+        check(
+            self.first_logprobs is None or self.first_token_id is not None,
+            "first_logprobs",
+            "given without first_token_id",
+        )
+
+
+@dataclass(kw_only=True)
+class TokenEvent(Message, version=1):
+    """Decode -> router, streamed: newly generated tokens of one request.
+
+    Attributes:
+        request_id: the request the tokens belong to.
+        token_ids: tokens generated since the previous event (may be empty on the final one).
+        logprobs: one entry per token in ``token_ids``, when logprobs were requested.
+        finish_reason: None while generating; on the final event ``stop`` (EOS or a stop
+            token), ``length`` (max_tokens or context), ``abort`` or ``error``.
+        num_cached_tokens: prompt tokens decode loaded instead of computing.
+        error: what went wrong, on a final event with ``finish_reason="error"``.
+        trace: the handoff trace, on the final event when ``want_trace`` was set.
+    """
+
+    request_id: str
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] | None = None
+    finish_reason: FinishReason | None = None
+    num_cached_tokens: int = 0
+    error: str | None = None
+    trace: dict[str, Any] | None = None
+
+    def validate(self) -> None:
+        _check_token_ids(self.token_ids, "token_ids")
+        check(
+            self.logprobs is None or len(self.logprobs) == len(self.token_ids),
+            "logprobs",
+            "must have one entry per token",
+        )
+        check(self.num_cached_tokens >= 0, "num_cached_tokens", "must be >= 0")
+
+
+@dataclass(kw_only=True)
+class AbortRequest(Message, version=1):
+    """Router -> prefill/decode: stop working on a request and free its blocks.
+
+    Attributes:
+        request_id: the request to abort; unknown ids are ignored (it may have just finished).
+    """
+
+    request_id: str
+
+
+@dataclass(kw_only=True)
+class RegisterInstance(Message, version=1):
+    """Prefill/decode -> router on start-up: an instance announces itself.
+
+    Attributes:
+        instance_id: unique id of the instance (stable across its heartbeats).
+        role: ``prefill`` or ``decode``.
+        url: base URL the router reaches it at.
+        model: the served model's name.
+        namespace: the block-key namespace (hex); instances share blocks only within one.
+        max_model_len: longest prompt + completion the instance accepts, >= 1.
+    """
+
+    instance_id: str
+    role: Role
+    url: str
+    model: str
+    namespace: str
+    max_model_len: int
+
+    def validate(self) -> None:
+        check(len(self.instance_id) > 0, "instance_id", "must not be empty")
+        check(self.max_model_len >= 1, "max_model_len", "must be >= 1")
+
+
+@dataclass(kw_only=True)
+class Heartbeat(Message, version=1):
+    """Prefill/decode -> router, periodically: load, so the router can balance.
+
+    Attributes:
+        instance_id: as registered.
+        role: as registered.
+        running: requests in the running batch.
+        waiting: requests admitted but waiting for the batch.
+        free_blocks: free KV cache blocks.
+        total_blocks: all KV cache blocks.
+        queue_depth: requests queued in front of the scheduler (HTTP side).
+    """
+
+    instance_id: str
+    role: Role
+    running: int
+    waiting: int
+    free_blocks: int
+    total_blocks: int
+    queue_depth: int = 0
+
+    def validate(self) -> None:
+        for name in ("running", "waiting", "free_blocks", "total_blocks", "queue_depth"):
+            check(getattr(self, name) >= 0, name, "must be >= 0")
+        check(self.free_blocks <= self.total_blocks, "free_blocks", "must be <= total_blocks")
+
+
+@dataclass(kw_only=True)
+class ErrorMessage(Message, version=1):
+    """An error for a msgpack-speaking peer (HTTP endpoints answer JSON errors instead).
+
+    Attributes:
+        code: the HTTP status that best describes the error.
+        message: what went wrong, for a human.
+    """
+
+    code: int
+    message: str
