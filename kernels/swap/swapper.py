@@ -62,7 +62,7 @@ from kernels.swap.runs import Run, block_runs, copy_run, count_runs
 Strategy = Literal["staged", "mapped"]
 Backend = Literal["torch", "triton"]
 
-# Chosen by bench/swap_bench.py on an H100 (bench/results/swap.md).
+# Chosen by bench/swap_bench.py on an H200: staged beat mapped both ways (bench/results/swap.md).
 DEFAULT_CUDA_STRATEGY: Strategy = "staged"
 
 
