@@ -1,0 +1,275 @@
+"""The pool interface: one abstract base for the Redis client and its in-memory twin.
+
+Prefill and decode move block bytes through a :class:`BlockPool` directly; cache_store uses
+the same interface for policy (``evict``, ``reap_leases``, ``stats``). The twin
+(libs/kvpool/memory.py) and the Redis client (libs/kvpool/redis_pool.py) implement the
+same semantics, so unit tests of everything above the pool run on the twin.
+
+Names. A block is addressed by its namespace (a :class:`Namespace` or its hex digest) and
+its :class:`BlockKey` (or ``str(BlockKey)``). Pool-wide it is the *block id*
+``"<namespace hex>:<str(key)>"``: the member name in the pool's indexes, the REST key of
+cache_store, and the suffix of the Redis key ``<prefix>:kv:<block id>``.
+
+Errors. A whole call fails with :class:`PoolUnavailable` when the backend cannot be reached
+(after the configured retries). A write refused for one block (no room, unknown lease) is
+not an exception: ``put_blocks`` returns a :class:`PutError` in that block's slot, and the
+other blocks of the batch are unaffected.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+from abc import ABC, abstractmethod
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal, Sequence, Union, get_args
+
+from libs.blocks.keys import KEY_BYTES, BlockKey, Namespace
+from libs.kvpool.codec import Buffer
+
+NamespaceLike = Union[Namespace, str]
+KeyLike = Union[BlockKey, str]
+
+PutErrorReason = Literal["oom", "lease", "rejected"]
+PUT_ERROR_REASONS: tuple[str, ...] = get_args(PutErrorReason)
+
+# Stats hash fields are "misses:<reason>"; a reason is a short label, bounded so that a
+# caller cannot blow up metric cardinality or the hash with arbitrary strings.
+_REASON_RE = re.compile(r"^[a-z][a-z0-9_]*(:[a-z0-9_]+)?$")
+_NS_RE = re.compile(rf"^[0-9a-f]{{{2 * KEY_BYTES}}}$")
+_KEY_RE = re.compile(rf"^[0-9a-f]{{{2 * KEY_BYTES}}}(:partial:[1-9][0-9]{{0,4}})?$")
+# The id create_lease hands out: 32 hex digits (random, from secrets).
+LEASE_ID_RE = re.compile(r"^[0-9a-f]{32}$")
+
+
+class PoolError(Exception):
+    """Base of everything the pool raises or reports."""
+
+
+class PoolUnavailable(PoolError):
+    """The backend could not be reached or timed out, after retries. Nothing is known to be done."""
+
+
+class PutError(PoolError):
+    """One block's write was refused; ``reason`` is one of PUT_ERROR_REASONS."""
+
+    def __init__(self, reason: PutErrorReason, message: str) -> None:
+        super().__init__(f"{reason}: {message}")
+        self.reason: PutErrorReason = reason
+
+
+def namespace_hex(ns: NamespaceLike) -> str:
+    text = ns.hex if isinstance(ns, Namespace) else ns
+    if not _NS_RE.match(text):
+        raise ValueError(f"namespace must be {2 * KEY_BYTES} lowercase hex digits, got {text!r}")
+    return text
+
+
+def key_text(key: KeyLike) -> str:
+    text = str(key)
+    if not _KEY_RE.match(text):
+        raise ValueError(f"block key must be {2 * KEY_BYTES} hex digits with an optional ':partial:m', got {text!r}")
+    return text
+
+
+def block_id(ns: NamespaceLike, key: KeyLike) -> str:
+    """``"<namespace hex>:<str(key)>"``: the pool-wide name of a block."""
+    return f"{namespace_hex(ns)}:{key_text(key)}"
+
+
+def block_ids(ns: NamespaceLike, keys: Sequence[KeyLike]) -> list[str]:
+    prefix = namespace_hex(ns) + ":"
+    return [prefix + key_text(k) for k in keys]
+
+
+def parse_block_id(text: str) -> tuple[str, str]:
+    """Split and validate a block id; raises ``ValueError`` naming what is wrong."""
+    ns, sep, key = text.partition(":")
+    if not sep:
+        raise ValueError(f"block id must be '<namespace hex>:<block key>', got {text!r}")
+    return namespace_hex(ns), key_text(key)
+
+
+def check_reason(reason: str) -> str:
+    if not _REASON_RE.match(reason) or len(reason) > 64:
+        raise ValueError(f"miss reason must look like 'absent' or 'corrupt:checksum', got {reason!r}")
+    return reason
+
+
+@dataclass(frozen=True)
+class PoolStats:
+    """Pool-wide counters, as kept in the backend (every client contributes)."""
+
+    blocks: int
+    bytes: int
+    leases: int
+    pinned_blocks: int
+    hits: int
+    misses: dict[str, int] = field(default_factory=dict)
+    evictions: int = 0
+    evicted_bytes: int = 0
+    puts: int = 0
+    bytes_written: int = 0
+    bytes_read: int = 0
+    write_errors: dict[str, int] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_counters(
+        cls, *, blocks: int, bytes: int, leases: int, pinned_blocks: int, counters: dict[str, int]
+    ) -> "PoolStats":
+        """Build from the flat counter map both backends keep (``misses:<r>``, ``write_errors:<r>``)."""
+        misses = {k.split(":", 1)[1]: v for k, v in counters.items() if k.startswith("misses:")}
+        errors = {k.split(":", 1)[1]: v for k, v in counters.items() if k.startswith("write_errors:")}
+        return cls(
+            blocks=blocks,
+            bytes=bytes,
+            leases=leases,
+            pinned_blocks=pinned_blocks,
+            hits=counters.get("hits", 0),
+            misses=misses,
+            evictions=counters.get("evictions", 0),
+            evicted_bytes=counters.get("evicted_bytes", 0),
+            puts=counters.get("puts", 0),
+            bytes_written=counters.get("bytes_written", 0),
+            bytes_read=counters.get("bytes_read", 0),
+            write_errors=errors,
+        )
+
+
+@dataclass(frozen=True)
+class EvictResult:
+    evicted: int
+    freed_bytes: int
+    bytes_after: int
+
+
+class BlockPool(ABC):
+    """What prefill, decode and cache_store need from the pool. All methods are coroutines.
+
+    The public methods validate names and arguments once, here, and hand block ids to the
+    backend's ``_``-methods, so the twin and the Redis client cannot drift apart on what
+    they accept.
+    """
+
+    # -- data plane -------------------------------------------------------------------
+
+    async def exists_prefix(self, ns: NamespaceLike, keys: Sequence[KeyLike]) -> int:
+        """How many of ``keys``, from the first, exist without a gap (read-only)."""
+        ids = block_ids(ns, keys)
+        return await self._exists_prefix(ids) if ids else 0
+
+    async def exists_blocks(self, ns: NamespaceLike, keys: Sequence[KeyLike]) -> list[bool]:
+        """Whether each key exists (read-only)."""
+        ids = block_ids(ns, keys)
+        return await self._exists_blocks(ids) if ids else []
+
+    async def get_blocks(self, ns: NamespaceLike, keys: Sequence[KeyLike]) -> list[bytes | None]:
+        """Each block's value, ``None`` where absent. Counts hits and ``misses:absent``, touches the LRU."""
+        ids = block_ids(ns, keys)
+        return await self._get_blocks(ids) if ids else []
+
+    async def put_blocks(
+        self,
+        ns: NamespaceLike,
+        items: Sequence[tuple[KeyLike, Buffer]],
+        *,
+        lease_id: str | None = None,
+    ) -> list[PutError | None]:
+        """Write blocks; per block ``None`` (written) or the :class:`PutError` that refused it.
+
+        With ``lease_id`` each written block is pinned by that lease in the same atomic
+        step; an unknown or expired lease refuses the block (reason ``"lease"``).
+        """
+        if lease_id is not None and not LEASE_ID_RE.match(lease_id):
+            raise ValueError(f"malformed lease id {lease_id!r}")
+        ids = block_ids(ns, [k for k, _ in items])
+        if not ids:
+            return []
+        return await self._put_blocks(list(zip(ids, (v for _, v in items))), lease_id)
+
+    async def delete_blocks(self, ns: NamespaceLike, keys: Sequence[KeyLike]) -> int:
+        """Delete blocks (leased or not); returns how many existed."""
+        ids = block_ids(ns, keys)
+        return await self._delete_blocks(ids) if ids else 0
+
+    # -- leases -----------------------------------------------------------------------
+
+    async def create_lease(self, ns: NamespaceLike, keys: Sequence[KeyLike], ttl_s: float) -> str:
+        """Pin ``keys`` (present or still to be written) until released or ``ttl_s`` passes."""
+        if not ttl_s > 0:
+            raise ValueError(f"lease ttl must be > 0, got {ttl_s}")
+        lease_id = secrets.token_hex(16)
+        await self._create_lease(lease_id, block_ids(ns, keys), ttl_s)
+        return lease_id
+
+    async def release_lease(self, lease_id: str) -> bool:
+        """Unpin a lease's blocks; ``False`` if it was unknown (never existed, released, reaped)."""
+        if not LEASE_ID_RE.match(lease_id):
+            return False
+        return await self._release_lease(lease_id)
+
+    # -- accounting and policy ------------------------------------------------------------
+
+    async def record_misses(self, reason: str, n: int = 1) -> None:
+        """Count ``n`` blocks that a reader could not use, e.g. ``"corrupt:checksum"``."""
+        check_reason(reason)
+        if n < 0:
+            raise ValueError(f"miss count must be >= 0, got {n}")
+        if n:
+            await self._count({f"misses:{reason}": n})
+
+    @abstractmethod
+    async def stats(self) -> PoolStats: ...
+
+    @abstractmethod
+    async def evict(self, budget_bytes: int, max_blocks: int) -> EvictResult:
+        """Delete least recently used unleased blocks until ``bytes <= budget_bytes`` or ``max_blocks`` went."""
+
+    @abstractmethod
+    async def reap_leases(self, max_leases: int = 1000) -> int:
+        """Release leases whose TTL has passed; returns how many."""
+
+    # -- lifecycle --------------------------------------------------------------------
+
+    @abstractmethod
+    async def ping(self) -> None:
+        """Raise :class:`PoolUnavailable` unless the backend answers."""
+
+    @abstractmethod
+    async def close(self) -> None: ...
+
+    async def __aenter__(self) -> "BlockPool":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # -- what a backend implements, on validated, non-empty block ids ------------------------
+
+    @abstractmethod
+    async def _exists_prefix(self, ids: list[str]) -> int: ...
+
+    @abstractmethod
+    async def _exists_blocks(self, ids: list[str]) -> list[bool]: ...
+
+    @abstractmethod
+    async def _get_blocks(self, ids: list[str]) -> list[bytes | None]: ...
+
+    @abstractmethod
+    async def _put_blocks(self, pairs: list[tuple[str, Buffer]], lease_id: str | None) -> list[PutError | None]: ...
+
+    @abstractmethod
+    async def _delete_blocks(self, ids: list[str]) -> int: ...
+
+    @abstractmethod
+    async def _create_lease(self, lease_id: str, ids: list[str], ttl_s: float) -> None: ...
+
+    @abstractmethod
+    async def _release_lease(self, lease_id: str) -> bool: ...
+
+    @abstractmethod
+    async def _count(self, counters: dict[str, int]) -> None:
+        """Add to the stats counters (``misses:<reason>``, ``write_errors:<reason>``)."""
