@@ -1,0 +1,166 @@
+"""RedisPool on a real redis-server: the shared contract, the schema, OOM, drops, hangs, restarts."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from typing import AsyncIterator, Callable
+
+import pytest
+import redis.asyncio as aioredis
+
+from libs.kvpool.config import PoolConfig
+from libs.kvpool.pool import PoolUnavailable, PutError
+from libs.kvpool.redis_pool import RedisPool
+from libs.kvpool.writer import AsyncWriter, WriteFailed
+from tests.integration.conftest import unique_prefix
+from tests.integration.redis_server import RedisServer
+from tests.unit.test_kvpool_pool import KEYS, NS, VALUE_NBYTES, PoolContract, put_ok, values
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+async def pool(pool_config: PoolConfig) -> AsyncIterator[RedisPool]:
+    p = RedisPool(pool_config)
+    yield p
+    await p.close()
+
+
+class TestRedisPool(PoolContract):
+    """The contract of tests/unit/test_kvpool_pool.py, on Redis."""
+
+
+async def test_schema_is_the_documented_one(pool: RedisPool, pool_config: PoolConfig) -> None:
+    await put_ok(pool, KEYS[:2], values(2))
+    lease = await pool.create_lease(NS, KEYS[:1], ttl_s=60)
+    await pool.record_misses("corrupt:checksum", 1)
+    raw = aioredis.from_url(pool_config.url)
+    try:
+        p = pool_config.key_prefix
+        found = sorted(k.decode() for k in await raw.keys(f"{p}:*"))
+        assert found == sorted(
+            [f"{p}:kv:{NS.hex}:{KEYS[0]}", f"{p}:kv:{NS.hex}:{KEYS[1]}", f"{p}:lru", f"{p}:size",
+             f"{p}:bytes", f"{p}:stats", f"{p}:pins", f"{p}:leases", f"{p}:lease:{lease}"]
+        )
+        assert int(await raw.get(f"{p}:bytes")) == 2 * VALUE_NBYTES
+        assert await raw.hget(f"{p}:pins", f"{NS.hex}:{KEYS[0]}") == b"1"
+        assert await raw.hget(f"{p}:stats", "misses:corrupt:checksum") == b"1"
+    finally:
+        await raw.aclose()
+
+
+async def test_many_blocks_pipelined_in_parallel_keep_their_order(pool_config: PoolConfig) -> None:
+    from libs.blocks.keys import block_keys
+
+    keys = block_keys(NS, list(range(4 * 64)))
+    vals = [os.urandom(100 + i) for i in range(len(keys))]
+    cfg = PoolConfig(url=pool_config.url, key_prefix=pool_config.key_prefix, pipeline_blocks=5, max_parallel=3)
+    async with RedisPool(cfg) as pool:
+        await put_ok(pool, keys, vals)
+        assert await pool.get_blocks(NS, keys) == vals
+        assert await pool.exists_prefix(NS, keys) == len(keys)
+        assert (await pool.stats()).bytes == sum(map(len, vals))
+
+
+async def test_a_full_redis_refuses_single_blocks_and_keeps_serving(redis_factory: Callable[..., RedisServer]) -> None:
+    server = redis_factory(maxmemory="6mb")
+    cfg = PoolConfig(url=server.url, key_prefix=unique_prefix())
+    from libs.blocks.keys import block_keys
+
+    keys = block_keys(NS, list(range(4 * 40)))
+    vals = values(len(keys), nbytes=256 * 1024)
+    async with RedisPool(cfg) as pool:
+        results = await pool.put_blocks(NS, list(zip(keys, vals)))
+        ok = [k for k, r in zip(keys, results) if r is None]
+        refused = [r for r in results if r is not None]
+        assert ok and refused, "6 MB of maxmemory should hold some but not all of 10 MB"
+        assert all(isinstance(r, PutError) and r.reason == "oom" for r in refused)
+        # Nothing half-done: exactly the accepted blocks exist and are accounted.
+        exists = await pool.exists_blocks(NS, keys)
+        assert [k for k, e in zip(keys, exists) if e] == ok
+        stats = await pool.stats()
+        assert stats.blocks == len(ok) and stats.bytes == len(ok) * 256 * 1024
+        assert stats.write_errors == {"oom": len(refused)}
+        # Reads, leases, miss reports and eviction all work while Redis is full.
+        got = await pool.get_blocks(NS, ok[:2])
+        assert got == [vals[keys.index(k)] for k in ok[:2]]
+        lease = await pool.create_lease(NS, ok[:1], ttl_s=60)
+        await pool.record_misses("corrupt:checksum", 1)
+        result = await pool.evict(budget_bytes=0, max_blocks=1000)
+        assert result.evicted == len(ok) - 1
+        assert await pool.release_lease(lease)
+        # With room again, the refused blocks go in.
+        assert await pool.put_blocks(NS, [(keys[-1], vals[-1])]) == [None]
+
+
+async def test_a_dropped_connection_is_retried(pool: RedisPool, pool_config: PoolConfig) -> None:
+    await put_ok(pool, KEYS[:2], values(2))
+    raw = aioredis.from_url(pool_config.url)
+    try:
+        killed = await raw.client_kill_filter(_type="normal", skipme=True)
+        assert killed >= 1
+    finally:
+        await raw.aclose()
+    # The pooled connection is dead; the call reconnects and succeeds without an error.
+    assert await pool.exists_prefix(NS, KEYS[:2]) == 2
+
+
+async def test_a_hung_redis_times_out_instead_of_hanging(redis_factory: Callable[..., RedisServer]) -> None:
+    server = redis_factory()
+    cfg = PoolConfig(url=server.url, key_prefix=unique_prefix(), socket_timeout_s=0.3, retries=1, retry_backoff_s=0.01)
+    async with RedisPool(cfg) as pool:
+        await pool.ping()
+        pid = server._proc.pid  # type: ignore[union-attr]
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            start = time.monotonic()
+            with pytest.raises(PoolUnavailable):
+                await asyncio.wait_for(pool.get_blocks(NS, KEYS[:2]), timeout=10)
+            assert time.monotonic() - start < 5
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        await pool.ping()
+
+
+async def test_redis_restart_mid_write_fails_loudly_then_recovers(redis_factory: Callable[..., RedisServer]) -> None:
+    server = redis_factory()
+    cfg = PoolConfig(url=server.url, key_prefix=unique_prefix(), socket_timeout_s=1.0, retries=1, retry_backoff_s=0.05)
+    from libs.blocks.keys import block_keys
+
+    keys = block_keys(NS, list(range(4 * 200)))
+    vals = values(len(keys), nbytes=64 * 1024)
+    async with RedisPool(cfg) as pool:
+        await put_ok(pool, keys[:1], vals[:1])  # loads the scripts, warms a connection
+        writer = AsyncWriter(pool, workers=2, queue_size=16, batch_blocks=4, op_timeout_s=10)
+        session = writer.begin()
+
+        async def produce() -> None:
+            for k, v in zip(keys, vals):
+                await session.submit(NS, k, v)
+
+        producer = asyncio.create_task(produce())
+        await asyncio.sleep(0.05)
+        server.stop()  # SIGKILL mid-write
+        await asyncio.wait_for(producer, timeout=30)
+        with pytest.raises(WriteFailed) as info:
+            await asyncio.wait_for(session.wait_all_done(), timeout=30)
+        report = info.value.report
+        assert isinstance(info.value.first_error, PoolUnavailable)
+        assert len(report.written) + len(report.failed) == len(keys)
+        with pytest.raises(PoolUnavailable):
+            await pool.ping()
+
+        server.start()  # same port, empty, no scripts loaded
+        await pool.ping()
+        again = writer.begin()
+        for k, v in zip(keys[:8], vals[:8]):
+            await again.submit(NS, k, v)
+        report = await asyncio.wait_for(again.wait_all_done(), timeout=30)
+        assert len(report.written) == 8
+        # EVALSHA scripts were flushed by the restart: they are reloaded transparently.
+        assert await pool.get_blocks(NS, keys[:8]) == vals[:8]
+        assert (await pool.stats()).blocks == 8
+        await writer.close()
