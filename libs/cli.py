@@ -1,0 +1,81 @@
+"""The ``tidepool`` command.
+
+    tidepool generate --prompt "Once upon a time" --max-tokens 64
+    tidepool generate --chat "What is the capital of France?" --temperature 0 --json
+
+``generate`` streams the completion to the terminal as it is produced; with ``--json``
+it prints one JSON object with ``prompt_token_ids``, ``token_ids`` and ``text`` instead.
+Bad input (unknown model path, prompt too long, invalid sampling values) exits with
+status 2 and a one-line error, before the model does any work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Sequence
+
+from libs.engine import EngineConfig, InvalidRequestError, LLMEngine, SamplingParams
+from libs.model import IncrementalDetokenizer, ModelNotFoundError
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tidepool", description="Tidepool: LLM serving with a Redis-backed KV pool.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="generate a completion offline and stream it to the terminal")
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="a raw text prompt")
+    src.add_argument("--chat", help="a user message, rendered with the model's chat template")
+    g.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most (default 128)")
+    g.add_argument("--temperature", type=float, default=1.0, help="0 for greedy (default 1.0)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0)")
+    g.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
+    g.add_argument("--model", default=None, help="a .gguf file or Hugging Face folder (default: embedded SmolLM2-135M-Instruct)")
+    g.add_argument("--device", default="auto", help="cpu, cuda or auto (default)")
+    g.add_argument("--dtype", default="auto", help="float32, bfloat16 or auto (default: float32 on CPU, bfloat16 on CUDA)")
+    g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    return parser
+
+
+def _generate(args: argparse.Namespace) -> int:
+    # Validate sampling values before loading the model (fast, clear failure).
+    params = SamplingParams(
+        temperature=args.temperature, top_p=args.top_p, seed=args.seed, max_tokens=args.max_tokens
+    )
+    engine = LLMEngine(EngineConfig(model=args.model, device=args.device, dtype=args.dtype))
+    tok = engine.tokenizer
+    if args.chat is not None:
+        prompt_ids = tok.encode_chat([{"role": "user", "content": args.chat}])
+    else:
+        prompt_ids = tok.encode(args.prompt)
+    engine.validate(prompt_ids, params)
+    token_ids: list[int] = []
+    detok = IncrementalDetokenizer(tok, prompt_ids)
+    for new in engine.stream(prompt_ids, params):
+        token_ids.extend(new)
+        delta = detok.add(new)
+        if not args.json and delta:
+            sys.stdout.write(delta)
+            sys.stdout.flush()
+    tail = detok.flush()
+    if args.json:
+        print(json.dumps({"prompt_token_ids": prompt_ids, "token_ids": token_ids, "text": tok.decode(token_ids)}))
+    else:
+        sys.stdout.write(tail + "\n")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _build_parser().parse_args(argv)
+    try:
+        return _generate(args)
+    except (InvalidRequestError, ModelNotFoundError, ValueError) as e:
+        print(f"tidepool: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

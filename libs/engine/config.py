@@ -1,0 +1,70 @@
+"""Engine configuration: explicit, typed, and resolved once against the machine."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine needs to know; ``auto`` values are resolved by ``resolve()``.
+
+    - ``model``: a .gguf file or a Hugging Face folder; None = the embedded SmolLM2-135M.
+    - ``dtype``: ``auto`` is float32 on the CPU and bfloat16 on CUDA.
+    - KV cache size: ``num_blocks`` if set, else ``kv_cache_gb`` of memory (default: 1 GiB
+      on the CPU, ``gpu_memory_utilization`` of the free memory on CUDA after loading).
+    - ``max_num_batched_tokens``: the per-step token budget that chunked prefill fills.
+    """
+
+    model: str | None = None
+    device: str = "auto"
+    dtype: str = "auto"
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_cache_gb: float | None = None
+    gpu_memory_utilization: float = 0.80
+    max_model_len: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int | None = None
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    attention_backend: str = "auto"
+    num_threads: int | None = None
+    seed: int = 0
+
+    def resolve_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def resolve_dtype(self, device: torch.device) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if device.type == "cuda" else torch.float32
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"unknown dtype {self.dtype!r}; use one of {sorted(_DTYPES)}")
+        dtype = _DTYPES[self.dtype]
+        if device.type == "cpu" and dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError("on the CPU the dtype must be float32 or bfloat16")
+        return dtype
+
+    def resolve_batched_tokens(self, device: torch.device, max_model_len: int) -> int:
+        if self.max_num_batched_tokens is not None:
+            budget = self.max_num_batched_tokens
+        else:
+            budget = 8192 if device.type == "cuda" else 1024
+        if not self.enable_chunked_prefill:
+            # Without chunking a whole prompt must fit in one step.
+            budget = max(budget, max_model_len)
+        return budget
+
+    def apply_threads(self) -> None:
+        """Set torch's CPU thread count explicitly (DESIGN.md: processes sharing cores
+        collapse otherwise). OMP_WAIT_POLICY must already be in the environment."""
+        if self.num_threads is not None:
+            torch.set_num_threads(self.num_threads)
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")

@@ -1,0 +1,440 @@
+"""The engine: requests in, tokens out, one ``step()`` at a time.
+
+``LLMEngine`` glues the scheduler, block manager and model runner together. It is
+synchronous and single-threaded by design (services drive it from a worker thread, see
+``AsyncEngine``); every public method validates its input and raises a typed
+``InvalidRequestError`` before anything is queued.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Sequence as Seq
+
+import torch
+
+from libs.engine.block_manager import BlockManager
+from libs.engine.config import EngineConfig
+from libs.engine.errors import DuplicateRequestError, InvalidRequestError, PromptTooLongError, TokenOutOfRangeError
+from libs.engine.model_runner import ModelRunner
+from libs.engine.params import SamplingParams
+from libs.engine.scheduler import Scheduler, SchedulerConfig, imp_release
+from libs.engine.sequence import KVImport, Sequence, TokenLogprob
+from libs.kvpool.layout import KVLayout
+from libs.model import LoadedModel, load_model, make_backend
+
+
+@dataclass
+class CompletionOutput:
+    """What one sequence of a request produced since the last report."""
+
+    index: int
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprob]
+    finish_reason: str | None
+    num_output_tokens: int
+
+
+@dataclass
+class ExportedKV:
+    """The prompt's KV, gathered off the cache when a prefill-only request finished.
+    ``blocks`` is ``[n, *KVLayout.block_shape]`` on the host; ``num_tokens`` of the
+    prompt are covered (the last block may be partial)."""
+
+    blocks: torch.Tensor
+    num_tokens: int
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_imported_tokens: int = 0
+    exported_kv: ExportedKV | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class GenerationResult:
+    """A finished request from ``Engine.generate``."""
+
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    logprobs: list[TokenLogprob]
+    num_cached_tokens: int
+    index: int = 0
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig | None = None, *, loaded: LoadedModel | None = None):
+        self.config = config = config or EngineConfig()
+        config.apply_threads()
+        device = config.resolve_device()
+        dtype = config.resolve_dtype(device)
+        if loaded is None:
+            loaded = load_model(config.model, dtype=dtype, device=device, backend=make_backend(config.attention_backend, device))
+        self.loaded = loaded
+        self.tokenizer = loaded.tokenizer
+        self.model_config = mc = loaded.config
+        self.device, self.dtype = device, dtype
+        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        self.layout = KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim, config.block_size, dtype)
+        self.namespace = loaded.fingerprint.namespace(config.block_size)
+        num_blocks = self._num_blocks(device)
+        cache = self.layout.allocate(num_blocks, device)
+        self.block_manager = BlockManager(num_blocks, config.block_size, self.namespace, enable_prefix_caching=config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.resolve_batched_tokens(device, self.max_model_len),
+                enable_chunked_prefill=config.enable_chunked_prefill,
+            ),
+            self.block_manager,
+        )
+        self.runner = ModelRunner(loaded.model, cache, config.block_size, mc.vocab_size, device)
+        self.vocab_size = mc.vocab_size
+        self._requests: dict[str, list[Sequence]] = {}
+        self._params: dict[str, SamplingParams] = {}
+        self._aborted: list[str] = []
+        torch.manual_seed(config.seed)
+        # Counters (read by metrics).
+        self.num_steps = 0
+        self.num_generated_tokens = 0
+        self.num_prompt_tokens_computed = 0
+
+    def _num_blocks(self, device: torch.device) -> int:
+        cfg = self.config
+        if cfg.num_blocks is not None:
+            return cfg.num_blocks
+        if cfg.kv_cache_gb is not None:
+            budget = cfg.kv_cache_gb * 2**30
+        elif device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            budget = free * cfg.gpu_memory_utilization
+        else:
+            budget = 2**30
+        return max(16, int(budget // self.layout.block_nbytes))
+
+    # -- requests -----------------------------------------------------------------------
+
+    def validate(self, prompt_token_ids: Seq[int], params: SamplingParams, *, num_output_tokens: int = 0) -> None:
+        """Raise a typed error if the request cannot be served. Nothing is queued."""
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError("params must be SamplingParams", param="params")
+        if not prompt_token_ids:
+            raise InvalidRequestError("the prompt must contain at least one token", param="prompt")
+        bad = next((t for t in prompt_token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise TokenOutOfRangeError(f"token id {bad!r} is outside the vocabulary [0, {self.vocab_size})", param="prompt")
+        bad = next((t for t in params.stop_token_ids if t >= self.vocab_size), None)
+        if bad is not None:
+            raise TokenOutOfRangeError(f"stop token id {bad} is outside the vocabulary [0, {self.vocab_size})", param="stop_token_ids")
+        n_prompt = len(prompt_token_ids)
+        if n_prompt >= self.max_model_len:
+            raise PromptTooLongError(
+                f"this model's maximum context length is {self.max_model_len} tokens, but the prompt has {n_prompt}",
+                param="prompt",
+            )
+        if params.max_tokens is not None and n_prompt + params.max_tokens > self.max_model_len:
+            raise PromptTooLongError(
+                f"this model's maximum context length is {self.max_model_len} tokens; you requested "
+                f"{n_prompt + params.max_tokens} ({n_prompt} in the prompt, {params.max_tokens} to generate)",
+                param="max_tokens",
+            )
+        needed = -(-self.max_model_len // self.config.block_size) if params.max_tokens is None else -(-(n_prompt + params.max_tokens) // self.config.block_size)
+        if needed > self.block_manager.num_blocks:
+            raise PromptTooLongError(
+                f"the request needs up to {needed} KV blocks but the cache holds {self.block_manager.num_blocks}",
+                param="max_tokens",
+            )
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Seq[int],
+        params: SamplingParams,
+        *,
+        output_prefix: Seq[int] = (),
+        kv_import: KVImport | None = None,
+        export_kv: bool = False,
+    ) -> None:
+        """Queue a request.
+
+        ``output_prefix``: tokens already generated elsewhere (decode continues after the
+        prefill's first token). ``kv_import``: KV of the leading blocks loaded from the
+        pool. ``export_kv``: gather the prompt's KV when the request finishes (prefill).
+        """
+        if request_id in self._requests:
+            raise DuplicateRequestError(f"request id {request_id!r} is already running", param="request_id")
+        self.validate(list(prompt_token_ids) + list(output_prefix), params)
+        if output_prefix and params.n != 1:
+            raise InvalidRequestError("n must be 1 when continuing from an output prefix", param="n")
+        seq = self._new_sequence(request_id, 0, list(prompt_token_ids), params)
+        for t in output_prefix:
+            seq.append_token(t, None)
+        seq.new_token_ids.clear()
+        seq.pending_forks = params.n - 1
+        seq.kv_import = kv_import
+        seq.export_kv = export_kv
+        self._requests[request_id] = [seq]
+        self._params[request_id] = params
+        self.scheduler.add(seq)
+
+    def _new_sequence(self, request_id: str, index: int, prompt: list[int], params: SamplingParams) -> Sequence:
+        child_params = params.for_child(index) if params.n > 1 else params
+        seq = Sequence(request_id, index, prompt, child_params, eos_token_ids=self.tokenizer.eos_token_ids)
+        if child_params.seed is not None:
+            seq.generator = torch.Generator(device=self.device)
+            seq.generator.manual_seed(child_params.seed % (2**64))
+        return seq
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request wherever it is; its blocks are freed immediately."""
+        if request_id not in self._requests:
+            return False
+        self.scheduler.abort(request_id)
+        self._aborted.append(request_id)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    # -- stepping -----------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run and post-process one step. Returns what each request produced."""
+        outputs = [self._aborted_output(rid) for rid in self._aborted]
+        self._aborted = []
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return outputs
+        now = time.monotonic()
+        sample_seqs: list[Sequence] = []
+        forks: list[tuple[Sequence, Sequence]] = []
+        counts: list[int] = []
+        for s in out.scheduled:
+            if s.seq.first_scheduled_time is None:
+                s.seq.first_scheduled_time = now
+            counts.append(s.num_samples)
+            if s.num_samples:
+                sample_seqs.append(s.seq)
+                for _ in range(s.seq.pending_forks):
+                    child = self._fork_child(s.seq)
+                    forks.append((s.seq, child))
+                    sample_seqs.append(child)
+                s.seq.pending_forks = 0
+
+        self._import(out.imports)
+        inputs = self.runner.prepare(out, counts)
+        logits = self.runner.forward(inputs)
+        sampled = self.runner.sample(logits, sample_seqs) if sample_seqs else None
+        self.num_steps += 1
+        for row, seq in enumerate(sample_seqs):
+            if seq.capture_logits and seq.captured_logits is None:
+                seq.captured_logits = logits[row].float().cpu()
+
+        for s in out.scheduled:
+            s.seq.num_computed_tokens += s.num_tokens
+            self.block_manager.commit(s.seq)
+            if s.seq.num_computed_tokens <= s.seq.num_prompt_tokens:
+                self.num_prompt_tokens_computed += s.num_tokens
+        for parent, child in forks:
+            self._attach_child(parent, child)
+        touched: dict[str, None] = {}
+        if sampled is not None:
+            now = time.monotonic()
+            for seq, tok, lp in zip(sample_seqs, sampled.token_ids, sampled.logprobs):
+                if seq.is_finished:  # a child that could not be attached
+                    continue
+                seq.append_token(tok, lp)
+                self.num_generated_tokens += 1
+                if seq.first_token_time is None:
+                    seq.first_token_time = now
+                reason = seq.check_stop(self.max_model_len)
+                if reason is not None:
+                    self._finish(seq, reason)
+                touched[seq.request_id] = None
+        for seq in out.preempted:
+            touched.setdefault(seq.request_id, None)
+        outputs.extend(self._request_output(rid) for rid in touched if rid in self._requests)
+        for o in outputs:
+            if o.finished:
+                self._requests.pop(o.request_id, None)
+                self._params.pop(o.request_id, None)
+        return outputs
+
+    def _fork_child(self, parent: Sequence) -> Sequence:
+        """A sibling of ``parent`` (same prompt, its own derived seed), sampled this step."""
+        family = self._requests[parent.request_id]
+        child = self._new_sequence(parent.request_id, len(family), list(parent.prompt_token_ids), self._params[parent.request_id])
+        child.token_ids = list(parent.token_ids)
+        family.append(child)
+        return child
+
+    def _attach_child(self, parent: Sequence, child: Sequence) -> None:
+        """Share the parent's prompt blocks with a freshly sampled child (copying a partial
+        last block). Without a free block the child is queued to recompute instead."""
+        if self.block_manager.num_free_blocks < 1 and parent.num_computed_tokens % self.config.block_size:
+            self.scheduler.add(child)  # recompute later; its prompt blocks are prefix-cache hits
+            return
+        copy = self.block_manager.fork(parent, child)
+        if copy is not None:
+            self.runner.copy_blocks([copy])
+        child.status = parent.status
+        self.scheduler.running.append(child)
+
+    def _import(self, imports: list) -> None:
+        for imp, rows, blocks in imports:
+            try:
+                self.runner.import_blocks(imp.staging, rows, blocks)
+            finally:
+                imp_release(imp)
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        self.scheduler.finish(seq, reason)
+        if seq.export_kv and seq.index == 0:
+            n = seq.num_prompt_tokens
+            nblocks = -(-n // self.config.block_size)
+            seq.exported_kv = ExportedKV(self.runner.export_blocks(seq.block_table[:nblocks]), n)
+        self.block_manager.free(seq)
+
+    def _request_output(self, request_id: str) -> RequestOutput:
+        family = self._requests[request_id]
+        outs = []
+        for seq in family:
+            ids, lps = seq.take_new()
+            if ids or seq.is_finished:
+                outs.append(CompletionOutput(seq.index, ids, lps, seq.finish_reason, seq.num_output_tokens))
+        head = family[0]
+        finished = all(s.is_finished for s in family) and head.pending_forks == 0
+        metrics = {}
+        if head.first_scheduled_time is not None:
+            metrics["queue_s"] = head.first_scheduled_time - head.arrival_time
+        if head.first_token_time is not None:
+            metrics["ttft_s"] = head.first_token_time - head.arrival_time
+        return RequestOutput(
+            request_id,
+            outs,
+            finished,
+            head.num_prompt_tokens,
+            head.num_cached_tokens,
+            head.num_imported_tokens,
+            head.exported_kv,
+            metrics,
+        )
+
+    def _aborted_output(self, request_id: str) -> RequestOutput:
+        family = self._requests.pop(request_id, [])
+        self._params.pop(request_id, None)
+        head = family[0] if family else None
+        outs = [CompletionOutput(s.index, *s.take_new(), "abort", s.num_output_tokens) for s in family]
+        return RequestOutput(request_id, outs, True, head.num_prompt_tokens if head else 0, head.num_cached_tokens if head else 0)
+
+    # -- offline API ----------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: str | list[int] | Seq[str | list[int]] | None = None,
+        params: SamplingParams | Seq[SamplingParams] | None = None,
+        *,
+        messages: Seq[dict[str, Any]] | Seq[Seq[dict[str, Any]]] | None = None,
+    ) -> list[GenerationResult]:
+        """Run prompts (text or token ids) or chat conversations to completion, batched.
+
+        Returns one result per prompt and per sample (``n``), in input order. All inputs
+        are validated before any is queued.
+        """
+        token_lists = self._encode_inputs(prompts, messages)
+        if params is None or isinstance(params, SamplingParams):
+            params_list = [params or SamplingParams()] * len(token_lists)
+        else:
+            params_list = list(params)
+            if len(params_list) != len(token_lists):
+                raise InvalidRequestError("params must be one SamplingParams or one per prompt", param="params")
+        for ids, p in zip(token_lists, params_list):
+            self.validate(ids, p)
+        ids_by_req: dict[str, int] = {}
+        for i, (ids, p) in enumerate(zip(token_lists, params_list)):
+            rid = f"generate-{id(self)}-{time.monotonic_ns()}-{i}"
+            self.add_request(rid, ids, p)
+            ids_by_req[rid] = i
+        collected: dict[str, dict[int, GenerationResult]] = {rid: {} for rid in ids_by_req}
+        while any(rid in self._requests for rid in ids_by_req):
+            for o in self.step():
+                if o.request_id not in collected:
+                    continue
+                for c in o.outputs:
+                    r = collected[o.request_id].setdefault(
+                        c.index, GenerationResult(token_lists[ids_by_req[o.request_id]], [], "", "", [], o.num_cached_tokens, c.index)
+                    )
+                    r.token_ids.extend(c.new_token_ids)
+                    r.logprobs.extend(c.new_logprobs)
+                    if c.finish_reason:
+                        r.finish_reason = c.finish_reason
+        results = []
+        for rid in ids_by_req:
+            for idx in sorted(collected[rid]):
+                r = collected[rid][idx]
+                r.text = self.tokenizer.decode(r.token_ids)
+                results.append(r)
+        return results
+
+    def first_step_logits(self, prompt_token_ids: list[int]) -> torch.Tensor:
+        """fp32 logits ``[vocab]`` for the token after the prompt, computed through the
+        normal request path (scheduler, cache, batching): what tests compare with a
+        reference implementation."""
+        rid = f"logits-{id(self)}-{time.monotonic_ns()}"
+        self.add_request(rid, prompt_token_ids, SamplingParams(temperature=0, max_tokens=1))
+        seq = self._requests[rid][0]
+        seq.capture_logits = True
+        while rid in self._requests:
+            self.step()
+        return seq.captured_logits[: self.vocab_size]
+
+    def stream(self, prompt_token_ids: list[int], params: SamplingParams) -> Iterator[list[int]]:
+        """Yield new token ids of one request as they are produced (used by the CLI)."""
+        rid = f"stream-{id(self)}-{time.monotonic_ns()}"
+        self.add_request(rid, prompt_token_ids, params)
+        try:
+            while rid in self._requests:
+                for o in self.step():
+                    if o.request_id == rid:
+                        for c in o.outputs:
+                            if c.new_token_ids:
+                                yield c.new_token_ids
+        finally:
+            if rid in self._requests:
+                self.abort_request(rid)
+                self.step()
+
+    def _encode_inputs(self, prompts: Any, messages: Any) -> list[list[int]]:
+        if (prompts is None) == (messages is None):
+            raise InvalidRequestError("pass exactly one of prompts or messages")
+        if messages is not None:
+            convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+            return [self.tokenizer.encode_chat(c) for c in convs]
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        out = []
+        for p in prompts:
+            if isinstance(p, str):
+                out.append(self.tokenizer.encode(p))
+            elif isinstance(p, (list, tuple)):
+                out.append(list(p))
+            else:
+                raise InvalidRequestError(f"a prompt must be a string or a list of token ids, got {type(p).__name__}", param="prompt")
+        return out

@@ -1,0 +1,141 @@
+"""Turning logits into tokens: penalties, temperature, top-k / top-p / min-p, seeds, logprobs.
+
+Sampling uses the exponential race (``argmax(p / E)`` with ``E ~ Exp(1)``), which draws
+exactly from ``p`` and lets each row use its own generator: a seeded request draws its
+noise from a generator seeded with its seed, so its tokens do not depend on what else is
+in the batch. Only the sampled ids and the top-k logprobs (k <= 20) leave the device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from libs.engine.params import SamplingParams
+from libs.engine.sequence import TokenLogprob
+
+
+@dataclass
+class SamplingBatch:
+    """One row per sample to draw (a forked request contributes several rows)."""
+
+    params: list[SamplingParams]
+    generators: list[torch.Generator | None]
+    prompt_ids: list[list[int]]  # for the repetition penalty
+    output_ids: list[list[int]]  # for presence / frequency penalties
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[TokenLogprob | None]
+
+
+class Sampler:
+    def __init__(self, vocab_size: int, device: torch.device):
+        self.vocab_size = vocab_size
+        self.device = device
+
+    @torch.no_grad()
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        """``logits``: fp32 ``[rows, vocab]`` (the model may pad its vocabulary)."""
+        logits = logits[:, : self.vocab_size]
+        params = batch.params
+        want_logprobs = [p.logprobs for p in params]
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if any(k is not None for k in want_logprobs) else None
+
+        if any(p.has_penalties for p in params):
+            logits = self._apply_penalties(logits.clone(), batch)
+
+        tokens = torch.empty(len(params), dtype=torch.long, device=logits.device)
+        greedy = [i for i, p in enumerate(params) if p.greedy]
+        random = [i for i, p in enumerate(params) if not p.greedy]
+        if greedy:
+            idx = torch.tensor(greedy, device=logits.device)
+            tokens[idx] = logits[idx].argmax(dim=-1)
+        if random:
+            idx = torch.tensor(random, device=logits.device)
+            tokens[idx] = self._sample(logits[idx], [params[i] for i in random], [batch.generators[i] for i in random])
+
+        token_list = tokens.tolist()  # the one host sync of the step
+        return SamplerOutput(token_list, self._logprobs(raw_logprobs, tokens, want_logprobs, token_list))
+
+    def _apply_penalties(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """Repetition (HF/vLLM: over prompt and output), presence and frequency (OpenAI:
+        over the output) penalties, only on rows that ask for them."""
+        V = logits.shape[1]
+        for i, p in enumerate(batch.params):
+            if not p.has_penalties:
+                continue
+            out_ids = torch.tensor(batch.output_ids[i], dtype=torch.long, device=logits.device)
+            counts = torch.bincount(out_ids[out_ids < V], minlength=V).to(logits.dtype)
+            row = logits[i]
+            if p.repetition_penalty != 1.0:
+                seen = counts > 0
+                prompt = torch.tensor(batch.prompt_ids[i], dtype=torch.long, device=logits.device)
+                seen[prompt[prompt < V]] = True
+                penalized = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+                row = torch.where(seen, penalized, row)
+            row = row - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).to(logits.dtype)
+            logits[i] = row
+        return logits
+
+    def _sample(self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> torch.Tensor:
+        temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=logits.device)
+        logits = logits / temps.unsqueeze(1)
+        logits = self._filter(logits, params)
+        probs = torch.softmax(logits, dim=-1)
+        noise = torch.empty_like(probs)
+        unseeded = [i for i, g in enumerate(generators) if g is None]
+        if unseeded:
+            noise[unseeded] = torch.empty((len(unseeded), probs.shape[1]), device=probs.device).exponential_()
+        for i, g in enumerate(generators):
+            if g is not None:
+                noise[i].exponential_(generator=g)
+        return (probs / noise).argmax(dim=-1)
+
+    def _filter(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        """Mask tokens outside top-k, outside the top-p nucleus and below min-p to -inf.
+        The most likely token always survives every filter."""
+        neg_inf = torch.finfo(logits.dtype).min
+        if any(p.min_p > 0 for p in params):
+            probs = torch.softmax(logits, dim=-1)
+            min_p = torch.tensor([p.min_p for p in params], dtype=logits.dtype, device=logits.device)
+            threshold = min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+            logits = logits.masked_fill(probs < threshold, neg_inf)
+        need_k = any(p.top_k > 0 for p in params)
+        need_p = any(p.top_p < 1 for p in params)
+        if not (need_k or need_p):
+            return logits
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        V = logits.shape[1]
+        mask = torch.zeros_like(sorted_logits, dtype=torch.bool)
+        if need_k:
+            k = torch.tensor([p.top_k if p.top_k > 0 else V for p in params], device=logits.device)
+            ranks = torch.arange(V, device=logits.device).unsqueeze(0)
+            mask |= ranks >= k.unsqueeze(1)
+        if need_p:
+            top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype, device=logits.device)
+            probs_sorted = torch.softmax(sorted_logits.masked_fill(mask, neg_inf), dim=-1)
+            before = probs_sorted.cumsum(dim=-1) - probs_sorted  # mass strictly above each token
+            mask |= before >= top_p.unsqueeze(1)
+        mask[:, 0] = False
+        sorted_logits = sorted_logits.masked_fill(mask, neg_inf)
+        return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+    def _logprobs(self, raw: torch.Tensor | None, tokens: torch.Tensor, want: list[int | None], token_list: list[int]) -> list[TokenLogprob | None]:
+        if raw is None:
+            return [None] * len(want)
+        rows = [i for i, k in enumerate(want) if k is not None]
+        idx = torch.tensor(rows, device=raw.device)
+        sub = raw[idx]
+        chosen = sub.gather(1, tokens[idx].unsqueeze(1)).squeeze(1)
+        k = max(want[i] for i in rows)
+        top_vals, top_ids = sub.topk(k, dim=-1) if k > 0 else (sub[:, :0], sub[:, :0].long())
+        chosen_l, vals_l, ids_l = chosen.tolist(), top_vals.tolist(), top_ids.tolist()
+        out: list[TokenLogprob | None] = [None] * len(want)
+        for j, i in enumerate(rows):
+            ki = want[i]
+            out[i] = TokenLogprob(token_list[i], chosen_l[j], ids_l[j][:ki], vals_l[j][:ki])
+        return out

@@ -1,0 +1,139 @@
+"""A sequence: one stream of tokens being generated, and where its KV lives.
+
+A request with ``n > 1`` becomes ``n`` sequences that share the prompt's KV blocks: the
+first one computes the prompt, the others are forked from it when it samples its first
+token (see Scheduler). ``token_ids`` is prompt + output; ``num_computed_tokens`` of them
+have their KV in the cache; the scheduler feeds the rest.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from enum import Enum, auto
+from typing import TYPE_CHECKING, Any
+
+from libs.engine.params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
+
+_seq_ids = itertools.count()
+
+
+class SequenceStatus(Enum):
+    WAITING = auto()
+    RUNNING = auto()
+    FINISHED = auto()
+
+
+@dataclass
+class TokenLogprob:
+    """The chosen token's logprob and the top-k alternatives (raw model distribution)."""
+
+    token_id: int
+    logprob: float
+    top_ids: list[int]
+    top_logprobs: list[float]
+
+
+@dataclass
+class KVImport:
+    """KV the caller loaded from elsewhere (the pool) for a sequence's leading blocks.
+
+    ``staging`` holds ``len(block_indices)`` blocks in pool layout; ``block_indices[i]`` is
+    the index (in the sequence) of block ``staging[i]``, a contiguous run starting at some
+    block. ``num_tokens`` is how many tokens those blocks cover (the last may be partial).
+    ``release`` is called once the blocks have been copied into the cache (or dropped).
+    """
+
+    staging: "torch.Tensor"
+    first_block: int
+    num_blocks: int
+    num_tokens: int
+    release: Any = None
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    index: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: tuple[int, ...] = ()
+    arrival_time: float = field(default_factory=time.monotonic)
+    seq_id: int = field(default_factory=lambda: next(_seq_ids))
+
+    def __post_init__(self) -> None:
+        self.token_ids: list[int] = list(self.prompt_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+        self.status = SequenceStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens found in the local prefix cache
+        self.num_imported_tokens = 0  # prompt tokens whose KV was loaded from the pool
+        self.block_table: list[int] = []
+        self.block_keys: list[bytes] = []  # chain keys of this sequence's full blocks, in order
+        self.num_committed_blocks = 0  # leading blocks already published to the prefix cache
+        self.finish_reason: str | None = None
+        self.logprobs: list[TokenLogprob] = []
+        self.generator: "torch.Generator | None" = None
+        self.pending_forks = 0  # siblings to fork off when the prompt's first token is sampled
+        self.kv_import: KVImport | None = None
+        self.export_kv = False  # prefill role: gather the prompt's KV before freeing
+        self.exported_kv: Any = None  # the gathered KV (engine.ExportedKV) once finished
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+        self.new_token_ids: list[int] = []  # produced since the last output was reported
+        self.new_logprobs: list[TokenLogprob] = []
+        self.was_preempted = False
+        self.capture_logits = False  # keep the first sampled row's logits (tests, debugging)
+        self.captured_logits: "torch.Tensor | None" = None
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def append_token(self, token_id: int, logprob: TokenLogprob | None) -> None:
+        self.token_ids.append(token_id)
+        self.new_token_ids.append(token_id)
+        if logprob is not None:
+            self.logprobs.append(logprob)
+            self.new_logprobs.append(logprob)
+
+    def check_stop(self, max_model_len: int) -> str | None:
+        """Why generation should stop after the last appended token, or None."""
+        p = self.params
+        last = self.token_ids[-1]
+        n_out = self.num_output_tokens
+        if n_out >= p.min_tokens:
+            if not p.ignore_eos and last in self.eos_token_ids:
+                return "stop"
+            if last in p.stop_token_ids:
+                return "stop"
+        if p.max_tokens is not None and n_out >= p.max_tokens:
+            return "length"
+        if self.num_tokens >= max_model_len:
+            return "length"
+        return None
+
+    def take_new(self) -> tuple[list[int], list[TokenLogprob]]:
+        ids, lps = self.new_token_ids, self.new_logprobs
+        self.new_token_ids, self.new_logprobs = [], []
+        return ids, lps

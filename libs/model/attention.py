@@ -1,0 +1,104 @@
+"""The attention backend interface: the one seam between the model and its attention kernels.
+
+The model computes q, k and v and hands them, with one layer's K/V cache views and the
+step's ``AttentionMetadata``, to a backend. The backend writes k and v into their cache
+slots and attends over each sequence's paged context. Backends differ only in the
+kernels they call: ``TorchAttentionBackend`` uses the torch references (the CPU path),
+``TritonAttentionBackend`` the Triton kernels (CUDA). Both come from kernels/attention
+with identical signatures, so the model never changes.
+
+A step's batch is laid out decode-first: the first ``num_decodes`` sequences have exactly
+one query token each, the rest are prefill chunks (chunked prefill shares the batch).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step inputs that every layer's attention shares (built once by the model runner).
+
+    Tensors live on the model's device. Decode sequences come first.
+    """
+
+    slot_mapping: torch.Tensor  # [T] int64: block_id * block_size + offset of each token
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    seq_lens: torch.Tensor  # [B] int32: context length including this step's tokens
+    query_start_loc: torch.Tensor  # [B - num_decodes + 1] int32, relative to the first prefill token
+    num_decodes: int
+    num_prefill_tokens: int
+    max_seq_len: int = 0  # host-side bound, lets kernels size their grids without a sync
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return self.num_decodes
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def __call__(
+        self,
+        q: torch.Tensor,  # [T, num_heads, head_dim]
+        k: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        v: torch.Tensor,
+        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor: ...
+
+
+class PagedAttention:
+    """Store this step's K/V, then run the decode kernel on the decode rows and the prefill
+    kernel on the rest. ``kernels`` is a module-like object with the three functions."""
+
+    def __init__(self, name: str, store_kv: Callable, decode: Callable, prefill: Callable):
+        self.name = name
+        self._store_kv = store_kv
+        self._decode = decode
+        self._prefill = prefill
+
+    def __call__(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        self._store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        nd = meta.num_decodes
+        if meta.num_prefill_tokens == 0:
+            return self._decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
+        if nd == 0:
+            return self._prefill(
+                q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale
+            )
+        out = torch.empty_like(q)
+        out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale)
+        out[nd:] = self._prefill(
+            q[nd:], k_cache, v_cache, meta.block_tables[nd:], meta.query_start_loc, meta.seq_lens[nd:], scale
+        )
+        return out
+
+
+def torch_backend() -> PagedAttention:
+    from kernels.attention import reference as ref
+
+    return PagedAttention("torch", ref.store_kv, ref.paged_decode_attention, ref.paged_prefill_attention)
+
+
+def triton_backend() -> PagedAttention:
+    from kernels.attention import triton_attention as tri
+
+    return PagedAttention("triton", tri.store_kv, tri.paged_decode_attention, tri.paged_prefill_attention)
+
+
+def make_backend(name: str, device: torch.device) -> PagedAttention:
+    """``auto`` picks Triton on CUDA and the torch reference elsewhere."""
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "torch"
+    if name == "torch":
+        return torch_backend()
+    if name == "triton":
+        return triton_backend()
+    raise ValueError(f"unknown attention backend {name!r} (torch, triton, auto)")

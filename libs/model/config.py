@@ -1,0 +1,87 @@
+"""Architecture hyper-parameters of a Llama-family decoder, whatever file they came from."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+# Families that share the Llama block: RMSNorm, rotary attention with GQA, SwiGLU MLP.
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2: biases on q, k and v
+    # Llama 3.x "llama3" rope scaling; None for plain rope.
+    rope_scaling: dict[str, Any] | None = field(default=None, hash=False, compare=False)
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported architecture {self.architecture!r}; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+            )
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> "ModelConfig":
+        """From a Hugging Face ``config.json``."""
+        model_type = cfg.get("model_type", "llama")
+        arch = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}.get(model_type)
+        if arch is None:
+            raise ValueError(f"unsupported model_type {model_type!r} in config.json")
+        heads = cfg["num_attention_heads"]
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+        scaling = cfg.get("rope_scaling")
+        if scaling is not None:
+            kind = scaling.get("rope_type", scaling.get("type"))
+            if kind not in ("llama3", "default"):
+                raise ValueError(f"unsupported rope_scaling type {kind!r}")
+            scaling = None if kind == "default" else dict(scaling)
+        max_pos = cfg.get("max_position_embeddings", 4096)
+        window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+        if arch == "mistral" and window:
+            # Sliding-window attention is not implemented; within the window it is plain
+            # causal attention, so the context is capped there instead of being wrong.
+            max_pos = min(max_pos, window)
+        return cls(
+            architecture=arch,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads", heads),
+            head_dim=head_dim,
+            max_position_embeddings=max_pos,
+            rope_theta=float(cfg.get("rope_theta", 10000.0)),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", arch == "qwen2")),
+            rope_scaling=scaling,
+            name=cfg.get("_name_or_path", ""),
+        )

@@ -1,0 +1,190 @@
+"""A Llama-family decoder over a paged KV cache, readable top to bottom (after gpt-fast).
+
+Covers Llama 1-3, SmolLM, Mistral (within its sliding window) and Qwen2 (qkv bias).
+Tokens of all sequences in a step are flattened into one ``[T]`` batch; everything
+per-sequence (which cache blocks, which positions attend to which) is in the
+``AttentionMetadata`` and handled by the attention backend.
+
+Projections are fused where the math allows (q/k/v into one matmul, gate/up into one):
+fewer, larger matmuls are faster on every device, and the result is identical.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from libs.model.attention import AttentionMetadata, PagedAttention
+from libs.model.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 whatever the model dtype, as the reference implementation does.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    s = cfg.rope_scaling
+    if s is None:
+        return inv
+    # Llama 3.x: long wavelengths are slowed by `factor`, short ones kept, smooth between.
+    factor, low, high = s["factor"], s.get("low_freq_factor", 1.0), s.get("high_freq_factor", 4.0)
+    old_ctx = s["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > low_wavelen, inv / factor, inv)
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for every position, rotating the two halves of each head (HF layout)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        t = torch.arange(cfg.max_position_embeddings, dtype=torch.float32)
+        freqs = torch.outer(t, rope_inv_freq(cfg))
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos = self.cos[positions].to(q.dtype).unsqueeze(1)  # [T, 1, D]
+        sin = self.sin[positions].to(q.dtype).unsqueeze(1)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend: PagedAttention):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
+        self.scale = cfg.head_dim**-0.5
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.backend = backend
+        self.k_cache: torch.Tensor | None = None  # [num_blocks, block_size, kv_heads, head_dim] views
+        self.v_cache: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, meta: AttentionMetadata) -> torch.Tensor:
+        T = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(T, self.num_heads, self.head_dim)
+        k = k.view(T, self.num_kv_heads, self.head_dim)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
+        q, k = rotary(positions, q, k)
+        o = self.backend(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
+        return self.o_proj(o.reshape(T, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.intermediate = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend: PagedAttention):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, backend)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, h: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, meta: AttentionMetadata) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), positions, rotary, meta)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend: PagedAttention):
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.rotary = RotaryEmbedding(cfg)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, backend) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def bind_kv_cache(self, cache: torch.Tensor) -> None:
+        """Point every layer at its K/V views of the block-major cache
+        ``[num_blocks, layers, 2, block_size, kv_heads, head_dim]`` (libs/kvpool/layout.py)."""
+        if cache.shape[1] != len(self.layers):
+            raise ValueError(f"cache has {cache.shape[1]} layers, model has {len(self.layers)}")
+        for i, layer in enumerate(self.layers):
+            layer.self_attn.k_cache = cache[:, i, 0]
+            layer.self_attn.v_cache = cache[:, i, 1]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Final hidden states ``[T, hidden]`` for the flattened tokens of a step."""
+        h = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            h = layer(h, positions, self.rotary, meta)
+        return self.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits ``[S, vocab]`` for the rows that are sampled."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    @torch.no_grad()
+    def load_hf_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Copy a Hugging Face-named state dict in, fusing q/k/v and gate/up."""
+        own = dict(self.named_parameters())
+        used: set[str] = set()
+
+        def take(name: str) -> torch.Tensor:
+            if name not in state:
+                raise KeyError(f"weight {name!r} missing from checkpoint")
+            used.add(name)
+            return state[name]
+
+        def put(name: str, value: torch.Tensor) -> None:
+            if own[name].shape != value.shape:
+                raise ValueError(f"{name}: checkpoint shape {tuple(value.shape)} != model {tuple(own[name].shape)}")
+            own[name].copy_(value)
+
+        put("embed_tokens.weight", take("model.embed_tokens.weight"))
+        put("norm.weight", take("model.norm.weight"))
+        if self.lm_head is not None:
+            put("lm_head.weight", take("lm_head.weight"))
+        for i in range(len(self.layers)):
+            p, m = f"layers.{i}.", f"model.layers.{i}."
+            put(p + "input_layernorm.weight", take(m + "input_layernorm.weight"))
+            put(p + "post_attention_layernorm.weight", take(m + "post_attention_layernorm.weight"))
+            a = m + "self_attn."
+            put(p + "self_attn.qkv_proj.weight", torch.cat([take(a + f"{x}_proj.weight") for x in "qkv"]))
+            if self.config.attention_bias:
+                put(p + "self_attn.qkv_proj.bias", torch.cat([take(a + f"{x}_proj.bias") for x in "qkv"]))
+            put(p + "self_attn.o_proj.weight", take(a + "o_proj.weight"))
+            put(p + "mlp.gate_up_proj.weight", torch.cat([take(m + "mlp.gate_proj.weight"), take(m + "mlp.up_proj.weight")]))
+            put(p + "mlp.down_proj.weight", take(m + "mlp.down_proj.weight"))
+        unused = set(state) - used - {"lm_head.weight"}
+        if unused:
+            raise ValueError(f"checkpoint has weights the model does not use: {sorted(unused)[:5]}")

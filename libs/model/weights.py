@@ -1,0 +1,155 @@
+"""Reading weights: GGUF files (dequantized) and Hugging Face safetensors folders.
+
+Both readers return a state dict in Hugging Face parameter names
+(``model.layers.0.self_attn.q_proj.weight`` ...), float32 on the CPU, so the model
+code has one naming scheme whatever the source.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+
+from libs.model.config import ModelConfig
+
+_GGUF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GGUF_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+def gguf_metadata(reader: Any) -> dict[str, Any]:
+    """All key/value fields of a ``gguf.GGUFReader`` as plain Python values."""
+    return {name: f.contents() for name, f in reader.fields.items() if not name.startswith("GGUF.")}
+
+
+def gguf_config(meta: dict[str, Any]) -> ModelConfig:
+    arch = meta["general.architecture"]
+    if arch not in ("llama", "qwen2", "mistral"):
+        raise ValueError(f"unsupported GGUF architecture {arch!r}")
+    p = f"{arch}."
+    heads = int(meta[p + "attention.head_count"])
+    hidden = int(meta[p + "embedding_length"])
+    head_dim = int(meta.get(p + "attention.key_length", hidden // heads))
+    vocab = meta.get(p + "vocab_size") or len(meta["tokenizer.ggml.tokens"])
+    scaling = None
+    if meta.get(p + "rope.scaling.type") not in (None, "none"):
+        raise ValueError(f"unsupported GGUF rope scaling {meta[p + 'rope.scaling.type']!r}")
+    return ModelConfig(
+        architecture="qwen2" if arch == "qwen2" else "llama",
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(meta[p + "feed_forward_length"]),
+        num_layers=int(meta[p + "block_count"]),
+        num_heads=heads,
+        num_kv_heads=int(meta.get(p + "attention.head_count_kv", heads)),
+        head_dim=head_dim,
+        max_position_embeddings=int(meta.get(p + "context_length", 4096)),
+        rope_theta=float(meta.get(p + "rope.freq_base", 10000.0)),
+        rms_norm_eps=float(meta.get(p + "attention.layer_norm_rms_epsilon", 1e-5)),
+        tie_word_embeddings=False,  # decided from the tensors present, below
+        attention_bias=arch == "qwen2",
+        rope_scaling=scaling,
+        name=str(meta.get("general.name", "")),
+    )
+
+
+def unpermute_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's Q/K row permutation for interleaved rope (back to the HF layout).
+
+    llama.cpp's converter reorders each head's rows from [half0, half1] to interleaved
+    pairs so its rope can rotate adjacent elements; our rope (like HF's) rotates the two
+    halves, so the rows must be put back. Applies to weights and biases alike.
+    """
+    out_dim = w.shape[0]
+    half = out_dim // n_heads // 2
+    return w.reshape(n_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def read_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], dict[str, Any]]:
+    """Config, float32 state dict (HF names) and raw metadata of a GGUF file."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    meta = gguf_metadata(reader)
+    cfg = gguf_config(meta)
+    state: dict[str, torch.Tensor] = {}
+    for t in reader.tensors:
+        name = _gguf_to_hf_name(t.name)
+        if name is None:
+            continue
+        arr = gguf.quants.dequantize(t.data, t.tensor_type)
+        # GGUF lists dims fastest-first; dequantize already returns [out, in].
+        tensor = torch.from_numpy(np.require(arr, np.float32, ["C_CONTIGUOUS", "WRITEABLE"]))
+        if meta["general.architecture"] == "llama":
+            if name.endswith("q_proj.weight") or name.endswith("q_proj.bias"):
+                tensor = unpermute_rope(tensor, cfg.num_heads)
+            elif name.endswith("k_proj.weight") or name.endswith("k_proj.bias"):
+                tensor = unpermute_rope(tensor, cfg.num_kv_heads)
+        state[name] = tensor
+    tied = "lm_head.weight" not in state
+    cfg = _replace(cfg, tie_word_embeddings=tied)
+    return cfg, state, meta
+
+
+def _gguf_to_hf_name(name: str) -> str | None:
+    if name in _GGUF_GLOBAL_NAMES:
+        return _GGUF_GLOBAL_NAMES[name]
+    if name.startswith("blk."):
+        _, layer, kind, suffix = name.split(".", 3)
+        if kind in _GGUF_LAYER_NAMES:
+            return f"model.layers.{layer}.{_GGUF_LAYER_NAMES[kind]}.{suffix}"
+    if name == "rope_freqs.weight":
+        return None  # Llama 3 rope factors: recomputed from the config
+    raise ValueError(f"unexpected tensor {name!r} in GGUF file")
+
+
+def read_hf_folder(folder: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Config and float32 state dict of a Hugging Face checkpoint folder (*.safetensors)."""
+    from safetensors import safe_open
+
+    cfg_json = json.loads((folder / "config.json").read_text())
+    cfg = ModelConfig.from_hf(cfg_json)
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {folder}")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as sf:
+            for key in sf.keys():
+                if key.endswith("rotary_emb.inv_freq"):
+                    continue
+                state[key] = sf.get_tensor(key).to(torch.float32)
+    if "lm_head.weight" not in state and not cfg.tie_word_embeddings:
+        cfg = _replace(cfg, tie_word_embeddings=True)
+    return cfg, state
+
+
+def weight_files(path: Path) -> Iterator[Path]:
+    """The files whose bytes define the weights (what the fingerprint hashes)."""
+    if path.is_file():
+        yield path
+    else:
+        yield from sorted(path.glob("*.safetensors"))
+
+
+def _replace(cfg: ModelConfig, **changes: Any) -> ModelConfig:
+    from dataclasses import replace
+
+    return replace(cfg, **changes)

@@ -1,0 +1,70 @@
+"""Models for tests: the real embedded SmolLM2 (loaded once per session) and a tiny random
+Llama for fast scheduler and block-manager tests."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import torch
+
+from libs.engine import EngineConfig, LLMEngine
+from libs.model import LoadedModel, ModelFingerprint, default_model_path
+from libs.model.attention import torch_backend
+from libs.model.config import ModelConfig
+from libs.model.llama import LlamaModel
+from libs.model.loader import load_tokenizer
+
+RAW_PROMPTS = [
+    "The quick brown fox",
+    "Once upon a time, in a small village by the sea,",
+    "def fibonacci(n):",
+    "The capital of Japan is",
+    "List three colors: red,",
+    "In 1969, the first humans",
+    "import numpy as np\nx = np.array([1, 2, 3])\nprint(",
+    "Water boils at a temperature of",
+    "My favourite recipe for pancakes starts with",
+]
+CHAT_PROMPTS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "user", "content": "Write a haiku about the sea."}],
+    [
+        {"role": "system", "content": "You are a terse assistant."},
+        {"role": "user", "content": "Name two prime numbers."},
+        {"role": "assistant", "content": "2 and 3."},
+        {"role": "user", "content": "Two more?"},
+    ],
+]
+
+
+@functools.lru_cache(maxsize=1)
+def tiny_config() -> ModelConfig:
+    return ModelConfig(
+        architecture="llama", vocab_size=49152, hidden_size=64, intermediate_size=128, num_layers=2,
+        num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=2048, rope_theta=10000.0,
+        tie_word_embeddings=True,
+    )
+
+
+def tiny_loaded(seed: int = 0) -> LoadedModel:
+    """A 2-layer random Llama with the real tokenizer: fast, deterministic, same API."""
+    cfg = tiny_config()
+    torch.manual_seed(seed)
+    model = LlamaModel(cfg, torch_backend()).float().eval().requires_grad_(False)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.5)
+    return LoadedModel(
+        name="tiny", path=Path("tiny"), config=cfg, model=model, tokenizer=load_tokenizer(None),
+        fingerprint=ModelFingerprint(f"tiny-{seed}", "float32"), dtype=torch.float32, device=torch.device("cpu"),
+    )
+
+
+def tiny_engine(**overrides) -> LLMEngine:
+    cfg = EngineConfig(device="cpu", dtype="float32", **{"num_blocks": 64, **overrides})
+    return LLMEngine(cfg, loaded=tiny_loaded())
+
+
+def real_model_path() -> Path:
+    return default_model_path()
