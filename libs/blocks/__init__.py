@@ -4,9 +4,10 @@ from libs.blocks.keys import (
     KEY_BYTES,
     BlockKey,
     Namespace,
+    NamespaceRoot,
     block_keys,
     chain_key,
     full_block_keys,
 )
 
-__all__ = ["KEY_BYTES", "BlockKey", "Namespace", "block_keys", "chain_key", "full_block_keys"]
+__all__ = ["KEY_BYTES", "BlockKey", "Namespace", "NamespaceRoot", "block_keys", "chain_key", "full_block_keys"]

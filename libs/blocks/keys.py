@@ -92,6 +92,28 @@ class Namespace:
 
 
 @dataclass(frozen=True)
+class NamespaceRoot:
+    """A namespace known only by its digest and block size: what an instance registers.
+
+    Enough to compute keys (``block_keys`` only needs these two), for processes that never
+    see the model (the router)."""
+
+    digest: bytes
+    block_size: int
+
+    @classmethod
+    def from_hex(cls, text: str, block_size: int) -> "NamespaceRoot":
+        digest = bytes.fromhex(text)
+        if len(digest) != KEY_BYTES or block_size <= 0:
+            raise ValueError("a namespace root is 16 bytes of hex and a positive block size")
+        return cls(digest, block_size)
+
+    @property
+    def hex(self) -> str:
+        return self.digest.hex()
+
+
+@dataclass(frozen=True)
 class BlockKey:
     """One block's key. ``num_tokens < block_size`` exactly when ``partial``."""
 
@@ -122,7 +144,7 @@ class BlockKey:
 
 
 def block_keys(
-    namespace: Namespace, token_ids: Sequence[int], *, include_partial: bool = True
+    namespace: Namespace | NamespaceRoot, token_ids: Sequence[int], *, include_partial: bool = True
 ) -> list[BlockKey]:
     """Keys of every block of ``token_ids``: full blocks, then the partial tail if any."""
     bs = namespace.block_size
@@ -138,6 +160,6 @@ def block_keys(
     return keys
 
 
-def full_block_keys(namespace: Namespace, token_ids: Sequence[int]) -> list[bytes]:
+def full_block_keys(namespace: Namespace | NamespaceRoot, token_ids: Sequence[int]) -> list[bytes]:
     """Digests of the full blocks only: what a prefix cache indexes."""
     return [k.digest for k in block_keys(namespace, token_ids, include_partial=False)]

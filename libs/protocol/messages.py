@@ -275,6 +275,8 @@ class RegisterInstance(Message, version=1):
         model: the served model's name.
         namespace: the block-key namespace (hex); instances share blocks only within one.
         max_model_len: longest prompt + completion the instance accepts, >= 1.
+        block_size: tokens per KV block; with ``namespace`` it lets the router compute
+            block keys (libs.blocks.NamespaceRoot) without loading the model.
     """
 
     instance_id: str
@@ -283,10 +285,12 @@ class RegisterInstance(Message, version=1):
     model: str
     namespace: str
     max_model_len: int
+    block_size: int = 16
 
     def validate(self) -> None:
         check(len(self.instance_id) > 0, "instance_id", "must not be empty")
         check(self.max_model_len >= 1, "max_model_len", "must be >= 1")
+        check(self.block_size >= 1, "block_size", "must be >= 1")
 
 
 @dataclass(kw_only=True)
