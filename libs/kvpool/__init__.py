@@ -1,54 +1,12 @@
-"""The KV block pool: block layout and codec, the pool client (Redis, and an in-memory twin), the async writer.
+"""The KV block pool. One module per job; import from the module (nothing is re-exported, so
+that a process which only needs the pool client, like cache_store, never loads torch):
 
 - layout.py      KVLayout: the byte layout of one block, shared with the engine and kernels
-- codec.py       BlockCodec: one value per block, header + checksummed payload
+- header.py      the value format: header fields, inspect_block, BlockDecodeError (no torch)
+- codec.py       BlockCodec: encode/decode a block between staging tensors and values
 - pool.py        BlockPool: the interface, block ids, errors, stats
 - config.py      PoolConfig: URL, password, key prefix, batching, timeouts, retries
 - redis_pool.py  RedisPool: the client on Redis, and the pool's Redis schema
 - memory.py      MemoryPool: the in-memory twin with fault injection, for unit tests
 - writer.py      AsyncWriter: begin -> submit* -> wait_all_done
 """
-
-from libs.kvpool.codec import DECODE_REASONS, BlockCodec, BlockDecodeError, BlockHeader, inspect_block
-from libs.kvpool.config import PoolConfig
-from libs.kvpool.layout import LAYOUT_VERSION, KVLayout
-from libs.kvpool.memory import MemoryPool
-from libs.kvpool.pool import (
-    BlockPool,
-    EvictResult,
-    PoolError,
-    PoolStats,
-    PoolUnavailable,
-    PutError,
-    block_id,
-    parse_block_id,
-)
-from libs.kvpool.redis_pool import RedisPool
-from libs.kvpool.writer import AsyncWriter, SessionCancelled, WriteFailed, WriteReport, WriterClosed, WriteSession
-
-__all__ = [
-    "DECODE_REASONS",
-    "LAYOUT_VERSION",
-    "AsyncWriter",
-    "BlockCodec",
-    "BlockDecodeError",
-    "BlockHeader",
-    "BlockPool",
-    "EvictResult",
-    "KVLayout",
-    "MemoryPool",
-    "PoolConfig",
-    "PoolError",
-    "PoolStats",
-    "PoolUnavailable",
-    "PutError",
-    "RedisPool",
-    "SessionCancelled",
-    "WriteFailed",
-    "WriteReport",
-    "WriteSession",
-    "WriterClosed",
-    "block_id",
-    "inspect_block",
-    "parse_block_id",
-]

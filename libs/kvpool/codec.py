@@ -1,132 +1,39 @@
-"""The byte format of one pool value: a fixed header, then one block's KV payload.
+"""Encode and decode one block's KV between a staging tensor and a pool value.
 
-One value holds one block: all layers, K and V (DESIGN.md, "Block values"), so a block is
-written, read and evicted atomically. Layout, little-endian::
-
-    offset  size  field
-         0     4  magic            b"TPKV"
-         4     2  layout version   LAYOUT_VERSION of libs/kvpool/layout.py
-         6     2  dtype code       DTYPE_CODES below (a fixed table, never torch's enum)
-         8     2  num_layers
-        10     2  num_kv_heads
-        12     2  head_dim
-        14     2  num_tokens       1..block_size; a partial block of m tokens stores m
-        16     8  checksum         xxh3_64 of the payload (27 GB/s here; crc32 is 4 GB/s)
-        24     -  payload          [layers, 2 (K/V), num_tokens, kv_heads, head_dim]
-
-The payload order is the engine's block-major cache order with the token axis cut to
-``num_tokens``, so a full block is one contiguous copy out of (and back into) pinned
-staging. The header is 24 bytes, so the payload starts 8-byte aligned.
-
-Decoding checks the header against the reader's own :class:`KVLayout` and verifies the
-checksum; any mismatch raises :class:`BlockDecodeError` whose ``reason`` comes from the
-fixed set :data:`DECODE_REASONS`. Readers turn it into a cache miss labelled
-``corrupt:<reason>`` (metrics, traces), never into garbage in the cache. The order of the
-checks makes every single corrupted byte detectable: header fields the reader knows
-(magic, version, dtype, shape) are compared with its layout, the token count is
-range-checked and must agree with the value's length, and the payload is checksummed.
+The value format (header fields, payload order, checksum) is in libs/kvpool/header.py.
+Decoding checks the header against the reader's own :class:`KVLayout`, in an order that
+makes every single corrupted byte detectable: the fields the reader knows (magic,
+version, dtype, shape) are compared with its layout, the token count is range-checked and
+must agree with the value's length, and the payload is checksummed. Any mismatch raises
+:class:`~libs.kvpool.header.BlockDecodeError` before the staging tensor is touched.
 """
 
 from __future__ import annotations
-
-import struct
-from dataclasses import dataclass
-from typing import Final, Literal, Union, get_args
 
 import numpy as np
 import torch
 import xxhash
 
+from libs.kvpool.header import (
+    DTYPE_CODES,
+    DTYPES,
+    HEADER,
+    HEADER_NBYTES,
+    MAGIC,
+    BlockDecodeError,
+    Buffer,
+    check_body,
+    unpack_header,
+)
 from libs.kvpool.layout import LAYOUT_VERSION, KVLayout
 
-MAGIC: Final = b"TPKV"
-_HEADER = struct.Struct("<4sHHHHHHQ")
-HEADER_NBYTES: Final = _HEADER.size
 
-# Fixed on-the-wire dtype codes: torch's own enum values are not a stable format.
-DTYPE_CODES: Final[dict[torch.dtype, int]] = {
-    torch.float32: 1,
-    torch.float16: 2,
-    torch.bfloat16: 3,
-    torch.float8_e4m3fn: 4,
-    torch.float8_e5m2: 5,
-}
-_DTYPES_BY_CODE: Final = {code: dtype for dtype, code in DTYPE_CODES.items()}
-
-DecodeReason = Literal["truncated", "magic", "version", "dtype", "shape", "tokens", "length", "checksum"]
-DECODE_REASONS: Final[tuple[str, ...]] = get_args(DecodeReason)
-
-# Anything the buffer protocol can hand to a socket or to xxhash without a copy.
-Buffer = Union[bytes, bytearray, memoryview]
-
-
-class BlockDecodeError(ValueError):
-    """A value that is not a usable block for this reader; ``reason`` is one of DECODE_REASONS."""
-
-    def __init__(self, reason: DecodeReason, message: str) -> None:
-        super().__init__(f"{reason}: {message}")
-        self.reason: DecodeReason = reason
-
-
-@dataclass(frozen=True)
-class BlockHeader:
-    """The decoded header of a value (its checksum already verified where it came from)."""
-
-    version: int
-    dtype: torch.dtype
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    num_tokens: int
-    checksum: int
-
-    @property
-    def payload_nbytes(self) -> int:
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        return self.num_layers * 2 * self.num_tokens * self.num_kv_heads * self.head_dim * elem
-
-
-def _unpack(value: Buffer) -> tuple[bytes, int, int, int, int, int, int, int]:
-    if len(value) < HEADER_NBYTES:
-        raise BlockDecodeError("truncated", f"value has {len(value)} bytes, the header alone is {HEADER_NBYTES}")
-    fields = _HEADER.unpack_from(value, 0)
-    if fields[0] != MAGIC:
-        raise BlockDecodeError("magic", f"magic is {fields[0]!r}, expected {MAGIC!r}")
-    if fields[1] != LAYOUT_VERSION:
-        raise BlockDecodeError("version", f"layout version {fields[1]}, this reader knows {LAYOUT_VERSION}")
-    return fields
-
-
-def _check_body(value: Buffer, payload_nbytes: int, checksum: int) -> None:
-    """Length exactly header + payload, then the payload checksum."""
-    expected = HEADER_NBYTES + payload_nbytes
-    if len(value) < expected:
-        raise BlockDecodeError("truncated", f"value has {len(value)} bytes, header says {expected}")
-    if len(value) > expected:
-        raise BlockDecodeError("length", f"value has {len(value)} bytes, header says {expected}")
-    actual = xxhash.xxh3_64_intdigest(memoryview(value)[HEADER_NBYTES:])
-    if actual != checksum:
-        raise BlockDecodeError("checksum", f"payload checksum {actual:016x}, header says {checksum:016x}")
-
-
-def inspect_block(value: Buffer) -> BlockHeader:
-    """Validate a value without knowing the model: what cache_store checks on PUT.
-
-    Checks magic, version, a known dtype, non-zero dimensions, the length the header
-    implies, and the checksum. It cannot check the shape against a model; readers do
-    that in :meth:`BlockCodec.decode`.
-    """
-    _, version, code, layers, heads, dim, tokens, checksum = _unpack(value)
-    dtype = _DTYPES_BY_CODE.get(code)
-    if dtype is None:
-        raise BlockDecodeError("dtype", f"unknown dtype code {code}")
-    if not (layers and heads and dim):
-        raise BlockDecodeError("shape", f"zero dimension in layers={layers} kv_heads={heads} head_dim={dim}")
-    if tokens == 0:
-        raise BlockDecodeError("tokens", "token count is 0")
-    header = BlockHeader(version, dtype, layers, heads, dim, tokens, checksum)
-    _check_body(value, header.payload_nbytes, checksum)
-    return header
+def dtype_code(dtype: torch.dtype) -> int:
+    """The header's code for ``dtype``; ``ValueError`` if the pool has no encoding for it."""
+    code = DTYPE_CODES.get(str(dtype).removeprefix("torch."))
+    if code is None:
+        raise ValueError(f"dtype {dtype} has no pool encoding; known: {sorted(DTYPE_CODES)}")
+    return code
 
 
 class BlockCodec:
@@ -137,13 +44,11 @@ class BlockCodec:
     """
 
     def __init__(self, layout: KVLayout) -> None:
-        if layout.dtype not in DTYPE_CODES:
-            raise ValueError(f"dtype {layout.dtype} has no pool encoding; known: {list(DTYPE_CODES)}")
+        self._code = dtype_code(layout.dtype)
         for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
             if getattr(layout, name) > 0xFFFF:
                 raise ValueError(f"KVLayout.{name}={getattr(layout, name)} does not fit the 16-bit header field")
         self.layout = layout
-        self._code = DTYPE_CODES[layout.dtype]
         self._token_nbytes = layout.num_kv_heads * layout.head_dim * layout.element_size
 
     def payload_nbytes(self, num_tokens: int) -> int:
@@ -184,7 +89,7 @@ class BlockCodec:
                 block[:, :, :num_tokens]
             )
         checksum = xxhash.xxh3_64_intdigest(memoryview(out)[HEADER_NBYTES:])
-        _HEADER.pack_into(
+        HEADER.pack_into(
             out, 0, MAGIC, LAYOUT_VERSION, self._code,
             lay.num_layers, lay.num_kv_heads, lay.head_dim, num_tokens, checksum,
         )
@@ -202,21 +107,24 @@ class BlockCodec:
         if out.device.type != "cpu" or not out.is_contiguous():
             raise ValueError("out must be a contiguous CPU tensor (a staging slot)")
         lay = self.layout
-        _, _, code, layers, heads, dim, tokens, checksum = _unpack(value)
-        if code != self._code:
-            got = _DTYPES_BY_CODE.get(code, f"unknown code {code}")
+        h = unpack_header(value)
+        if h.version != LAYOUT_VERSION:
+            raise BlockDecodeError("version", f"layout version {h.version}, this reader knows {LAYOUT_VERSION}")
+        if h.dtype_code != self._code:
+            got = DTYPES.get(h.dtype_code, (f"unknown code {h.dtype_code}",))[0]
             raise BlockDecodeError("dtype", f"value holds {got}, reader expects {lay.dtype}")
-        if (layers, heads, dim) != (lay.num_layers, lay.num_kv_heads, lay.head_dim):
+        if (h.num_layers, h.num_kv_heads, h.head_dim) != (lay.num_layers, lay.num_kv_heads, lay.head_dim):
             raise BlockDecodeError(
                 "shape",
-                f"value is layers={layers} kv_heads={heads} head_dim={dim}, reader expects "
-                f"layers={lay.num_layers} kv_heads={lay.num_kv_heads} head_dim={lay.head_dim}",
+                f"value is layers={h.num_layers} kv_heads={h.num_kv_heads} head_dim={h.head_dim}, reader "
+                f"expects layers={lay.num_layers} kv_heads={lay.num_kv_heads} head_dim={lay.head_dim}",
             )
+        tokens = h.num_tokens
         if not 1 <= tokens <= lay.block_size:
             raise BlockDecodeError("tokens", f"token count {tokens} outside [1, {lay.block_size}]")
         if expected_tokens is not None and tokens != expected_tokens:
             raise BlockDecodeError("tokens", f"value holds {tokens} tokens, key says {expected_tokens}")
-        _check_body(value, self.payload_nbytes(tokens), checksum)
+        check_body(value, h)
         # numpy views: the value is usually read-only ``bytes``, which torch.frombuffer
         # accepts only with a warning; numpy reads it without a copy and without one.
         row = self._token_nbytes

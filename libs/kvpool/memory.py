@@ -24,7 +24,7 @@ import time
 from collections import Counter, OrderedDict
 from typing import Awaitable, Callable, Sequence
 
-from libs.kvpool.codec import Buffer
+from libs.kvpool.header import Buffer
 from libs.kvpool.pool import BlockPool, EvictResult, PoolStats, PoolUnavailable, PutError
 
 FaultHook = Callable[[str, Sequence[str]], Awaitable[None]]

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, Sequence, Union, get_args
 
 from libs.blocks.keys import KEY_BYTES, BlockKey, Namespace
-from libs.kvpool.codec import Buffer
+from libs.kvpool.header import Buffer
 
 NamespaceLike = Union[Namespace, str]
 KeyLike = Union[BlockKey, str]

@@ -3,7 +3,7 @@
 Schema. With ``P`` the configured key prefix and a *block id* ``<namespace hex>:<block key>``
 (libs/kvpool/pool.py)::
 
-    P:kv:<block id>    string  the encoded block (libs/kvpool/codec.py)
+    P:kv:<block id>    string  the encoded block (libs/kvpool/header.py)
     P:lru              zset    block id -> last write/read, ms of Redis TIME
     P:size             hash    block id -> value bytes; the blocks the pool accounts for
     P:bytes            string  sum of P:size (value bytes, not Redis overhead)
@@ -53,7 +53,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, OutOfMemoryError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from libs.kvpool.codec import Buffer
+from libs.kvpool.header import Buffer
 from libs.kvpool.config import PoolConfig
 from libs.kvpool.pool import BlockPool, EvictResult, PoolError, PoolStats, PoolUnavailable, PutError
 

@@ -32,7 +32,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
-from libs.kvpool.codec import Buffer
+from libs.kvpool.header import Buffer
 from libs.kvpool.pool import BlockPool, KeyLike, NamespaceLike, PoolError, key_text, namespace_hex
 
 log = logging.getLogger(__name__)

@@ -1,0 +1,135 @@
+"""The byte format of one pool value: a fixed header, then one block's KV payload.
+
+One value holds one block: all layers, K and V (DESIGN.md, "Block values"), so a block is
+written, read and evicted atomically. Layout, little-endian::
+
+    offset  size  field
+         0     4  magic            b"TPKV"
+         4     2  layout version   LAYOUT_VERSION of libs/kvpool/layout.py (never 0)
+         6     2  dtype code       DTYPES below (a fixed table, never torch's enum)
+         8     2  num_layers
+        10     2  num_kv_heads
+        12     2  head_dim
+        14     2  num_tokens       1..block_size; a partial block of m tokens stores m
+        16     8  checksum         xxh3_64 of the payload (27 GB/s here; crc32 is 4 GB/s)
+        24     -  payload          [layers, 2 (K/V), num_tokens, kv_heads, head_dim]
+
+The payload order is the engine's block-major cache order with the token axis cut to
+``num_tokens``, so a full block is one contiguous copy out of (and back into) pinned
+staging. The header is 24 bytes, so the payload starts 8-byte aligned.
+
+This module needs no torch: cache_store validates values with :func:`inspect_block`
+(integrity: magic, known dtype, length, checksum) without knowing any model and without
+loading torch. Readers use :class:`~libs.kvpool.codec.BlockCodec`, which also checks
+compatibility with their own layout (version, dtype, shape, token count). Every failure is
+a :class:`BlockDecodeError` whose ``reason`` is one of :data:`DECODE_REASONS`; readers
+count it as a miss labelled ``corrupt:<reason>`` (metrics, traces).
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import Final, Literal, Union, get_args
+
+import xxhash
+
+MAGIC: Final = b"TPKV"
+HEADER = struct.Struct("<4sHHHHHHQ")
+HEADER_NBYTES: Final = HEADER.size
+
+# Fixed on-the-wire dtype codes -> (torch dtype name, bytes per element).
+DTYPES: Final[dict[int, tuple[str, int]]] = {
+    1: ("float32", 4),
+    2: ("float16", 2),
+    3: ("bfloat16", 2),
+    4: ("float8_e4m3fn", 1),
+    5: ("float8_e5m2", 1),
+}
+DTYPE_CODES: Final[dict[str, int]] = {name: code for code, (name, _) in DTYPES.items()}
+
+DecodeReason = Literal["truncated", "magic", "version", "dtype", "shape", "tokens", "length", "checksum"]
+DECODE_REASONS: Final[tuple[str, ...]] = get_args(DecodeReason)
+
+# Anything the buffer protocol can hand to a socket or to xxhash without a copy.
+Buffer = Union[bytes, bytearray, memoryview]
+
+
+class BlockDecodeError(ValueError):
+    """A value that is not a usable block; ``reason`` is one of DECODE_REASONS."""
+
+    def __init__(self, reason: DecodeReason, message: str) -> None:
+        super().__init__(f"{reason}: {message}")
+        self.reason: DecodeReason = reason
+
+
+@dataclass(frozen=True)
+class BlockHeader:
+    version: int
+    dtype_code: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    num_tokens: int
+    checksum: int
+
+    @property
+    def dtype(self) -> str:
+        """The torch dtype's name (``"bfloat16"``); raises BlockDecodeError for an unknown code."""
+        return _dtype(self.dtype_code)[0]
+
+    @property
+    def payload_nbytes(self) -> int:
+        itemsize = _dtype(self.dtype_code)[1]
+        return self.num_layers * 2 * self.num_tokens * self.num_kv_heads * self.head_dim * itemsize
+
+
+def _dtype(code: int) -> tuple[str, int]:
+    known = DTYPES.get(code)
+    if known is None:
+        raise BlockDecodeError("dtype", f"unknown dtype code {code}")
+    return known
+
+
+def unpack_header(value: Buffer) -> BlockHeader:
+    """The header's fields; checks only that there is one (length, magic)."""
+    if len(value) < HEADER_NBYTES:
+        raise BlockDecodeError("truncated", f"value has {len(value)} bytes, the header alone is {HEADER_NBYTES}")
+    magic, *fields = HEADER.unpack_from(value, 0)
+    if magic != MAGIC:
+        raise BlockDecodeError("magic", f"magic is {magic!r}, expected {MAGIC!r}")
+    return BlockHeader(*fields)
+
+
+def check_body(value: Buffer, header: BlockHeader) -> None:
+    """The value is exactly header + the payload the header describes, and the checksum matches."""
+    expected = HEADER_NBYTES + header.payload_nbytes
+    if len(value) < expected:
+        raise BlockDecodeError("truncated", f"value has {len(value)} bytes, header says {expected}")
+    if len(value) > expected:
+        raise BlockDecodeError("length", f"value has {len(value)} bytes, header says {expected}")
+    actual = xxhash.xxh3_64_intdigest(memoryview(value)[HEADER_NBYTES:])
+    if actual != header.checksum:
+        raise BlockDecodeError("checksum", f"payload checksum {actual:016x}, header says {header.checksum:016x}")
+
+
+def inspect_block(value: Buffer) -> BlockHeader:
+    """Validate a value's integrity without knowing the model: what cache_store checks on PUT.
+
+    Checks magic, a non-zero version, a known dtype, non-zero dimensions and token count,
+    the length the header implies, and the checksum. Compatibility with a model (which
+    version, dtype and shape it reads) is the reader's check, in ``BlockCodec.decode``.
+    """
+    header = unpack_header(value)
+    if header.version == 0:
+        raise BlockDecodeError("version", "layout version 0")
+    _dtype(header.dtype_code)
+    if not (header.num_layers and header.num_kv_heads and header.head_dim):
+        raise BlockDecodeError(
+            "shape",
+            f"zero dimension in layers={header.num_layers} kv_heads={header.num_kv_heads} head_dim={header.head_dim}",
+        )
+    if header.num_tokens == 0:
+        raise BlockDecodeError("tokens", "token count is 0")
+    check_body(value, header)
+    return header
