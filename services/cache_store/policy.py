@@ -1,0 +1,108 @@
+"""The pool's policy loop: reap expired leases, evict to the byte budget, refresh statistics.
+
+Redis runs with ``maxmemory-policy noeviction``, so nothing leaves the pool unless this
+loop (or an explicit DELETE) removes it. Each pass:
+
+1. reaps leases whose TTL passed, so the blocks they pinned become evictable again
+   (before evicting: an expired lease must not keep a block alive for one more pass);
+2. evicts least recently used unleased blocks, ``evict_batch`` per script call so that
+   Redis is never paused for long, until the pool's bytes are within the budget or only
+   pinned blocks are left;
+3. reads the pool-wide statistics that /metrics and /stats serve.
+
+A failing pass (Redis down, restarting, timing out) is counted, logged once per outage and
+retried on the next tick: the loop never exits on an error, and the pool client
+reconnects by itself, so the service recovers without a restart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+from libs.kvpool.pool import BlockPool, PoolError, PoolStats
+
+log = logging.getLogger("tidepool.cache_store.policy")
+
+
+@dataclass
+class PolicyCounters:
+    """What the loop did, for /metrics and /stats. Every field starts at a real zero."""
+
+    passes: int = 0
+    failed_passes: int = 0
+    reaped_leases: int = 0
+    evicted_blocks: int = 0
+    evicted_bytes: int = 0
+    last_error: str | None = None
+    last_pass_s: float = 0.0
+    outages: int = 0
+    errors_by_kind: dict[str, int] = field(default_factory=dict)
+
+
+class PolicyLoop:
+    def __init__(self, pool: BlockPool, *, budget_bytes: int, interval_s: float, evict_batch: int) -> None:
+        self.pool = pool
+        self.budget_bytes = budget_bytes
+        self.interval_s = interval_s
+        self.evict_batch = evict_batch
+        self.counters = PolicyCounters()
+        self.snapshot: PoolStats | None = None  # the latest pool statistics
+        self.redis_up: bool | None = None  # unknown until the first pass
+        self._task: asyncio.Task[None] | None = None
+        self._wake = asyncio.Event()
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="cache_store-policy")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+
+    def poke(self) -> None:
+        """Run the next pass now (after a write that may have crossed the budget)."""
+        self._wake.set()
+
+    async def _run(self) -> None:
+        while True:
+            await self.run_pass()
+            try:
+                await asyncio.wait_for(self._wake.wait(), self.interval_s)
+            except asyncio.TimeoutError:
+                pass
+            self._wake.clear()
+
+    async def run_pass(self) -> bool:
+        """One reap/evict/stats pass; ``False`` (and counted) if the pool failed."""
+        start = time.perf_counter()
+        try:
+            self.counters.reaped_leases += await self.pool.reap_leases()
+            while True:
+                result = await self.pool.evict(self.budget_bytes, self.evict_batch)
+                self.counters.evicted_blocks += result.evicted
+                self.counters.evicted_bytes += result.freed_bytes
+                if result.evicted < self.evict_batch or result.bytes_after <= self.budget_bytes:
+                    break
+            self.snapshot = await self.pool.stats()
+        except PoolError as exc:
+            kind = type(exc).__name__
+            self.counters.failed_passes += 1
+            self.counters.errors_by_kind[kind] = self.counters.errors_by_kind.get(kind, 0) + 1
+            self.counters.last_error = f"{kind}: {exc}"
+            if self.redis_up is not False:  # log once per outage, not once per tick
+                self.counters.outages += 1
+                log.warning("pool unavailable, retrying every %.1fs: %s", self.interval_s, exc)
+            self.redis_up = False
+            return False
+        finally:
+            self.counters.passes += 1
+            self.counters.last_pass_s = time.perf_counter() - start
+        if self.redis_up is False:
+            log.info("pool reachable again")
+        self.redis_up = True
+        return True

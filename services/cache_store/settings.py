@@ -1,0 +1,55 @@
+"""cache_store's knobs: CLI flags and ``TIDEPOOL_*`` variables (services/common/settings.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from libs.kvpool.config import PoolConfig
+from services.common.settings import BaseSettings, setting
+
+
+@dataclass(frozen=True, kw_only=True)
+class CacheStoreSettings(BaseSettings):
+    """Tidepool cache_store: the KV pool's budget, LRU eviction, leases and statistics."""
+
+    port: int = setting(8300, help="TCP port to bind; 0 picks a free one")
+    redis_url: str = setting("redis://127.0.0.1:6379/0", help="the pool's Redis")
+    redis_password: str | None = setting(None, help="Redis password (prefer the env variable)")
+    key_prefix: str = setting("tidepool", help="prefix of every Redis key of this pool")
+    redis_timeout_s: float = setting(2.0, help="Redis connect and socket timeout, seconds")
+    budget_bytes: int = setting(
+        1 << 30,
+        help="block bytes the pool may hold; least recently used unleased blocks are evicted "
+        "above it. Keep it below Redis' maxmemory (Redis adds per-key overhead)",
+    )
+    max_value_bytes: int = setting(64 << 20, help="largest block value accepted by PUT /v1/blocks/{key}")
+    maintenance_interval_s: float = setting(
+        0.5, help="seconds between policy passes (reap expired leases, evict to the budget, refresh stats)"
+    )
+    evict_batch: int = setting(256, help="most blocks one eviction script deletes (bounds Redis' pause)")
+    lease_ttl_s: float = setting(30.0, help="lease TTL when POST /v1/leases names none")
+    max_lease_ttl_s: float = setting(600.0, help="longest lease TTL a client may ask for")
+    max_query_keys: int = setting(4096, help="most keys in one /v1/blocks/query or /v1/leases request")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.budget_bytes < 0:
+            raise ValueError(f"budget_bytes must be >= 0, got {self.budget_bytes}")
+        for name in ("max_value_bytes", "evict_batch", "max_query_keys"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("maintenance_interval_s", "lease_ttl_s", "max_lease_ttl_s", "redis_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.lease_ttl_s > self.max_lease_ttl_s:
+            raise ValueError("lease_ttl_s cannot exceed max_lease_ttl_s")
+        self.pool_config()  # a bad URL or prefix fails at startup, with the usage line
+
+    def pool_config(self) -> PoolConfig:
+        return PoolConfig(
+            url=self.redis_url,
+            password=self.redis_password,
+            key_prefix=self.key_prefix,
+            connect_timeout_s=self.redis_timeout_s,
+            socket_timeout_s=self.redis_timeout_s,
+        )
