@@ -130,7 +130,7 @@ async def test_redis_restart_mid_write_fails_loudly_then_recovers(redis_factory:
     cfg = PoolConfig(url=server.url, key_prefix=unique_prefix(), socket_timeout_s=1.0, retries=1, retry_backoff_s=0.05)
     from libs.blocks.keys import block_keys
 
-    keys = block_keys(NS, list(range(4 * 200)))
+    keys = block_keys(NS, list(range(4 * 300)))
     vals = values(len(keys), nbytes=64 * 1024)
     async with RedisPool(cfg) as pool:
         await put_ok(pool, keys[:1], vals[:1])  # loads the scripts, warms a connection
@@ -142,8 +142,11 @@ async def test_redis_restart_mid_write_fails_loudly_then_recovers(redis_factory:
                 await session.submit(NS, k, v)
 
         producer = asyncio.create_task(produce())
-        await asyncio.sleep(0.05)
-        server.stop()  # SIGKILL mid-write
+        # Kill Redis (SIGKILL) once writes are flowing; the producer keeps submitting.
+        deadline = time.monotonic() + 10
+        while writer.stats()["blocks_written"] < 20 and time.monotonic() < deadline:
+            await asyncio.sleep(0.001)
+        server.stop()
         await asyncio.wait_for(producer, timeout=30)
         with pytest.raises(WriteFailed) as info:
             await asyncio.wait_for(session.wait_all_done(), timeout=30)

@@ -1,0 +1,176 @@
+"""cache_store's HTTP API on the in-memory twin (the real process on Redis: tests/integration)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import AsyncIterator
+
+import pytest
+import torch
+from aiohttp.test_utils import TestClient, TestServer
+
+from libs.blocks.keys import Namespace, block_keys
+from libs.kvpool.codec import BlockCodec
+from libs.kvpool.layout import KVLayout
+from libs.kvpool.memory import MemoryPool
+from libs.kvpool.pool import block_id
+from services.cache_store.app import build_app
+from services.cache_store.settings import CacheStoreSettings
+
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype=torch.float16)
+CODEC = BlockCodec(LAYOUT)
+NS = Namespace(model_digest="app-model", dtype="float16", block_size=4)
+KEYS = block_keys(NS, list(range(4 * 6 + 3)))  # 6 full blocks and a partial tail of 3
+FULL = CODEC.value_nbytes(4)
+
+
+def encoded(i: int, tokens: int = 4) -> bytes:
+    gen = torch.Generator().manual_seed(i)
+    return bytes(CODEC.encode(torch.randn(LAYOUT.block_shape, generator=gen).to(LAYOUT.dtype), tokens))
+
+
+def url(key: object) -> str:
+    return f"/v1/blocks/{block_id(NS, key)}"  # type: ignore[arg-type]
+
+
+@pytest.fixture
+async def pool() -> MemoryPool:
+    return MemoryPool()
+
+
+@pytest.fixture
+async def client(pool: MemoryPool) -> AsyncIterator[TestClient]:
+    settings = CacheStoreSettings(
+        port=0, budget_bytes=3 * FULL, max_value_bytes=4 * FULL, maintenance_interval_s=0.02, max_query_keys=16
+    )
+    async with TestClient(TestServer(build_app(settings, pool=pool))) as c:
+        yield c
+
+
+async def error_code(resp) -> str:  # type: ignore[no-untyped-def]
+    body = await resp.json()
+    return body["error"]["code"]
+
+
+async def test_block_put_get_head_delete(client: TestClient) -> None:
+    value = encoded(0)
+    resp = await client.put(url(KEYS[0]), data=value)
+    assert resp.status == 201, await resp.text()
+    assert (await resp.json())["tokens"] == 4
+    resp = await client.get(url(KEYS[0]))
+    assert resp.status == 200 and await resp.read() == value
+    assert resp.content_type == "application/octet-stream"
+    assert (await client.head(url(KEYS[0]))).status == 200
+    assert (await client.head(url(KEYS[1]))).status == 404
+    assert (await client.delete(url(KEYS[0]))).status == 200
+    resp = await client.get(url(KEYS[0]))
+    assert resp.status == 404 and await error_code(resp) == "not_found"
+    assert (await client.delete(url(KEYS[0]))).status == 404
+
+
+async def test_partial_block_must_hold_the_key_s_token_count(client: TestClient) -> None:
+    tail = KEYS[-1]
+    assert tail.partial and tail.num_tokens == 3
+    assert (await client.put(url(tail), data=encoded(1, tokens=3))).status == 201
+    resp = await client.put(url(tail), data=encoded(1, tokens=2))
+    assert resp.status == 400 and (await resp.json())["error"]["param"] == "tokens"
+
+
+@pytest.mark.parametrize(
+    "mangle, reason",
+    [
+        (lambda v: v[:-1], "truncated"),
+        (lambda v: v + b"\0", "length"),
+        (lambda v: b"XXXX" + v[4:], "magic"),
+        (lambda v: v[:40] + bytes([v[40] ^ 1]) + v[41:], "checksum"),
+        (lambda v: b"", "truncated"),
+    ],
+)
+async def test_put_of_an_invalid_block_is_a_400_naming_the_reason(client: TestClient, mangle, reason) -> None:  # type: ignore[no-untyped-def]
+    resp = await client.put(url(KEYS[0]), data=mangle(encoded(0)))
+    assert resp.status == 400
+    body = await resp.json()
+    assert body["error"]["code"] == "invalid_block" and body["error"]["param"] == reason
+    assert (await client.head(url(KEYS[0]))).status == 404
+
+
+async def test_bad_input_is_a_4xx_with_a_json_reason(client: TestClient) -> None:
+    cases = [
+        (client.get("/v1/blocks/nonsense"), 400, "malformed_key"),
+        (client.put(f"/v1/blocks/{NS.hex}:{'z' * 32}", data=b"x"), 400, "malformed_key"),
+        (client.put(url(KEYS[0]), data=b"\0" * (4 * FULL + 1)), 413, "too_large"),
+        (client.put(url(KEYS[0]) + "?lease=nope", data=encoded(0)), 400, "malformed_lease"),
+        (client.put(url(KEYS[0]) + "?lease=" + "a" * 32, data=encoded(0)), 409, "lease"),
+        (client.post("/v1/blocks/query", data=b"{not json"), 400, "malformed_body"),
+        (client.post("/v1/blocks/query", json=[1, 2]), 400, "malformed_body"),
+        (client.post("/v1/blocks/query", json={"namespace": NS.hex, "keys": [1]}), 400, "malformed_key"),
+        (client.post("/v1/blocks/query", json={"namespace": "x", "keys": []}), 400, "malformed_key"),
+        (client.post("/v1/blocks/query", json={"namespace": NS.hex, "keys": [str(KEYS[0])] * 17}), 400, "too_large"),
+        (client.post("/v1/leases", json={"namespace": NS.hex, "keys": [], "ttl_s": -1}), 400, "malformed_body"),
+        (client.post("/v1/leases", json={"namespace": NS.hex, "keys": [], "ttl_s": "10"}), 400, "malformed_body"),
+        (client.post("/v1/leases", json={"namespace": NS.hex, "keys": [], "ttl_s": 10**6}), 400, "malformed_body"),
+        (client.delete("/v1/leases/nope"), 400, "malformed_lease"),
+        (client.delete("/v1/leases/" + "b" * 32), 404, "not_found"),
+    ]
+    for request, status, code in cases:
+        resp = await request
+        assert resp.status == status, (code, await resp.text())
+        assert await error_code(resp) == code
+    assert (await client.get("/health")).status == 200
+    metrics = await (await client.get("/metrics")).text()
+    assert 'tidepool_cache_store_rejected_requests_total{reason="malformed_key"} 4.0' in metrics
+
+
+async def test_query_reports_existence_and_the_leading_prefix(client: TestClient) -> None:
+    for i in (0, 1, 3):
+        assert (await client.put(url(KEYS[i]), data=encoded(i))).status == 201
+    resp = await client.post("/v1/blocks/query", json={"namespace": NS.hex, "keys": [str(k) for k in KEYS[:5]]})
+    assert await resp.json() == {"exists": [True, True, False, True, False], "prefix": 2}
+
+
+async def test_budget_eviction_spares_leased_blocks_and_reaps_expired_leases(client: TestClient, pool: MemoryPool) -> None:
+    resp = await client.post("/v1/leases", json={"namespace": NS.hex, "keys": [str(k) for k in KEYS[:2]], "ttl_s": 0.3})
+    assert resp.status == 201
+    lease = await resp.json()
+    assert lease["blocks"] == 2
+    for i in range(6):
+        assert (await client.put(url(KEYS[i]), data=encoded(i))).status == 201
+        await asyncio.sleep(0.005)
+    await asyncio.sleep(0.15)  # several policy passes
+    stats = await (await client.get("/v1/stats")).json()
+    assert stats["bytes"] <= 3 * FULL and stats["evictions"] == 3
+    assert await pool.exists_blocks(NS, KEYS[:6]) == [True, True, False, False, False, True]
+    await asyncio.sleep(0.4)  # the lease expires, is reaped, and its blocks become evictable
+    stats = await (await client.get("/v1/stats")).json()
+    assert stats["leases"] == 0 and stats["pinned_blocks"] == 0 and stats["policy"]["reaped_leases"] == 1
+    assert (await client.delete(f"/v1/leases/{lease['lease_id']}")).status == 404
+
+
+async def test_stats_and_metrics_are_set_from_the_start(client: TestClient) -> None:
+    assert (await client.put(url(KEYS[0]), data=encoded(0))).status == 201
+    await client.get(url(KEYS[0]))
+    await client.get(url(KEYS[1]))
+    stats = await (await client.get("/v1/stats")).json()
+    assert stats == {**stats, "blocks": 1, "hits": 1, "misses": {"absent": 1}, "redis_up": True}
+    assert (await (await client.get("/stats")).json()).keys() == stats.keys()
+    await asyncio.sleep(0.05)
+    metrics = await (await client.get("/metrics")).text()
+    for line in (
+        "tidepool_pool_blocks 1.0",
+        "tidepool_pool_hits_total 1.0",
+        'tidepool_pool_misses_total{reason="absent"} 1.0',
+        'tidepool_pool_write_errors_total{reason="oom"} 0.0',
+        "tidepool_pool_evictions_total 0.0",
+        "tidepool_cache_store_redis_up 1.0",
+    ):
+        assert line in metrics, line
+
+
+async def test_health_follows_the_pool(client: TestClient, pool: MemoryPool) -> None:
+    assert (await client.get("/health")).status == 200
+    await pool.close()
+    assert (await client.get("/health")).status == 503
+    resp = await client.get(url(KEYS[0]))
+    assert resp.status == 503 and await error_code(resp) == "pool_unavailable"
+    stats = await (await client.get("/v1/stats")).json()
+    assert stats["redis_up"] is False and stats["stale"] is True
