@@ -3,7 +3,8 @@
 Router -> prefill: :class:`PrefillRequest`, answered by :class:`PrefillResult`.
 Router -> decode: :class:`DecodeRequest`, answered by a stream of :class:`TokenEvent`.
 Router -> prefill/decode: :class:`AbortRequest`.
-Prefill/decode -> router: :class:`RegisterInstance` once, then :class:`Heartbeat`.
+Prefill/decode -> router: :class:`RegisterInstance` once, then :class:`Heartbeat`; the router
+answers both with :class:`InstanceAck`.
 Anyone: :class:`ErrorMessage` where a msgpack peer needs an error it can decode.
 
 Every class documents each field; ``validate`` holds the value rules a receiver relies on.
@@ -42,6 +43,8 @@ class SamplingSpec(Message, version=1):
         repetition_penalty: multiplicative penalty on seen tokens, > 0; 1 is off.
         seed: per-request RNG seed for reproducible sampling; None draws from the engine.
         max_tokens: most tokens to generate, >= 1 (counting the first token).
+        min_tokens: generate at least this many tokens before EOS or a stop token may end
+            the completion, in 0..max_tokens (counting the first token, like max_tokens).
         stop_token_ids: token ids that end generation (besides EOS), each >= 0.
         ignore_eos: keep generating past EOS (benchmarks).
         logprobs: number of top alternatives to return per token, 0..20; None returns none
@@ -58,6 +61,7 @@ class SamplingSpec(Message, version=1):
     repetition_penalty: float = 1.0
     seed: int | None = None
     max_tokens: int
+    min_tokens: int = 0
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
@@ -76,6 +80,7 @@ class SamplingSpec(Message, version=1):
             "must be finite and > 0",
         )
         check(self.max_tokens >= 1, "max_tokens", "must be >= 1")
+        check(0 <= self.min_tokens <= self.max_tokens, "min_tokens", "must be in 0..max_tokens")
         _check_token_ids(self.stop_token_ids, "stop_token_ids")
         check(self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs", f"must be in 0..{MAX_LOGPROBS}")
         check(self.n >= 1, "n", "must be >= 1")
@@ -319,6 +324,30 @@ class Heartbeat(Message, version=1):
         for name in ("running", "waiting", "free_blocks", "total_blocks", "queue_depth"):
             check(getattr(self, name) >= 0, name, "must be >= 0")
         check(self.free_blocks <= self.total_blocks, "free_blocks", "must be <= total_blocks")
+
+
+@dataclass(kw_only=True)
+class InstanceAck(Message, version=1):
+    """Router -> prefill/decode: the answer to :class:`RegisterInstance` and :class:`Heartbeat`.
+
+    An unknown instance's heartbeat is answered 404 (a JSON error) instead, which tells
+    it to register again (the router restarted or dropped it for missed heartbeats).
+
+    Attributes:
+        instance_id: the instance acknowledged.
+        heartbeat_timeout_s: seconds without a heartbeat after which the router drops the
+            instance, > 0; heartbeat well within it.
+    """
+
+    instance_id: str
+    heartbeat_timeout_s: float
+
+    def validate(self) -> None:
+        check(
+            self.heartbeat_timeout_s > 0 and math.isfinite(self.heartbeat_timeout_s),
+            "heartbeat_timeout_s",
+            "must be finite and > 0",
+        )
 
 
 @dataclass(kw_only=True)

@@ -25,6 +25,7 @@ from libs.protocol import (
     ErrorCode,
     ErrorMessage,
     Heartbeat,
+    InstanceAck,
     Limits,
     Message,
     MessageStreamResponse,
@@ -66,8 +67,10 @@ json_like = st.recursive(
 traces = st.none() | st.dictionaries(text, json_like, max_size=4)
 
 
-def sampling_specs(n: st.SearchStrategy[int] = st.integers(1, 16)) -> st.SearchStrategy[SamplingSpec]:
-    return st.builds(
+@st.composite
+def sampling_specs(draw: st.DrawFn, n: st.SearchStrategy[int] = st.integers(1, 16)) -> SamplingSpec:
+    max_tokens = draw(st.integers(1, 2**31))
+    return draw(st.builds(
         SamplingSpec,
         temperature=st.floats(0, 100),
         top_p=st.floats(0, 1, exclude_min=True),
@@ -77,12 +80,13 @@ def sampling_specs(n: st.SearchStrategy[int] = st.integers(1, 16)) -> st.SearchS
         frequency_penalty=st.floats(-2, 2),
         repetition_penalty=st.floats(0, 10, exclude_min=True),
         seed=st.none() | st.integers(0, 2**64 - 1),
-        max_tokens=st.integers(1, 2**31),
+        max_tokens=st.just(max_tokens),
+        min_tokens=st.integers(0, max_tokens),
         stop_token_ids=st.lists(token_ids, max_size=4),
         ignore_eos=st.booleans(),
         logprobs=st.none() | st.integers(0, 20),
         n=n,
-    )
+    ))
 
 
 @st.composite
@@ -189,8 +193,10 @@ STRATEGIES: dict[type[Message], st.SearchStrategy[Any]] = {
         model=text,
         namespace=text,
         max_model_len=st.integers(1, 2**31),
+        block_size=st.integers(1, 4096),
     ),
     Heartbeat: heartbeats(),
+    InstanceAck: st.builds(InstanceAck, instance_id=text, heartbeat_timeout_s=st.floats(0, 1e6, exclude_min=True)),
     ErrorMessage: st.builds(ErrorMessage, code=st.integers(100, 599), message=text),
 }
 
@@ -251,6 +257,10 @@ def test_encode_converts_friendly_inputs() -> None:
         (SamplingSpec(max_tokens=1, temperature="hot"), ErrorCode.WRONG_TYPE, "temperature"),  # type: ignore[arg-type]
         (SamplingSpec(max_tokens=True), ErrorCode.WRONG_TYPE, "max_tokens"),
         (SamplingSpec(max_tokens=0), ErrorCode.INVALID_VALUE, "max_tokens"),
+        (SamplingSpec(max_tokens=2, min_tokens=3), ErrorCode.INVALID_VALUE, "min_tokens"),
+        (RegisterInstance(instance_id="i", role="decode", url="u", model="m", namespace="n", max_model_len=8,
+                          block_size=0), ErrorCode.INVALID_VALUE, "block_size"),
+        (InstanceAck(instance_id="i", heartbeat_timeout_s=0.0), ErrorCode.INVALID_VALUE, "heartbeat_timeout_s"),
         (TokenEvent(request_id="r", token_ids=[1, "2"]), ErrorCode.WRONG_TYPE, "token_ids[1]"),  # type: ignore[list-item]
         (PrefillRequest(request_id="r", prompt_token_ids=[1], sampling=SamplingSpec(max_tokens=1, top_p=2.0)),
          ErrorCode.INVALID_VALUE, "sampling.top_p"),
