@@ -83,6 +83,22 @@ class BlockManager:
             hits.append(block)
         return hits
 
+    def count_cached_prefix(self, token_ids: list[int]) -> int:
+        """How many leading full blocks of ``token_ids`` the prefix cache holds right now.
+
+        Read-only, so a service thread may call it as a hint while the engine runs: the
+        answer can be stale by the time the request is admitted, which only costs a
+        redundant load or a recompute, never a wrong result."""
+        if not self.enable_prefix_caching:
+            return 0
+        bs, parent, n = self.block_size, self.namespace.digest, 0
+        for i in range(len(token_ids) // bs):
+            parent = chain_key(parent, token_ids[i * bs : (i + 1) * bs])
+            if parent not in self.key_to_block:
+                break
+            n += 1
+        return n
+
     # -- allocation ---------------------------------------------------------------------
 
     def admit(self, seq: Sequence, hits: list[int]) -> None:

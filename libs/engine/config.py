@@ -36,6 +36,9 @@ class EngineConfig:
     attention_backend: str = "auto"
     num_threads: int | None = None
     seed: int = 0
+    # PD handoff staging: buffers of swap_max_blocks blocks each (pinned on CUDA).
+    swap_max_blocks: int = 64
+    swap_buffers: int = 4
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":

@@ -14,12 +14,13 @@ from typing import Any, Iterator, Sequence as Seq
 
 import torch
 
+from kernels.swap import BlockSwapper, StagingBuffer
 from libs.engine.block_manager import BlockManager
 from libs.engine.config import EngineConfig
 from libs.engine.errors import DuplicateRequestError, InvalidRequestError, PromptTooLongError, TokenOutOfRangeError
 from libs.engine.model_runner import ModelRunner
 from libs.engine.params import SamplingParams
-from libs.engine.scheduler import Scheduler, SchedulerConfig, imp_release
+from libs.engine.scheduler import Scheduler, SchedulerConfig
 from libs.engine.sequence import KVImport, Sequence, TokenLogprob
 from libs.kvpool.layout import KVLayout
 from libs.model import LoadedModel, load_model, make_backend
@@ -38,12 +39,34 @@ class CompletionOutput:
 
 @dataclass
 class ExportedKV:
-    """The prompt's KV, gathered off the cache when a prefill-only request finished.
-    ``blocks`` is ``[n, *KVLayout.block_shape]`` on the host; ``num_tokens`` of the
-    prompt are covered (the last block may be partial)."""
+    """A prompt's KV, gathered into host staging when a prefill-only request finished.
 
-    blocks: torch.Tensor
+    ``buffers`` hold the prompt's blocks in order, in pool layout; together they cover
+    ``num_tokens`` tokens (the last block may be partial). The consumer reads them and
+    must call ``release()`` (idempotent) to hand the staging back to the engine.
+    """
+
+    buffers: list[StagingBuffer]
     num_tokens: int
+    block_size: int
+
+    @property
+    def num_blocks(self) -> int:
+        return sum(b.n for b in self.buffers)
+
+    def blocks(self) -> Iterator[tuple[torch.Tensor, int]]:
+        """``(block, num_tokens_in_block)`` for every block, in order."""
+        i = 0
+        for buf in self.buffers:
+            host = buf.host
+            for row in range(buf.n):
+                yield host[row], min(self.block_size, self.num_tokens - i * self.block_size)
+                i += 1
+
+    def release(self) -> None:
+        buffers, self.buffers = self.buffers, []
+        for b in buffers:
+            b.release()
 
 
 @dataclass
@@ -97,11 +120,15 @@ class LLMEngine:
             ),
             self.block_manager,
         )
-        self.runner = ModelRunner(loaded.model, cache, config.block_size, mc.vocab_size, device)
+        # Staging for PD handoff: exports (prefill) and imports (decode) move through here.
+        self.swapper = BlockSwapper(cache, max_blocks=config.swap_max_blocks, num_buffers=config.swap_buffers)
+        self.runner = ModelRunner(loaded.model, cache, config.block_size, mc.vocab_size, device, self.swapper)
+        self._pending_exports: list[Sequence] = []
         self.vocab_size = mc.vocab_size
         self._requests: dict[str, list[Sequence]] = {}
         self._params: dict[str, SamplingParams] = {}
         self._aborted: list[str] = []
+        self._finished_early: list[str] = []
         torch.manual_seed(config.seed)
         # Counters (read by metrics).
         self.num_steps = 0
@@ -184,6 +211,15 @@ class LLMEngine:
         seq.export_kv = export_kv
         self._requests[request_id] = [seq]
         self._params[request_id] = params
+        reason = seq.check_stop(self.max_model_len) if output_prefix else None
+        if reason is not None:
+            # The prefix already ends the request (max_tokens 1, or the first token is EOS):
+            # nothing to compute; report it at the next step.
+            if kv_import is not None:
+                kv_import.release()
+            self.scheduler.finish(seq, reason)
+            self._finished_early.append(request_id)
+            return
         self.scheduler.add(seq)
 
     def _new_sequence(self, request_id: str, index: int, prompt: list[int], params: SamplingParams) -> Sequence:
@@ -199,6 +235,14 @@ class LLMEngine:
         if request_id not in self._requests:
             return False
         self.scheduler.abort(request_id)
+        for seq in self._requests[request_id]:
+            if seq.export_pending:
+                self._pending_exports.remove(seq)
+                seq.export_pending = False
+                self.block_manager.free(seq)
+            for b in seq.export_buffers:
+                b.release()
+            seq.export_buffers = []
         self._aborted.append(request_id)
         return True
 
@@ -217,8 +261,18 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run and post-process one step. Returns what each request produced."""
+        outputs = self._step()
+        for o in outputs:
+            if o.finished:
+                self._requests.pop(o.request_id, None)
+                self._params.pop(o.request_id, None)
+        return outputs
+
+    def _step(self) -> list[RequestOutput]:
         outputs = [self._aborted_output(rid) for rid in self._aborted]
-        self._aborted = []
+        outputs += [self._request_output(rid) for rid in self._finished_early if rid in self._requests]
+        self._aborted, self._finished_early = [], []
+        outputs.extend(self._drain_exports())
         out = self.scheduler.schedule()
         if out.is_empty:
             return outputs
@@ -271,10 +325,6 @@ class LLMEngine:
         for seq in out.preempted:
             touched.setdefault(seq.request_id, None)
         outputs.extend(self._request_output(rid) for rid in touched if rid in self._requests)
-        for o in outputs:
-            if o.finished:
-                self._requests.pop(o.request_id, None)
-                self._params.pop(o.request_id, None)
         return outputs
 
     def _fork_child(self, parent: Sequence) -> Sequence:
@@ -300,17 +350,49 @@ class LLMEngine:
     def _import(self, imports: list) -> None:
         for imp, rows, blocks in imports:
             try:
-                self.runner.import_blocks(imp.staging, rows, blocks)
+                self.runner.import_blocks(imp, rows, blocks)
             finally:
-                imp_release(imp)
+                imp.release()
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq, reason)
         if seq.export_kv and seq.index == 0:
-            n = seq.num_prompt_tokens
-            nblocks = -(-n // self.config.block_size)
-            seq.exported_kv = ExportedKV(self.runner.export_blocks(seq.block_table[:nblocks]), n)
+            # Keep the blocks until the prompt's KV is gathered (maybe a later step, when
+            # a staging buffer is free): the request finishes only then.
+            seq.export_pending = True
+            self._pending_exports.append(seq)
+            if len(self._pending_exports) == 1:
+                self._try_export(seq)
+            return
         self.block_manager.free(seq)
+
+    def _try_export(self, seq: Sequence) -> bool:
+        nblocks = -(-seq.num_prompt_tokens // self.config.block_size)
+        bufs = self.runner.export_blocks(seq.block_table[:nblocks])
+        if bufs is None:
+            return False  # no staging free: retry next step
+        seq.export_buffers = bufs
+        seq.export_pending = False
+        self._pending_exports.remove(seq)
+        self.block_manager.free(seq)
+        return True
+
+    def _drain_exports(self) -> list[RequestOutput]:
+        """Gather finished prompts' KV into staging, in order, as buffers allow."""
+        done = []
+        for seq in list(self._pending_exports):
+            if not self._try_export(seq):
+                break
+            done.append(seq.request_id)
+        return [self._request_output(rid) for rid in done if rid in self._requests and self._all_done(rid)]
+
+    def _all_done(self, request_id: str) -> bool:
+        family = self._requests[request_id]
+        return all(s.is_finished and not s.export_pending for s in family) and family[0].pending_forks == 0
+
+    @property
+    def num_pending_exports(self) -> int:
+        return len(self._pending_exports)
 
     def _request_output(self, request_id: str) -> RequestOutput:
         family = self._requests[request_id]
@@ -320,7 +402,7 @@ class LLMEngine:
             if ids or seq.is_finished:
                 outs.append(CompletionOutput(seq.index, ids, lps, seq.finish_reason, seq.num_output_tokens))
         head = family[0]
-        finished = all(s.is_finished for s in family) and head.pending_forks == 0
+        finished = self._all_done(request_id)
         metrics = {}
         if head.first_scheduled_time is not None:
             metrics["queue_s"] = head.first_scheduled_time - head.arrival_time
@@ -333,7 +415,7 @@ class LLMEngine:
             head.num_prompt_tokens,
             head.num_cached_tokens,
             head.num_imported_tokens,
-            head.exported_kv,
+            ExportedKV(head.export_buffers, head.num_prompt_tokens, self.config.block_size) if finished and head.export_buffers else None,
             metrics,
         )
 

@@ -13,9 +13,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kernels.swap import BlockSwapper, StagingBuffer, StagingStateError
+from kernels.swap import reference as swap_reference
 from libs.engine.sampler import Sampler, SamplerOutput, SamplingBatch
 from libs.engine.scheduler import SchedulerOutput
-from libs.engine.sequence import Sequence
+from libs.engine.sequence import KVImport, Sequence
 from libs.model.attention import AttentionMetadata
 from libs.model.llama import LlamaModel
 
@@ -37,9 +39,12 @@ class StepInputs:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, cache: torch.Tensor, block_size: int, vocab_size: int, device: torch.device):
+    def __init__(
+        self, model: LlamaModel, cache: torch.Tensor, block_size: int, vocab_size: int, device: torch.device, swapper: BlockSwapper
+    ):
         self.model = model
         self.cache = cache
+        self.swapper = swapper
         self.block_size = block_size
         self.device = device
         self.sampler = Sampler(vocab_size, device)
@@ -109,15 +114,34 @@ class ModelRunner:
             self.cache[dst] = self.cache[src]
 
     @torch.inference_mode()
-    def import_blocks(self, staging: torch.Tensor, rows: list[int], block_ids: list[int]) -> None:
-        """Scatter ``staging[rows]`` (pool layout, host) into cache blocks ``block_ids``."""
-        src = staging[torch.tensor(rows)] if rows != list(range(len(staging))) else staging
-        self.cache[torch.tensor(block_ids, device=self.device)] = src.to(self.device, self.cache.dtype)
+    def import_blocks(self, imp: KVImport, rows: list[int], block_ids: list[int]) -> None:
+        """Copy rows ``rows`` of an import's staging (a contiguous range) into ``block_ids``."""
+        offset = 0
+        for buf in imp.buffers:
+            lo, hi = max(rows[0], offset), min(rows[-1] + 1, offset + buf.n)
+            if lo < hi:
+                ids = block_ids[lo - rows[0] : hi - rows[0]]
+                if hi - lo == buf.n:
+                    self.swapper.swap_in(buf, ids)
+                else:  # only part of this buffer is needed (the rest was a local cache hit)
+                    swap_reference.scatter_blocks(buf.host[lo - offset : hi - offset], ids, self.cache)
+                    if self.device.type == "cuda":
+                        torch.cuda.current_stream().synchronize()  # before the buffer is reused
+            offset += buf.n
 
-    @torch.inference_mode()
-    def export_blocks(self, block_ids: list[int]) -> torch.Tensor:
-        """Gather cache blocks ``block_ids`` into a host tensor in pool layout."""
-        return self.cache[torch.tensor(block_ids, device=self.device)].cpu()
+    def export_blocks(self, block_ids: list[int]) -> list[StagingBuffer] | None:
+        """Gather blocks into staging buffers of the swapper, or None if not enough are
+        free right now (nothing is held then; try again after others are released)."""
+        step = self.swapper.max_blocks
+        bufs: list[StagingBuffer] = []
+        try:
+            for i in range(0, len(block_ids), step):
+                bufs.append(self.swapper.swap_out(block_ids[i : i + step]))
+        except StagingStateError:
+            for b in bufs:
+                b.release()
+            return None
+        return bufs
 
     @torch.inference_mode()
     def forward(self, inputs: StepInputs) -> torch.Tensor:

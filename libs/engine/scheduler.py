@@ -156,7 +156,7 @@ class Scheduler:
             seq.num_imported_tokens = end - seq.num_computed_tokens
             seq.num_computed_tokens = end
         elif imp is not None:
-            imp_release(imp)
+            imp.release()
         seq.kv_import = None
         self.bm.allocate_slots(seq, n)
         seq.status = SequenceStatus.RUNNING
@@ -193,13 +193,6 @@ class Scheduler:
             seq.finish_reason = "abort"
             self.bm.free(seq)
             if seq.kv_import is not None:
-                imp_release(seq.kv_import)
+                seq.kv_import.release()
                 seq.kv_import = None
         return aborted
-
-
-def imp_release(imp: KVImport) -> None:
-    """Run an import's release callback once."""
-    release, imp.release = imp.release, None
-    if release is not None:
-        release()

@@ -19,6 +19,8 @@ from libs.engine.params import SamplingParams
 if TYPE_CHECKING:
     import torch
 
+    from kernels.swap import StagingBuffer
+
 _seq_ids = itertools.count()
 
 
@@ -40,19 +42,31 @@ class TokenLogprob:
 
 @dataclass
 class KVImport:
-    """KV the caller loaded from elsewhere (the pool) for a sequence's leading blocks.
+    """KV of a run of a sequence's blocks, loaded from elsewhere (the pool) into staging.
 
-    ``staging`` holds ``len(block_indices)`` blocks in pool layout; ``block_indices[i]`` is
-    the index (in the sequence) of block ``staging[i]``, a contiguous run starting at some
-    block. ``num_tokens`` is how many tokens those blocks cover (the last may be partial).
-    ``release`` is called once the blocks have been copied into the cache (or dropped).
+    The first ``num_blocks`` rows of ``buffers`` (in order; default: every row) are the
+    sequence's blocks ``first_block, first_block + 1, ...`` in pool layout; together they
+    cover the sequence's tokens up to position ``num_tokens`` (the last block may be
+    partial). The engine copies what it needs into its cache and calls ``release()``,
+    which hands the staging buffers back; release is idempotent.
     """
 
-    staging: "torch.Tensor"
+    buffers: list["StagingBuffer"]
     first_block: int
-    num_blocks: int
     num_tokens: int
-    release: Any = None
+    num_blocks: int = -1
+
+    def __post_init__(self) -> None:
+        rows = sum(b.n for b in self.buffers)
+        if self.num_blocks < 0:
+            self.num_blocks = rows
+        if self.num_blocks > rows or self.first_block < 0:
+            raise ValueError(f"KVImport of {self.num_blocks} blocks from staging with {rows} rows")
+
+    def release(self) -> None:
+        buffers, self.buffers = self.buffers, []
+        for b in buffers:
+            b.release()
 
 
 @dataclass
@@ -81,7 +95,8 @@ class Sequence:
         self.pending_forks = 0  # siblings to fork off when the prompt's first token is sampled
         self.kv_import: KVImport | None = None
         self.export_kv = False  # prefill role: gather the prompt's KV before freeing
-        self.exported_kv: Any = None  # the gathered KV (engine.ExportedKV) once finished
+        self.export_buffers: list[StagingBuffer] = []  # the prompt's KV, gathered after it finished
+        self.export_pending = False  # finished, blocks held until the export is gathered
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
         self.new_token_ids: list[int] = []  # produced since the last output was reported

@@ -1,0 +1,149 @@
+"""Decode: load a prompt's KV from the pool and stream the completion.
+
+``POST /v1/decode`` (DecodeRequest → a stream of TokenEvent), per DESIGN.md:
+
+1. Decode computes the prompt's block keys itself (the same function prefill used) and
+   loads, after whatever its own prefix cache already holds, the leading run of blocks
+   the pool has: fetched in pipelined batches into staging and checked (header and
+   checksum) before the engine scatters them into its cache.
+2. The handoff lease is released once the load is done.
+3. Whatever could not be loaded (missing, evicted, corrupt) is recomputed by the engine
+   as a chunked prefill: slower, never wrong. Every block not loaded is counted with its
+   reason in the metrics and the request's trace. Without a first token (no prefill
+   answered), decode serves the whole request.
+4. Tokens stream back as they are sampled; a client that goes away aborts the request
+   and frees its blocks at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from aiohttp import web
+
+from libs.engine import InvalidRequestError
+from libs.engine.async_engine import EngineStepError
+from libs.kvpool.pool import PoolError
+from libs.protocol import MessageStreamResponse, read_message
+from libs.protocol.messages import DecodeRequest, TokenEvent
+from services.worker.app import RUNTIME, invalid_request
+from services.worker.convert import sampling_params, wire_logprob
+from services.worker.runtime import WorkerRuntime
+from services.worker.transfer import load_blocks
+
+log = logging.getLogger(__name__)
+
+
+async def handle_decode(request: web.Request) -> web.StreamResponse:
+    rt: WorkerRuntime = request.app[RUNTIME]
+    msg = await read_message(request, DecodeRequest)
+    t0 = time.perf_counter()
+    prompt = msg.prompt_token_ids
+    prefix = [] if msg.first_token_id is None else [msg.first_token_id]
+    try:
+        params = sampling_params(msg.sampling)
+        rt.llm.validate(prompt + prefix, params)
+    except InvalidRequestError as e:
+        rt.metrics.requests.labels("invalid").inc()
+        return invalid_request(e)
+
+    rt.in_flight += 1
+    try:
+        keys = rt.keys(prompt)
+        local = rt.cached_prefix_blocks(prompt)
+        # With a first token the whole prompt may come from the pool; without one the
+        # engine must compute the last prompt token itself to sample.
+        load = await load_blocks(rt, keys, local, max_tokens=len(prompt) if prefix else len(prompt) - 1)
+        if msg.lease_id:
+            asyncio.create_task(_release_lease(rt, msg.lease_id))
+        try:
+            stream = rt.engine.add_request(msg.request_id, prompt, params, output_prefix=prefix, kv_import=load.kv_import)
+        except InvalidRequestError as e:
+            if load.kv_import is not None:
+                load.kv_import.release()
+            rt.metrics.requests.labels("invalid").inc()
+            return invalid_request(e)
+        t_queued = time.perf_counter()
+
+        resp = MessageStreamResponse()
+        await resp.prepare(request)
+        first_token_at = last_token_at = None
+        n_out = 0
+        outcome = "ok"
+        try:
+            async for out in stream:
+                event = _event(msg, out, load, rt)
+                now = time.perf_counter()
+                new = sum(len(c.new_token_ids) for c in out.outputs)
+                if new:
+                    if first_token_at is None:
+                        first_token_at = now
+                        rt.metrics.ttft_seconds.observe(now - t0)
+                    elif n_out:
+                        rt.metrics.tpot_seconds.observe((now - last_token_at) / new)
+                    last_token_at, n_out = now, n_out + new
+                if out.finished and msg.want_trace:
+                    event.trace = _trace(rt, load, local, out, t0, t_queued, first_token_at, n_out)
+                await resp.send(event)
+            if stream.aborted:
+                outcome = "aborted"
+        except EngineStepError as e:
+            outcome = "error"
+            await resp.send(TokenEvent(request_id=msg.request_id, finish_reason="error", error=str(e)))
+        except (ConnectionResetError, asyncio.CancelledError):
+            outcome = "disconnected"
+            stream.abort()
+            raise
+        finally:
+            rt.metrics.requests.labels(outcome).inc()
+            rt.metrics.request_seconds.observe(time.perf_counter() - t0)
+        await resp.write_eof()
+        return resp
+    finally:
+        rt.in_flight -= 1
+
+
+def _event(msg: DecodeRequest, out, load, rt: WorkerRuntime) -> TokenEvent:
+    ids, lps, reason = [], [], None
+    for c in out.outputs:  # n == 1: one sequence
+        ids.extend(c.new_token_ids)
+        lps.extend(wire_logprob(lp) for lp in c.new_logprobs)
+        reason = c.finish_reason or reason
+    return TokenEvent(
+        request_id=msg.request_id,
+        token_ids=ids,
+        logprobs=lps if msg.sampling.logprobs is not None else None,
+        finish_reason=reason if out.finished else None,
+        num_cached_tokens=out.num_cached_tokens + out.num_imported_tokens,
+    )
+
+
+def _trace(rt, load, local_blocks, out, t0, t_queued, first_token_at, n_out) -> dict:
+    now = time.perf_counter()
+    return {
+        "instance": rt.instance_id,
+        "local_cached_tokens": out.num_cached_tokens,
+        "pool_hit_blocks": load.hit_blocks,
+        "pool_loaded_tokens": out.num_imported_tokens,
+        "pool_miss_reasons": load.miss_reasons,
+        "bytes_read": load.bytes_read,
+        "load_s": load.seconds,
+        "queue_s": out.metrics.get("queue_s", 0.0),
+        "first_token_s": (first_token_at - t0) if first_token_at else None,
+        "decode_s": now - t_queued,
+        "output_tokens": n_out,
+        "total_s": now - t0,
+    }
+
+
+async def _release_lease(rt: WorkerRuntime, lease_id: str) -> None:
+    try:
+        await rt.pool.release_lease(lease_id)
+    except (PoolError, OSError, ValueError) as e:
+        log.info("could not release lease %s: %s (its TTL will)", lease_id, e)
+
+
+def add_routes(app: web.Application, runtime: WorkerRuntime) -> None:
+    app.router.add_post("/v1/decode", handle_decode)

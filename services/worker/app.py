@@ -1,0 +1,68 @@
+"""The aiohttp application shared by prefill and decode: lifecycle, errors, abort."""
+
+from __future__ import annotations
+
+from typing import Awaitable, Callable
+
+from aiohttp import web
+
+from libs.engine import InvalidRequestError
+from libs.protocol import json_error, read_message
+from libs.protocol.messages import AbortRequest
+from services.common import create_app
+from services.worker.runtime import Role, WorkerRuntime
+from services.worker.settings import WorkerSettings
+
+RUNTIME = web.AppKey("runtime", WorkerRuntime)
+
+
+def invalid_request(e: InvalidRequestError) -> web.Response:
+    return json_error(400, str(e), code=e.code, param=e.param)
+
+
+def create_worker_app(settings: WorkerSettings, role: Role, routes: Callable[[web.Application, WorkerRuntime], None]) -> web.Application:
+    """Load the engine, then build the app; the runtime starts and stops with the app."""
+    runtime = WorkerRuntime(settings, role)
+    app = create_app(role, settings, stats=runtime.stats, health=runtime.healthy, registry=runtime.registry)
+    app[RUNTIME] = runtime
+
+    async def on_startup(app: web.Application) -> None:
+        await runtime.start()
+
+    async def on_cleanup(app: web.Application) -> None:
+        await runtime.stop()
+
+    async def abort(request: web.Request) -> web.Response:
+        msg = await read_message(request, AbortRequest)
+        runtime.engine.abort(msg.request_id)
+        return web.json_response({"aborted": msg.request_id})
+
+    app.on_startup.append(on_startup)
+    app.on_cleanup.append(on_cleanup)
+    app.router.add_post("/v1/abort", abort)
+    routes(app, runtime)
+    return app
+
+
+def announce_with(runtime_app: web.Application) -> Callable[[str], None]:
+    """The runner's ready line, also telling the runtime its URL (for port 0)."""
+
+    def announce(line: str) -> None:
+        runtime = runtime_app[RUNTIME]
+        if runtime.url is None:
+            runtime.url = line.rsplit(" ", 1)[-1]
+        print(line, flush=True)
+
+    return announce
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def run_worker(role: Role, routes: Callable[[web.Application, WorkerRuntime], None]) -> None:
+    """``python -m services.<role>``: parse settings, load the engine, serve until signalled."""
+    from services.common import parse_settings, run_service
+
+    settings = parse_settings(WorkerSettings, prog=f"python -m services.{role}")
+    app = create_worker_app(settings, role, routes)
+    run_service(app, settings, announce=announce_with(app))

@@ -1,0 +1,33 @@
+"""Wire types (libs/protocol) to engine types (libs/engine) and back, in one place."""
+
+from __future__ import annotations
+
+from libs.engine import SamplingParams, TokenLogprob
+from libs.protocol.messages import SamplingSpec, TokenLogprobs
+
+
+def sampling_params(spec: SamplingSpec, *, max_tokens: int | None = None, n: int | None = None) -> SamplingParams:
+    """Engine parameters for a wire spec; raises InvalidSamplingParamsError on bad values."""
+    return SamplingParams(
+        n=spec.n if n is None else n,
+        temperature=spec.temperature,
+        top_p=spec.top_p,
+        top_k=spec.top_k,
+        min_p=spec.min_p,
+        presence_penalty=spec.presence_penalty,
+        frequency_penalty=spec.frequency_penalty,
+        repetition_penalty=spec.repetition_penalty,
+        seed=spec.seed,
+        max_tokens=spec.max_tokens if max_tokens is None else max_tokens,
+        stop_token_ids=tuple(spec.stop_token_ids),
+        ignore_eos=spec.ignore_eos,
+        logprobs=spec.logprobs,
+    )
+
+
+def wire_logprob(lp: TokenLogprob) -> TokenLogprobs:
+    return TokenLogprobs(token_id=lp.token_id, logprob=lp.logprob, top_ids=list(lp.top_ids), top_logprobs=list(lp.top_logprobs))
+
+
+def engine_logprob(lp: TokenLogprobs) -> TokenLogprob:
+    return TokenLogprob(lp.token_id, lp.logprob, list(lp.top_ids), list(lp.top_logprobs))

@@ -1,0 +1,231 @@
+"""One prefill or decode instance's moving parts, built once at start-up.
+
+``WorkerRuntime`` owns the engine (on its worker thread, via ``AsyncEngine``), the pool
+client and writer, the block codec, the Prometheus metrics, and the registration and
+heartbeat loop with the router. The pool is optional at run time: while Redis is away
+every transfer is a miss and the instance keeps serving by recomputing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import aiohttp
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from libs.blocks import BlockKey, block_keys
+from libs.engine import EngineConfig, LLMEngine
+from libs.engine.async_engine import AsyncEngine
+from libs.kvpool.codec import BlockCodec
+from libs.kvpool.config import PoolConfig
+from libs.kvpool.redis_pool import RedisPool
+from libs.kvpool.writer import AsyncWriter
+from libs.protocol import encode
+from libs.protocol.messages import Heartbeat, RegisterInstance
+from services.common import configure_torch_threads
+from services.worker.settings import WorkerSettings
+
+log = logging.getLogger(__name__)
+
+Role = Literal["prefill", "decode"]
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+
+
+@dataclass
+class WorkerMetrics:
+    """Every metric an instance exports. Each is moved by code on the request path."""
+
+    requests: Counter
+    request_seconds: Histogram
+    step_seconds: Histogram
+    pool_hits: Counter
+    pool_misses: Counter
+    pool_bytes_read: Counter
+    pool_bytes_written: Counter
+    pool_blocks_written: Counter
+    pool_write_failures: Counter
+    handoff_seconds: Histogram
+    ttft_seconds: Histogram
+    tpot_seconds: Histogram
+
+    @classmethod
+    def create(cls, registry: CollectorRegistry, runtime: "WorkerRuntime") -> "WorkerMetrics":
+        snap = lambda name: (lambda: getattr(runtime.engine.snapshot, name))  # noqa: E731
+        for name, help_, attr in (
+            ("tidepool_requests_running", "requests in the running batch", "running"),
+            ("tidepool_requests_waiting", "requests waiting for the batch", "waiting"),
+            ("tidepool_kv_blocks_free", "free KV cache blocks", "free_blocks"),
+            ("tidepool_kv_blocks_total", "KV cache blocks", "total_blocks"),
+            ("tidepool_kv_exports_pending", "finished prompts waiting for staging", "pending_exports"),
+        ):
+            Gauge(name, help_, registry=registry).set_function(snap(attr))
+        Gauge("tidepool_kv_blocks_used", "KV cache blocks in use", registry=registry).set_function(
+            lambda: runtime.engine.snapshot.total_blocks - runtime.engine.snapshot.free_blocks
+        )
+        Gauge("tidepool_prefix_cache_hit_blocks", "blocks served by the local prefix cache (cumulative)", registry=registry).set_function(snap("prefix_hit_blocks"))
+        Gauge("tidepool_generated_tokens", "tokens generated (cumulative)", registry=registry).set_function(snap("generated_tokens"))
+        Gauge("tidepool_prompt_tokens_computed", "prompt tokens computed (cumulative)", registry=registry).set_function(snap("prompt_tokens_computed"))
+        Gauge("tidepool_preemptions", "sequences preempted (cumulative)", registry=registry).set_function(snap("preemptions"))
+        return cls(
+            requests=Counter("tidepool_worker_requests", "requests handled, by outcome", ["outcome"], registry=registry),
+            request_seconds=Histogram("tidepool_worker_request_seconds", "request latency inside this instance", buckets=_LATENCY_BUCKETS, registry=registry),
+            step_seconds=Histogram("tidepool_engine_step_seconds", "engine step duration", buckets=_LATENCY_BUCKETS, registry=registry),
+            pool_hits=Counter("tidepool_pool_hit_blocks", "blocks loaded from the pool", registry=registry),
+            pool_misses=Counter("tidepool_pool_miss_blocks", "blocks not loaded from the pool, by reason", ["reason"], registry=registry),
+            pool_bytes_read=Counter("tidepool_pool_read_bytes", "bytes read from the pool", registry=registry),
+            pool_bytes_written=Counter("tidepool_pool_written_bytes", "bytes written to the pool", registry=registry),
+            pool_blocks_written=Counter("tidepool_pool_written_blocks", "blocks written to the pool", registry=registry),
+            pool_write_failures=Counter("tidepool_pool_write_failed_blocks", "blocks whose write failed", registry=registry),
+            handoff_seconds=Histogram("tidepool_handoff_seconds", "pool transfer time of one request, by phase", ["phase"], buckets=_LATENCY_BUCKETS, registry=registry),
+            ttft_seconds=Histogram("tidepool_worker_ttft_seconds", "arrival to first token produced here", buckets=_LATENCY_BUCKETS, registry=registry),
+            tpot_seconds=Histogram("tidepool_worker_tpot_seconds", "time per output token after the first", buckets=_LATENCY_BUCKETS, registry=registry),
+        )
+
+
+class WorkerRuntime:
+    def __init__(self, settings: WorkerSettings, role: Role):
+        self.settings = settings
+        self.role = role
+        self.instance_id = settings.instance_id or f"{role}-{secrets.token_hex(4)}"
+        configure_torch_threads(settings.threads)
+        cfg = EngineConfig(
+            model=settings.model,
+            device=settings.device,
+            dtype=settings.dtype,
+            block_size=settings.block_size,
+            num_blocks=settings.num_blocks,
+            kv_cache_gb=settings.kv_cache_gb,
+            max_model_len=settings.max_model_len,
+            max_num_seqs=settings.max_num_seqs,
+            max_num_batched_tokens=settings.max_num_batched_tokens,
+            enable_prefix_caching=settings.enable_prefix_caching,
+            attention_backend=settings.attention_backend,
+            num_threads=settings.threads,
+            swap_buffers=settings.swap_buffers,
+            swap_max_blocks=settings.swap_max_blocks,
+        )
+        llm = LLMEngine(cfg)
+        self.llm = llm
+        self.namespace = llm.namespace
+        self.codec = BlockCodec(llm.layout)
+        self.registry = CollectorRegistry()
+        self.engine = AsyncEngine(llm, on_step=self._on_step)
+        self.metrics = WorkerMetrics.create(self.registry, self)
+        self.pool = RedisPool(
+            PoolConfig(url=settings.redis_url, password=settings.redis_password, key_prefix=settings.key_prefix)
+        )
+        self.writer: AsyncWriter | None = None
+        self.in_flight = 0  # HTTP requests inside this instance (queue depth for the router)
+        self._tasks: list[asyncio.Task[Any]] = []
+        self._http: aiohttp.ClientSession | None = None
+        self.url: str | None = settings.advertise_url
+        self.registered = False
+
+    def _on_step(self, seconds: float, running: int) -> None:
+        self.metrics.step_seconds.observe(seconds)
+
+    def keys(self, token_ids: list[int]) -> list[BlockKey]:
+        return block_keys(self.namespace, token_ids)
+
+    def cached_prefix_blocks(self, token_ids: list[int]) -> int:
+        """Leading blocks the local prefix cache holds right now (a hint: it may change)."""
+        return self.llm.block_manager.count_cached_prefix(token_ids)
+
+    # -- lifecycle ----------------------------------------------------------------------
+
+    async def start(self, app_url: str | None = None) -> None:
+        self.engine.start()
+        self.writer = AsyncWriter(self.pool, workers=self.settings.pool_workers)
+        if self.url is None and app_url is not None:
+            self.url = app_url
+        if self.settings.router_url:
+            self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5))
+            self._tasks.append(asyncio.create_task(self._heartbeat_loop(), name="heartbeat"))
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.writer is not None:
+            await self.writer.close()
+        await self.engine.stop()
+        if self._http is not None:
+            await self._http.close()
+        await self.pool.close()
+        self.llm.swapper.close()
+
+    def stats(self) -> dict[str, Any]:
+        s = self.engine.snapshot
+        return {
+            "instance_id": self.instance_id,
+            "role": self.role,
+            "model": self.llm.loaded.name,
+            "namespace": self.namespace.hex,
+            "registered": self.registered,
+            "engine": s.__dict__,
+            "in_flight": self.in_flight,
+            "staging_in_use": self.llm.swapper.in_use,
+            "writer": self.writer.stats() if self.writer is not None else None,
+        }
+
+    def healthy(self) -> bool:
+        return self.engine.alive
+
+    # -- router registration --------------------------------------------------------------
+
+    def registration(self) -> RegisterInstance:
+        return RegisterInstance(
+            instance_id=self.instance_id,
+            role=self.role,
+            url=self.url or "",
+            model=self.llm.loaded.name,
+            namespace=self.namespace.hex,
+            max_model_len=self.llm.max_model_len,
+            block_size=self.llm.config.block_size,
+        )
+
+    def heartbeat(self) -> Heartbeat:
+        s = self.engine.snapshot
+        return Heartbeat(
+            instance_id=self.instance_id,
+            role=self.role,
+            running=s.running,
+            waiting=s.waiting,
+            free_blocks=min(s.free_blocks, s.total_blocks),
+            total_blocks=s.total_blocks,
+            queue_depth=self.in_flight,
+        )
+
+    async def _post(self, path: str, body: bytes) -> int:
+        assert self._http is not None and self.settings.router_url
+        url = self.settings.router_url.rstrip("/") + path
+        async with self._http.post(url, data=body, headers={"Content-Type": "application/msgpack"}) as resp:
+            await resp.read()
+            return resp.status
+
+    async def _heartbeat_loop(self) -> None:
+        """Register, then heartbeat; re-register whenever the router forgets us (404) or
+        restarts. A router that is down is retried quietly: the instance keeps serving."""
+        while not self.url:  # known once the socket is bound (port 0 picks one)
+            await asyncio.sleep(0.05)
+        while True:
+            try:
+                if not self.registered:
+                    status = await self._post("/internal/v1/register", encode(self.registration()))
+                    self.registered = 200 <= status < 300
+                    if self.registered:
+                        log.info("registered with router %s as %s", self.settings.router_url, self.instance_id)
+                else:
+                    status = await self._post("/internal/v1/heartbeat", encode(self.heartbeat()))
+                    if status == 404:
+                        self.registered = False
+                        continue
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+                if self.registered:
+                    log.warning("router unreachable (%s); will re-register", e)
+                self.registered = False
+            await asyncio.sleep(self.settings.heartbeat_s)

@@ -1,0 +1,44 @@
+"""Settings of a prefill or decode instance (CLI flags and TIDEPOOL_* variables)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from services.common import BaseSettings, setting
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerSettings(BaseSettings):
+    """A prefill or decode instance: one engine, one pool client, registered with the router."""
+
+    model: str | None = setting(None, help="a .gguf file or Hugging Face folder; default: the embedded SmolLM2-135M-Instruct")
+    device: str = setting("auto", help="cpu, cuda, cuda:N or auto")
+    dtype: str = setting("auto", help="float32, bfloat16 or auto (float32 on CPU, bfloat16 on CUDA)")
+    threads: int = setting(1, help="torch CPU threads for this process (instances sharing cores must not oversubscribe)")
+    block_size: int = setting(16, help="tokens per KV block; must match every instance sharing the pool")
+    num_blocks: int | None = setting(None, help="KV cache blocks; default from kv_cache_gb or GPU memory")
+    kv_cache_gb: float | None = setting(None, help="KV cache size in GiB (default 1 on CPU, 80%% of free GPU memory)")
+    max_model_len: int | None = setting(None, help="longest prompt + completion; default: the model's")
+    max_num_seqs: int = setting(64, help="running sequences per step at most")
+    max_num_batched_tokens: int | None = setting(None, help="tokens per step at most (chunked prefill); default 1024 CPU / 8192 CUDA")
+    enable_prefix_caching: bool = setting(True, help="reuse KV blocks of identical prefixes inside this instance")
+    attention_backend: Literal["auto", "torch", "triton"] = setting("auto", help="attention kernels")
+    swap_buffers: int = setting(8, help="staging buffers for pool transfers (bounds concurrent handoffs)")
+    swap_max_blocks: int = setting(64, help="blocks per staging buffer")
+    redis_url: str = setting("redis://127.0.0.1:6379/0", help="the pool's Redis")
+    redis_password: str | None = setting(None, help="Redis password")
+    key_prefix: str = setting("tidepool", help="prefix of every pool key in Redis")
+    pool_workers: int = setting(4, help="concurrent pool write pipelines")
+    router_url: str | None = setting(None, help="router to register with (heartbeats every heartbeat_s); none: standalone")
+    advertise_url: str | None = setting(None, help="URL the router reaches this instance at; default http://<host>:<port>")
+    instance_id: str | None = setting(None, help="stable id for this instance; default: random")
+    heartbeat_s: float = setting(1.0, help="seconds between heartbeats to the router")
+    load_timeout_s: float = setting(10.0, help="longest wait for pool reads or staging before recomputing instead")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.threads < 1:
+            raise ValueError("threads must be >= 1")
+        if self.heartbeat_s <= 0 or self.load_timeout_s <= 0:
+            raise ValueError("heartbeat_s and load_timeout_s must be > 0")
