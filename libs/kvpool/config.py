@@ -4,8 +4,18 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from urllib.parse import urlsplit, urlunsplit
 
 _PREFIX_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+
+
+def redact_url(url: str) -> str:
+    """``url`` with any password replaced by ``***``."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
+    return urlunsplit(parts._replace(netloc=netloc))
 
 
 @dataclass(frozen=True)
@@ -52,10 +62,10 @@ class PoolConfig:
             raise ValueError("max_parallel cannot exceed max_connections")
 
     def __repr__(self) -> str:
-        # Never print the password (settings and configs end up in logs).
+        # Never print a password (configs end up in logs), neither the field nor one in the URL.
         secret = None if self.password is None else "***"
         return (
-            f"PoolConfig(url={self.url!r}, password={secret}, key_prefix={self.key_prefix!r}, "
+            f"PoolConfig(url={redact_url(self.url)!r}, password={secret}, key_prefix={self.key_prefix!r}, "
             f"max_connections={self.max_connections}, pipeline_blocks={self.pipeline_blocks}, "
             f"max_parallel={self.max_parallel}, retries={self.retries})"
         )

@@ -54,7 +54,7 @@ from redis.exceptions import NoScriptError, OutOfMemoryError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from libs.kvpool.header import Buffer
-from libs.kvpool.config import PoolConfig
+from libs.kvpool.config import PoolConfig, redact_url
 from libs.kvpool.pool import BlockPool, EvictResult, PoolError, PoolStats, PoolUnavailable, PutError
 
 T = TypeVar("T")
@@ -275,7 +275,7 @@ class RedisPool(BlockPool):
                 raise
             finally:
                 await self._pool.release(conn)
-        raise PoolUnavailable(f"redis at {self.config.url}: {type(last).__name__}: {last}") from last
+        raise PoolUnavailable(f"redis at {redact_url(self.config.url)}: {type(last).__name__}: {last}") from last
 
     @staticmethod
     async def _exchange(conn: AbstractConnection, commands: Sequence[tuple[Any, ...]]) -> list[Any]:

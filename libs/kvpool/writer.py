@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 from libs.kvpool.header import Buffer
-from libs.kvpool.pool import BlockPool, KeyLike, NamespaceLike, PoolError, key_text, namespace_hex
+from libs.kvpool.pool import LEASE_ID_RE, BlockPool, KeyLike, NamespaceLike, PoolError, key_text, namespace_hex
 
 log = logging.getLogger(__name__)
 
@@ -268,6 +268,8 @@ class AsyncWriter:
 
     def begin(self, *, lease_id: str | None = None) -> WriteSession:
         """A new session; its blocks are pinned by ``lease_id`` when given."""
+        if lease_id is not None and not LEASE_ID_RE.match(lease_id):
+            raise ValueError(f"malformed lease id {lease_id!r}")
         self._check_running()
         return WriteSession(self, lease_id)
 

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
-from libs.kvpool.config import PoolConfig
+from libs.kvpool.config import PoolConfig, redact_url
 from services.common.settings import BaseSettings, setting
 
 
@@ -44,6 +45,13 @@ class CacheStoreSettings(BaseSettings):
         if self.lease_ttl_s > self.max_lease_ttl_s:
             raise ValueError("lease_ttl_s cannot exceed max_lease_ttl_s")
         self.pool_config()  # a bad URL or prefix fails at startup, with the usage line
+
+    def __repr__(self) -> str:
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        if self.redis_password is not None:
+            fields["redis_password"] = "***"
+        fields["redis_url"] = redact_url(self.redis_url)
+        return f"CacheStoreSettings({', '.join(f'{k}={v!r}' for k, v in fields.items())})"
 
     def pool_config(self) -> PoolConfig:
         return PoolConfig(

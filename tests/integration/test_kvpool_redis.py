@@ -167,3 +167,18 @@ async def test_redis_restart_mid_write_fails_loudly_then_recovers(redis_factory:
         assert await pool.get_blocks(NS, keys[:8]) == vals[:8]
         assert (await pool.stats()).blocks == 8
         await writer.close()
+
+
+async def test_password_is_used_and_a_wrong_one_fails_cleanly(redis_factory: Callable[..., RedisServer]) -> None:
+    server = redis_factory()
+    raw = aioredis.from_url(server.url)
+    await raw.config_set("requirepass", "s3cret")
+    await raw.aclose()
+    prefix = unique_prefix()
+    async with RedisPool(PoolConfig(url=server.url, password="s3cret", key_prefix=prefix)) as pool:
+        await put_ok(pool, KEYS[:1], values(1))
+        assert await pool.exists_prefix(NS, KEYS[:1]) == 1
+    async with RedisPool(PoolConfig(url=server.url, password="bad-pa55", key_prefix=prefix, retries=0)) as pool:
+        with pytest.raises(PoolUnavailable) as info:
+            await pool.ping()
+        assert "s3cret" not in str(info.value) and "bad-pa55" not in str(info.value)

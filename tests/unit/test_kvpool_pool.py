@@ -220,3 +220,21 @@ async def test_twin_fault_hook_sees_every_call_and_can_fail_it() -> None:
     await pool.close()
     with pytest.raises(PoolUnavailable):
         await pool.ping()
+
+
+def test_pool_config_validates_and_never_prints_a_password() -> None:
+    from libs.kvpool.config import PoolConfig
+
+    config = PoolConfig(url="redis://:hunter2@db:6379/1", password="hunter2", key_prefix="prod-a")
+    assert "hunter2" not in repr(config)
+    for bad in (
+        {"url": "http://db"},
+        {"key_prefix": "has space"},
+        {"key_prefix": ""},
+        {"pipeline_blocks": 0},
+        {"retries": -1},
+        {"socket_timeout_s": 0},
+        {"max_parallel": 8, "max_connections": 4},
+    ):
+        with pytest.raises(ValueError):
+            PoolConfig(**bad)  # type: ignore[arg-type]

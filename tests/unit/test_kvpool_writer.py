@@ -273,6 +273,8 @@ async def test_session_and_writer_misuse_is_refused() -> None:
             await session.submit(NS, KEYS[0], b"x")
         with pytest.raises(ValueError):
             await writer.begin().submit(NS, "not-a-key", b"x")
+        with pytest.raises(ValueError):
+            writer.begin(lease_id="not-a-lease")
     with pytest.raises(ValueError):
         AsyncWriter(MemoryPool(), workers=0)
     with pytest.raises(ValueError):
