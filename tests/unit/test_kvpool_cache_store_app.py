@@ -144,10 +144,20 @@ async def test_budget_eviction_spares_leased_blocks_and_reaps_expired_leases(cli
     stats = await (await client.get("/v1/stats")).json()
     assert stats["leases"] == 0 and stats["pinned_blocks"] == 0 and stats["policy"]["reaped_leases"] == 1
     assert (await client.delete(f"/v1/leases/{lease['lease_id']}")).status == 404
+    metrics = await (await client.get("/metrics")).text()
+    for line in (
+        "tidepool_pool_evictions_total 3.0",
+        f"tidepool_pool_evicted_bytes_total {3.0 * FULL}",
+        "tidepool_cache_store_reaped_leases_total 1.0",
+        "tidepool_pool_leases 0.0",
+        f"tidepool_pool_budget_bytes {3.0 * FULL}",
+    ):
+        assert line in metrics, line
 
 
 async def test_stats_and_metrics_are_set_from_the_start(client: TestClient) -> None:
     assert (await client.put(url(KEYS[0]), data=encoded(0))).status == 201
+    assert (await client.put(url(KEYS[1]) + "?lease=" + "c" * 32, data=encoded(1))).status == 409
     await client.get(url(KEYS[0]))
     await client.get(url(KEYS[1]))
     stats = await (await client.get("/v1/stats")).json()
@@ -160,6 +170,10 @@ async def test_stats_and_metrics_are_set_from_the_start(client: TestClient) -> N
         "tidepool_pool_hits_total 1.0",
         'tidepool_pool_misses_total{reason="absent"} 1.0',
         'tidepool_pool_write_errors_total{reason="oom"} 0.0',
+        'tidepool_pool_write_errors_total{reason="lease"} 1.0',
+        "tidepool_pool_puts_total 1.0",
+        f"tidepool_pool_written_bytes_total {float(FULL)}",
+        f"tidepool_pool_read_bytes_total {float(FULL)}",
         "tidepool_pool_evictions_total 0.0",
         "tidepool_cache_store_redis_up 1.0",
     ):

@@ -78,6 +78,7 @@ async def test_several_blocks_go_in_one_pool_call() -> None:
         gate.open.set()
         await asyncio.wait_for(session.wait_all_done(), LIMIT)
     assert gate.batches == [1, 4, 4]
+    assert writer.stats()["batches"] == 3 and writer.stats()["batch_errors"] == 0
 
 
 async def test_backpressure_submit_waits_and_the_queue_stays_bounded() -> None:
@@ -141,6 +142,7 @@ async def test_a_failing_pool_call_fails_its_blocks_and_the_rest_go_on() -> None
     assert isinstance(failure.first_error, PoolUnavailable)
     assert sorted(block_id(NS, k) for k in failure.report.failed) == sorted(doomed)
     assert len(failure.report.written) == 8 - len(doomed)
+    assert writer.stats()["batch_errors"] == 1 and writer.stats()["blocks_failed"] == len(doomed)
 
 
 async def test_a_hung_pool_call_is_cut_by_the_timeout() -> None:
