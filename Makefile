@@ -7,16 +7,16 @@ STAMP := $(VENV)/.tidepool-installed
 PYTEST_FLAGS ?= -q
 export PYTHON VENV
 
-.PHONY: install redis run test unit integration test-gpu bench clean
+.PHONY: install system run test unit integration test-gpu bench clean
 
-install: $(STAMP) redis
+install: $(STAMP) system
 
 $(STAMP): pyproject.toml constraints/cpu.txt scripts/install.sh
 	scripts/install.sh
 	@touch $@
 
-redis:
-	@scripts/install-redis.sh
+system:
+	@scripts/install-system.sh
 
 run: install
 	$(PY) -m services.launch

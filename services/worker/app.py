@@ -50,10 +50,26 @@ def announce_with(runtime_app: web.Application) -> Callable[[str], None]:
     def announce(line: str) -> None:
         runtime = runtime_app[RUNTIME]
         if runtime.url is None:
-            runtime.url = line.rsplit(" ", 1)[-1]
+            runtime.url = reachable_url(line.rsplit(" ", 1)[-1])
         print(line, flush=True)
 
     return announce
+
+
+def reachable_url(url: str) -> str:
+    """``url`` with a wildcard bind address (0.0.0.0, ::) replaced by this host's address,
+    so the router can reach an instance that listens on every interface (containers)."""
+    import socket
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    if parts.hostname not in ("0.0.0.0", "::", ""):
+        return url
+    try:
+        addr = socket.gethostbyname(socket.gethostname())
+    except OSError:
+        addr = "127.0.0.1"
+    return f"{parts.scheme}://{addr}:{parts.port}"
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]

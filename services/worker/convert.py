@@ -19,6 +19,7 @@ def sampling_params(spec: SamplingSpec, *, max_tokens: int | None = None, n: int
         repetition_penalty=spec.repetition_penalty,
         seed=spec.seed,
         max_tokens=spec.max_tokens if max_tokens is None else max_tokens,
+        min_tokens=min(spec.min_tokens, spec.max_tokens if max_tokens is None else max_tokens),
         stop_token_ids=tuple(spec.stop_token_ids),
         ignore_eos=spec.ignore_eos,
         logprobs=spec.logprobs,

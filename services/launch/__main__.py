@@ -1,0 +1,68 @@
+"""``python -m services.launch`` (what ``make run`` runs): Redis and the four services.
+
+Prints the API's URL once everything is up; Ctrl-C stops every process it started.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+from pathlib import Path
+
+from services.launch.cluster import ClusterConfig, LocalCluster
+from services.launch.processes import ServiceStartError
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m services.launch", description="Run Redis, cache_store, router, prefill and decode locally.")
+    p.add_argument("--host", default="127.0.0.1", help="address the router binds (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="router port: the OpenAI API (default 8000)")
+    p.add_argument("--model", default=None, help="a .gguf file or HF folder (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--device", default="auto", help="cpu, cuda or auto (default: cuda if available)")
+    p.add_argument("--dtype", default="auto", help="float32, bfloat16 or auto")
+    p.add_argument("--prefill", type=int, default=1, help="prefill instances (default 1)")
+    p.add_argument("--decode", type=int, default=1, help="decode instances (default 1)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads per model process (default: cores / instances)")
+    p.add_argument("--redis-url", default=None, help="use this Redis instead of starting one")
+    p.add_argument("--pool-gb", type=float, default=1.0, help="memory for the KV pool (Redis maxmemory), GiB")
+    p.add_argument("--log-dir", default=".run/logs", help="where service logs go (default .run/logs)")
+    p.add_argument("--api-key", default=None, help="require this API key (Authorization: Bearer ...)")
+    args = p.parse_args(argv)
+
+    cfg = ClusterConfig(
+        host=args.host, router_port=args.port, model=args.model, device=args.device, dtype=args.dtype,
+        num_prefill=args.prefill, num_decode=args.decode, threads=args.threads, redis_url=args.redis_url,
+        pool_gb=args.pool_gb, log_dir=Path(args.log_dir),
+        router_args=["--api-key", args.api_key] if args.api_key else [],
+    )
+    cluster = LocalCluster(cfg)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    print("starting Redis, cache_store, router, prefill and decode (model load takes a few seconds) ...", flush=True)
+    try:
+        cluster.start()
+    except ServiceStartError as e:
+        print(f"launch failed: {e}", file=sys.stderr)
+        return 1
+    print(f"\nTidepool is up: {cluster.url}/v1  (model list: {cluster.url}/v1/models)", flush=True)
+    print(f"  try: curl {cluster.url}/v1/chat/completions -H 'Content-Type: application/json' "
+          "-d '{\"model\": \"SmolLM2-135M-Instruct\", \"messages\": [{\"role\": \"user\", \"content\": \"Hi!\"}]}'", flush=True)
+    print(f"  logs: {cfg.log_dir}/   Ctrl-C stops everything.", flush=True)
+    try:
+        while not stop.wait(0.5):
+            dead = [c.name for c in [cluster.router, *cluster.prefills, *cluster.decodes, cluster.cache_store] if c is not None and not c.running]
+            if dead:
+                print(f"service(s) exited: {', '.join(dead)}; stopping (see {cfg.log_dir})", file=sys.stderr)
+                return 1
+    finally:
+        print("stopping ...", flush=True)
+        cluster.stop()
+        print("stopped.", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,174 @@
+"""``LocalCluster``: Redis, cache_store, router, prefill and decode as local processes.
+
+Used by ``make run`` (``python -m services.launch``) and by the integration tests, so the
+tests start the system exactly the way users do. Services bind to localhost on ports the
+kernel picks (except the router's, which users need to know); the instances register
+with the router themselves, as they would under ``docker compose --scale``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+from services.launch.processes import Child, ServiceStartError, child_env, free_port, python_argv
+
+
+@dataclass
+class ClusterConfig:
+    host: str = "127.0.0.1"
+    router_port: int = 8000
+    model: str | None = None
+    device: str = "auto"
+    dtype: str = "auto"
+    num_prefill: int = 1
+    num_decode: int = 1
+    threads: int | None = None  # per model process; default: the cores split between them
+    redis_url: str | None = None  # an existing Redis; default: start one
+    pool_gb: float = 1.0  # Redis maxmemory; cache_store's budget is 80% of it
+    log_dir: Path = Path(".run/logs")
+    ready_timeout_s: float = 180.0
+    router_args: list[str] = field(default_factory=list)
+    worker_args: list[str] = field(default_factory=list)
+    prefill_args: list[str] = field(default_factory=list)
+    decode_args: list[str] = field(default_factory=list)
+    cache_store_args: list[str] = field(default_factory=list)
+    echo: IO[str] | None = None  # copy every service's stdout here (make run)
+
+    def worker_threads(self) -> int:
+        if self.threads is not None:
+            return self.threads
+        return max(1, (os.cpu_count() or 1) // max(1, self.num_prefill + self.num_decode))
+
+
+class LocalCluster:
+    def __init__(self, config: ClusterConfig | None = None):
+        self.config = config or ClusterConfig()
+        self.redis: Child | None = None
+        self.redis_url = self.config.redis_url
+        self.cache_store: Child | None = None
+        self.router: Child | None = None
+        self.prefills: list[Child] = []
+        self.decodes: list[Child] = []
+        self._redis_port: int | None = None
+
+    # -- lifecycle ----------------------------------------------------------------------
+
+    def start(self) -> "LocalCluster":
+        cfg = self.config
+        try:
+            if self.redis_url is None:
+                self.start_redis()
+            self.cache_store = self._child("cache_store", "services.cache_store", [
+                "--port", "0", "--redis-url", self.redis_url, "--budget-bytes", str(int(cfg.pool_gb * 0.8 * 2**30)),
+                *cfg.cache_store_args,
+            ])
+            self.cache_store.start()
+            self.router = self._child("router", "services.router", [
+                "--host", cfg.host, "--port", str(cfg.router_port), "--cache-store-url", self.cache_store.wait_ready(30),
+                *(["--model", cfg.model] if cfg.model else []), *cfg.router_args,
+            ])
+            self.router.start()
+            router_url = self.router.wait_ready(60)
+            self.prefills = [self._worker("prefill", i, router_url) for i in range(cfg.num_prefill)]
+            self.decodes = [self._worker("decode", i, router_url) for i in range(cfg.num_decode)]
+            for c in self.prefills + self.decodes:
+                c.start()
+            for c in self.prefills + self.decodes:
+                c.wait_ready(cfg.ready_timeout_s)
+            self.wait_registered(cfg.num_prefill, cfg.num_decode)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def start_redis(self) -> None:
+        if shutil.which("redis-server") is None:
+            raise ServiceStartError("redis-server is not installed (make install installs it)")
+        self._redis_port = self._redis_port or free_port()
+        maxmemory = int(self.config.pool_gb * 2**30)
+        self.redis = Child(
+            "redis",
+            ["redis-server", "--port", str(self._redis_port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+             "--maxmemory", str(maxmemory), "--maxmemory-policy", "noeviction"],
+            log_path=self.config.log_dir / "redis.log",
+        )
+        self.redis.start()
+        self.redis_url = f"redis://127.0.0.1:{self._redis_port}/0"
+        deadline = time.monotonic() + 10
+        while subprocess.run(["redis-cli", "-p", str(self._redis_port), "ping"], capture_output=True, text=True).stdout.strip() != "PONG":
+            if time.monotonic() > deadline or not self.redis.running:
+                raise ServiceStartError(f"redis-server did not start; see {self.redis.log_path}")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        """Stop everything, front to back; no process is left running."""
+        for c in [self.router, *self.prefills, *self.decodes, self.cache_store, self.redis]:
+            if c is not None:
+                c.stop()
+
+    def __enter__(self) -> "LocalCluster":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # -- pieces -------------------------------------------------------------------------
+
+    def _child(self, name: str, module: str, args: list[str], threads: int | None = None) -> Child:
+        return Child(name, python_argv(module, *args), env=child_env(threads), log_path=self.config.log_dir / f"{name}.log", echo=self.config.echo)
+
+    def _worker(self, role: str, index: int, router_url: str) -> Child:
+        cfg = self.config
+        extra = cfg.prefill_args if role == "prefill" else cfg.decode_args
+        args = [
+            "--port", "0", "--redis-url", self.redis_url, "--router-url", router_url,
+            "--device", cfg.device, "--dtype", cfg.dtype, "--threads", str(cfg.worker_threads()),
+            "--instance-id", f"{role}-{index}",
+            *(["--model", cfg.model] if cfg.model else []), *cfg.worker_args, *extra,
+        ]
+        return self._child(f"{role}-{index}", f"services.{role}", args, threads=cfg.worker_threads())
+
+    def restart(self, child: Child) -> None:
+        """Start a stopped or killed service again with the same arguments."""
+        child.stop()
+        child.start()
+        child.wait_ready(self.config.ready_timeout_s)
+
+    def restart_redis(self) -> None:
+        """Kill and restart the pool's Redis on the same port (an empty pool after)."""
+        assert self.redis is not None, "only a Redis this cluster started can be restarted"
+        self.redis.kill()
+        self.start_redis()
+
+    # -- queries ------------------------------------------------------------------------
+
+    @property
+    def url(self) -> str:
+        assert self.router is not None and self.router.url is not None
+        return self.router.url
+
+    def get_json(self, url: str, timeout: float = 5.0) -> dict:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return json.loads(r.read())
+
+    def workers(self) -> list[dict]:
+        body = self.get_json(self.url + "/v1/workers")
+        return body.get("data", body.get("workers", []))
+
+    def wait_registered(self, num_prefill: int, num_decode: int, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            roles = [w.get("role") for w in self.workers()]
+            if roles.count("prefill") >= num_prefill and roles.count("decode") >= num_decode:
+                return
+            if time.monotonic() > deadline:
+                raise ServiceStartError(f"instances did not register with the router: {roles}")
+            time.sleep(0.1)

