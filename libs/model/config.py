@@ -56,7 +56,11 @@ class ModelConfig:
             raise ValueError(f"unsupported model_type {model_type!r} in config.json")
         heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
-        scaling = cfg.get("rope_scaling")
+        # transformers >= 5 writes rope_theta and the scaling into one ``rope_parameters``
+        # dict; older files have top-level ``rope_theta`` and ``rope_scaling``.
+        rope = cfg.get("rope_parameters") or {}
+        theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
+        scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
         if scaling is not None:
             kind = scaling.get("rope_type", scaling.get("type"))
             if kind not in ("llama3", "default"):
@@ -78,7 +82,7 @@ class ModelConfig:
             num_kv_heads=cfg.get("num_key_value_heads", heads),
             head_dim=head_dim,
             max_position_embeddings=max_pos,
-            rope_theta=float(cfg.get("rope_theta", 10000.0)),
+            rope_theta=float(theta),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", arch == "qwen2")),

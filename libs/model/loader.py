@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -103,7 +103,10 @@ def load_config(path: str | Path | None) -> ModelConfig:
     if p.is_file():
         import gguf
 
-        return gguf_config(gguf_metadata(gguf.GGUFReader(str(p))))
+        reader = gguf.GGUFReader(str(p))
+        cfg = gguf_config(gguf_metadata(reader))
+        # As in read_gguf: the embeddings are tied when the file has no output matrix.
+        return replace(cfg, tie_word_embeddings=not any(t.name == "output.weight" for t in reader.tensors))
     import json
 
     return ModelConfig.from_hf(json.loads((p / "config.json").read_text()))
