@@ -68,3 +68,29 @@ def tiny_engine(**overrides) -> LLMEngine:
 
 def real_model_path() -> Path:
     return default_model_path()
+
+
+@functools.lru_cache(maxsize=1)
+def hf_gguf_tokenizer():
+    """transformers' own tokenizer for the embedded GGUF (the reference for ours), loaded
+    once per session: converting the GGUF vocabulary takes seconds."""
+    import transformers
+
+    path = default_model_path()
+    return transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+
+
+def hf_greedy(model, prompt_ids: list[int], n: int) -> tuple[list[int], torch.Tensor]:
+    """Greedy tokens from a transformers model with its own KV cache (no EOS stop), plus
+    the first step's fp32 logits: the reference our engine is compared with."""
+    out, past, x, first = [], None, torch.tensor([prompt_ids]), None
+    with torch.no_grad():
+        for _ in range(n):
+            o = model(input_ids=x, past_key_values=past, use_cache=True)
+            logits = o.logits[0, -1].float()
+            first = logits if first is None else first
+            past = o.past_key_values
+            t = int(logits.argmax())
+            out.append(t)
+            x = torch.tensor([[t]])
+    return out, first

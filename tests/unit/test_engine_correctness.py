@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from libs.engine import SamplingParams
-from tests.models import CHAT_PROMPTS, RAW_PROMPTS
+from tests.models import CHAT_PROMPTS, RAW_PROMPTS, hf_greedy
 
 N_TOKENS = 32
 
@@ -20,21 +20,6 @@ def hf_model(engine):
     path = engine.loaded.path
     model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
     return model.eval()
-
-
-def hf_greedy(model, prompt_ids: list[int], n: int) -> tuple[list[int], torch.Tensor]:
-    """Greedy tokens with HF's own KV cache (no EOS stop), plus the first step's logits."""
-    out, past, x, first = [], None, torch.tensor([prompt_ids]), None
-    with torch.no_grad():
-        for _ in range(n):
-            o = model(input_ids=x, past_key_values=past, use_cache=True)
-            logits = o.logits[0, -1].float()
-            first = logits if first is None else first
-            past = o.past_key_values
-            t = int(logits.argmax())
-            out.append(t)
-            x = torch.tensor([[t]])
-    return out, first
 
 
 @pytest.fixture(scope="module")
