@@ -38,7 +38,14 @@ leases, so two leases on one block both hold it. The evict script skips pinned b
 Expired leases keep pinning until reaped (cache_store reaps before it evicts).
 
 The evict and reap scripts build key names at run time (``P:kv:`` + member), which
-standalone Redis allows; the pool is not meant for Redis Cluster.
+standalone Redis allows; the pool is not meant for Redis Cluster. Script flags
+(``#!lua flags=...``) need Redis >= 7.0.
+
+Replies are read raw (RESP2, no redis-py response callbacks) from pooled connections, and
+values are sent without copying (redis-py passes large arguments to the socket as they
+are). Reading is where the client spends its CPU: redis-py's asyncio reader copies every
+byte several times (transport buffer, StreamReader, hiredis buffer, the result object);
+bench/pool_throughput.py measures what that costs against redis-benchmark.
 """
 
 from __future__ import annotations

@@ -52,7 +52,6 @@ class PolicyLoop:
         self.snapshot: PoolStats | None = None  # the latest pool statistics
         self.redis_up: bool | None = None  # unknown until the first pass
         self._task: asyncio.Task[None] | None = None
-        self._wake = asyncio.Event()
 
     def start(self) -> None:
         if self._task is None:
@@ -64,18 +63,10 @@ class PolicyLoop:
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
 
-    def poke(self) -> None:
-        """Run the next pass now (after a write that may have crossed the budget)."""
-        self._wake.set()
-
     async def _run(self) -> None:
         while True:
             await self.run_pass()
-            try:
-                await asyncio.wait_for(self._wake.wait(), self.interval_s)
-            except asyncio.TimeoutError:
-                pass
-            self._wake.clear()
+            await asyncio.sleep(self.interval_s)
 
     async def run_pass(self) -> bool:
         """One reap/evict/stats pass; ``False`` (and counted) if the pool failed."""
@@ -89,15 +80,17 @@ class PolicyLoop:
                 if result.evicted < self.evict_batch or result.bytes_after <= self.budget_bytes:
                     break
             self.snapshot = await self.pool.stats()
-        except PoolError as exc:
+        except Exception as exc:  # the loop must outlive any failure, or eviction stops for good
             kind = type(exc).__name__
             self.counters.failed_passes += 1
             self.counters.errors_by_kind[kind] = self.counters.errors_by_kind.get(kind, 0) + 1
             self.counters.last_error = f"{kind}: {exc}"
-            if self.redis_up is not False:  # log once per outage, not once per tick
+            if not isinstance(exc, PoolError):
+                log.exception("policy pass failed (a bug, not an outage)")
+            elif self.redis_up is not False:  # log an outage once, not once per tick
                 self.counters.outages += 1
                 log.warning("pool unavailable, retrying every %.1fs: %s", self.interval_s, exc)
-            self.redis_up = False
+                self.redis_up = False
             return False
         finally:
             self.counters.passes += 1

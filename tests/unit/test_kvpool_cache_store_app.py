@@ -188,3 +188,30 @@ async def test_health_follows_the_pool(client: TestClient, pool: MemoryPool) -> 
     assert resp.status == 503 and await error_code(resp) == "pool_unavailable"
     stats = await (await client.get("/v1/stats")).json()
     assert stats["redis_up"] is False and stats["stale"] is True
+
+
+async def test_the_policy_loop_outlives_failures() -> None:
+    from services.cache_store.policy import PolicyLoop
+
+    calls = 0
+
+    async def fault(op: str, ids: object) -> None:
+        nonlocal calls
+        if op == "reap_leases":
+            calls += 1
+            if calls == 1:
+                raise RuntimeError("a bug in a pool call")
+            if calls == 2:
+                from libs.kvpool.pool import PoolUnavailable
+
+                raise PoolUnavailable("redis down")
+
+    policy = PolicyLoop(MemoryPool(fault=fault), budget_bytes=0, interval_s=0.01, evict_batch=8)
+    assert not await policy.run_pass()
+    assert policy.redis_up is None  # a bug says nothing about Redis
+    assert not await policy.run_pass()
+    assert policy.redis_up is False and policy.counters.outages == 1
+    assert await policy.run_pass()
+    assert policy.redis_up is True
+    assert policy.counters.errors_by_kind == {"RuntimeError": 1, "PoolUnavailable": 1}
+    assert (policy.counters.passes, policy.counters.failed_passes) == (3, 2)
