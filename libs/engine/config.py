@@ -36,6 +36,11 @@ class EngineConfig:
     attention_backend: str = "auto"
     num_threads: int | None = None
     seed: int = 0
+    # CUDA only: decode steps replay captured graphs (batch sizes up to graph_max_batch);
+    # async_prepare builds the next step's inputs while the device runs this one.
+    cuda_graphs: bool = True
+    graph_max_batch: int = 128
+    async_prepare: str = "auto"  # auto (on CUDA), on, off
     # PD handoff staging: buffers of swap_max_blocks blocks each (pinned on CUDA).
     swap_max_blocks: int = 64
     swap_buffers: int = 4
@@ -64,6 +69,11 @@ class EngineConfig:
             # Without chunking a whole prompt must fit in one step.
             budget = max(budget, max_model_len)
         return budget
+
+    def resolve_async_prepare(self, device: torch.device) -> bool:
+        if self.async_prepare not in ("auto", "on", "off"):
+            raise ValueError(f"async_prepare must be auto, on or off, got {self.async_prepare!r}")
+        return self.async_prepare == "on" or (self.async_prepare == "auto" and device.type == "cuda")
 
     def apply_threads(self) -> None:
         """Set torch's CPU thread count explicitly (DESIGN.md: processes sharing cores

@@ -15,10 +15,13 @@ from typing import Any, Iterator, Sequence as Seq
 import torch
 
 from kernels.swap import BlockSwapper, StagingBuffer
+from libs.engine.async_runner import AsyncRunner
 from libs.engine.block_manager import BlockManager
 from libs.engine.config import EngineConfig
 from libs.engine.errors import DuplicateRequestError, InvalidRequestError, PromptTooLongError, TokenOutOfRangeError
+from libs.engine.inputs import StepInputs, StepPlan, build_inputs
 from libs.engine.model_runner import ModelRunner
+from libs.engine.step_timer import StepTimer
 from libs.engine.params import SamplingParams
 from libs.engine.scheduler import Scheduler, SchedulerConfig
 from libs.engine.sequence import KVImport, Sequence, TokenLogprob
@@ -124,6 +127,16 @@ class LLMEngine:
         self.swapper = BlockSwapper(cache, max_blocks=config.swap_max_blocks, num_buffers=config.swap_buffers)
         self.runner = ModelRunner(loaded.model, cache, config.block_size, mc.vocab_size, device, self.swapper)
         self._pending_exports: list[Sequence] = []
+        if device.type == "cuda" and config.cuda_graphs and loaded.model.layers[0].self_attn.backend.name == "triton":
+            self.runner.enable_cuda_graphs(
+                max_batch=min(config.max_num_seqs, config.graph_max_batch),
+                max_blocks_per_seq=-(-self.max_model_len // config.block_size),
+            )
+        self._prepare = AsyncRunner("prepare-inputs") if config.resolve_async_prepare(device) else None
+        self._ahead: tuple[StepPlan, StepInputs, torch.Tensor] | None = None
+        self.timer = StepTimer(device)
+        self.prepared_ahead_hits = 0
+        self.prepared_ahead_misses = 0
         self.vocab_size = mc.vocab_size
         self._requests: dict[str, list[Sequence]] = {}
         self._params: dict[str, SamplingParams] = {}
@@ -293,13 +306,26 @@ class LLMEngine:
                 s.seq.pending_forks = 0
 
         self._import(out.imports)
-        inputs = self.runner.prepare(out, counts)
-        logits = self.runner.forward(inputs)
-        sampled = self.runner.sample(logits, sample_seqs) if sample_seqs else None
-        self.num_steps += 1
-        for row, seq in enumerate(sample_seqs):
-            if seq.capture_logits and seq.captured_logits is None:
-                seq.captured_logits = logits[row].float().cpu()
+        plan = StepPlan.from_schedule(out, counts, self.config.block_size)
+        inputs, input_ids = self._inputs_for(plan)
+        self.timer.start()
+        logits = self.runner.forward(inputs, input_ids)
+        samples = self.runner.sample(logits, sample_seqs) if sample_seqs else None
+        self.timer.stop()
+        predicted = plan.next_decode() if self._prepare is not None and samples is not None else None
+        if predicted is not None:
+            # The device is busy with this step: build the next one's inputs meanwhile.
+            self._prepare.submit(build_inputs, predicted, self.device)
+        try:
+            sampled = self.runner.sampler.collect(samples) if samples is not None else None
+            self.num_steps += 1
+            for row, seq in enumerate(sample_seqs):
+                if seq.capture_logits and seq.captured_logits is None:
+                    seq.captured_logits = logits[row].float().cpu()
+        finally:
+            ahead = self._prepare.sync() if predicted is not None else None  # re-raises its errors
+        self._ahead = (predicted, ahead, samples.tokens) if ahead is not None else None
+        self.timer.account()
 
         for s in out.scheduled:
             s.seq.num_computed_tokens += s.num_tokens
@@ -326,6 +352,23 @@ class LLMEngine:
             touched.setdefault(seq.request_id, None)
         outputs.extend(self._request_output(rid) for rid in touched if rid in self._requests)
         return outputs
+
+    def _inputs_for(self, plan: StepPlan) -> tuple[StepInputs, torch.Tensor]:
+        """This step's inputs: the ones built ahead if the prediction held, else fresh."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and plan.matches(ahead[0]):
+            self.prepared_ahead_hits += 1
+            return ahead[1], ahead[2]
+        if ahead is not None:
+            self.prepared_ahead_misses += 1
+        inputs = build_inputs(plan, self.device)
+        return inputs, inputs.input_ids
+
+    def close(self) -> None:
+        """Stop the helper thread and free staging (the engine is unusable afterwards)."""
+        if self._prepare is not None:
+            self._prepare.close()
+        self.swapper.close()
 
     def _fork_child(self, parent: Sequence) -> Sequence:
         """A sibling of ``parent`` (same prompt, its own derived seed), sampled this step."""

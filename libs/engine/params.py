@@ -10,13 +10,14 @@ from libs.engine.errors import InvalidSamplingParamsError
 MAX_LOGPROBS = 20
 MAX_N = 128
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
+_GREEDY_TEMPERATURE = 1e-5
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens. Defaults follow the OpenAI API (temperature 1, top_p 1).
 
-    ``temperature == 0`` is greedy. ``top_k <= 0`` disables top-k. ``logprobs``: ``None``
+    ``temperature == 0`` (or below 1e-5) is greedy. ``top_k <= 0`` disables top-k. ``logprobs``: ``None``
     returns none; ``k`` in 0..20 returns the chosen token's logprob and the top ``k``.
     Logprobs are the model's raw distribution (before temperature, penalties and filters),
     as vLLM and OpenAI report them.
@@ -57,7 +58,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        # Below _GREEDY_TEMPERATURE sampling is argmax anyway, and logits / T would
+        # overflow float32 (T = 1e-40 gives inf - inf = NaN): treat it as greedy (vLLM too).
+        return self.temperature < _GREEDY_TEMPERATURE
 
     @property
     def has_penalties(self) -> bool:

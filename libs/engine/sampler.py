@@ -32,14 +32,27 @@ class SamplerOutput:
     logprobs: list[TokenLogprob | None]
 
 
+@dataclass
+class DeviceSamples:
+    """Sampled tokens (and logprob tensors) still on the device: the next step may feed
+    ``tokens`` straight back as its input ids before the host has read them."""
+
+    tokens: torch.Tensor  # [rows] int64
+    logprobs: tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor] | None  # rows, chosen, top vals, top ids
+    want: list[int | None]
+
+
 class Sampler:
     def __init__(self, vocab_size: int, device: torch.device):
         self.vocab_size = vocab_size
         self.device = device
 
-    @torch.no_grad()
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
-        """``logits``: fp32 ``[rows, vocab]`` (the model may pad its vocabulary)."""
+        return self.collect(self.sample(logits, batch))
+
+    @torch.no_grad()
+    def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> DeviceSamples:
+        """Launch sampling; nothing is read back. ``logits``: fp32 ``[rows, vocab]``."""
         logits = logits[:, : self.vocab_size]
         params = batch.params
         want_logprobs = [p.logprobs for p in params]
@@ -48,18 +61,24 @@ class Sampler:
         if any(p.has_penalties for p in params):
             logits = self._apply_penalties(logits.clone(), batch)
 
-        tokens = torch.empty(len(params), dtype=torch.long, device=logits.device)
         greedy = [i for i, p in enumerate(params) if p.greedy]
         random = [i for i, p in enumerate(params) if not p.greedy]
-        if greedy:
-            idx = torch.tensor(greedy, device=logits.device)
-            tokens[idx] = logits[idx].argmax(dim=-1)
-        if random:
-            idx = torch.tensor(random, device=logits.device)
-            tokens[idx] = self._sample(logits[idx], [params[i] for i in random], [batch.generators[i] for i in random])
+        if not random:
+            tokens = logits.argmax(dim=-1)
+        elif not greedy:
+            tokens = self._sample(logits, params, batch.generators)
+        else:
+            tokens = torch.empty(len(params), dtype=torch.long, device=logits.device)
+            g_idx = torch.tensor(greedy, device=logits.device)
+            r_idx = torch.tensor(random, device=logits.device)
+            tokens[g_idx] = logits[g_idx].argmax(dim=-1)
+            tokens[r_idx] = self._sample(logits[r_idx], [params[i] for i in random], [batch.generators[i] for i in random])
+        return DeviceSamples(tokens, self._logprob_tensors(raw_logprobs, tokens, want_logprobs), want_logprobs)
 
-        token_list = tokens.tolist()  # the one host sync of the step
-        return SamplerOutput(token_list, self._logprobs(raw_logprobs, tokens, want_logprobs, token_list))
+    def collect(self, ds: DeviceSamples) -> SamplerOutput:
+        """Read the samples back: the one host sync of a step."""
+        token_list = ds.tokens.tolist()
+        return SamplerOutput(token_list, self._logprobs(ds, token_list))
 
     def _apply_penalties(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """Repetition (HF/vLLM: over prompt and output), presence and frequency (OpenAI:
@@ -124,18 +143,24 @@ class Sampler:
         sorted_logits = sorted_logits.masked_fill(mask, neg_inf)
         return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
-    def _logprobs(self, raw: torch.Tensor | None, tokens: torch.Tensor, want: list[int | None], token_list: list[int]) -> list[TokenLogprob | None]:
+    def _logprob_tensors(self, raw: torch.Tensor | None, tokens: torch.Tensor, want: list[int | None]):
+        """Only what leaves the device: the chosen token's logprob and the top k (k <= 20)."""
         if raw is None:
-            return [None] * len(want)
+            return None
         rows = [i for i, k in enumerate(want) if k is not None]
-        idx = torch.tensor(rows, device=raw.device)
-        sub = raw[idx]
-        chosen = sub.gather(1, tokens[idx].unsqueeze(1)).squeeze(1)
+        sub = raw[torch.tensor(rows, device=raw.device)]
+        chosen = sub.gather(1, tokens[torch.tensor(rows, device=raw.device)].unsqueeze(1)).squeeze(1)
         k = max(want[i] for i in rows)
         top_vals, top_ids = sub.topk(k, dim=-1) if k > 0 else (sub[:, :0], sub[:, :0].long())
+        return rows, chosen, top_vals, top_ids
+
+    def _logprobs(self, ds: DeviceSamples, token_list: list[int]) -> list[TokenLogprob | None]:
+        out: list[TokenLogprob | None] = [None] * len(ds.want)
+        if ds.logprobs is None:
+            return out
+        rows, chosen, top_vals, top_ids = ds.logprobs
         chosen_l, vals_l, ids_l = chosen.tolist(), top_vals.tolist(), top_ids.tolist()
-        out: list[TokenLogprob | None] = [None] * len(want)
         for j, i in enumerate(rows):
-            ki = want[i]
+            ki = ds.want[i]
             out[i] = TokenLogprob(token_list[i], chosen_l[j], ids_l[j][:ki], vals_l[j][:ki])
         return out

@@ -1,0 +1,56 @@
+"""How busy the device is: GPU time per step, and the idle gaps between steps.
+
+CUDA events are recorded around each step's device work (forward and sampling) on the
+stream; after the step's host sync both have completed, so reading them costs nothing.
+The idle time between two consecutive steps is the gap from one step's end event to
+the next one's start event: host-side scheduling, input preparation and launch latency
+that the device waited for. Off CUDA nothing is measured.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class StepTimer:
+    def __init__(self, device: torch.device):
+        self.enabled = device.type == "cuda"
+        self.busy_s = 0.0
+        self.idle_s = 0.0
+        self.steps = 0
+        self._start: torch.cuda.Event | None = None
+        self._end: torch.cuda.Event | None = None
+        self._prev_end: torch.cuda.Event | None = None
+
+    def start(self) -> None:
+        if self.enabled:
+            self._start = torch.cuda.Event(enable_timing=True)
+            self._start.record()
+
+    def stop(self) -> None:
+        if self.enabled:
+            self._end = torch.cuda.Event(enable_timing=True)
+            self._end.record()
+
+    def account(self) -> None:
+        """Add the last step (call after its host sync, when its events have completed)."""
+        if not self.enabled or self._start is None or self._end is None:
+            return
+        self._end.synchronize()
+        self.busy_s += self._start.elapsed_time(self._end) / 1e3
+        if self._prev_end is not None:
+            self.idle_s += self._prev_end.elapsed_time(self._start) / 1e3
+        self._prev_end, self._start, self._end = self._end, None, None
+        self.steps += 1
+
+    def reset(self) -> None:
+        """Start a new measurement window (and forget the previous step: an idle period
+        between windows, e.g. no requests at all, is not counted)."""
+        self.busy_s = self.idle_s = 0.0
+        self.steps = 0
+        self._prev_end = None
+
+    @property
+    def idle_fraction(self) -> float | None:
+        total = self.busy_s + self.idle_s
+        return self.idle_s / total if self.enabled and total > 0 else None
