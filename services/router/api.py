@@ -1,0 +1,398 @@
+"""OpenAI request bodies -> one validated :class:`GenerateRequest`, before any downstream call.
+
+Both endpoints (``/v1/completions`` and ``/v1/chat/completions``) parse into the same
+request, so the request path after this module does not care which one the client used.
+Everything a client can get wrong is caught here and answered 400 (404 for an unknown
+model) with an OpenAI-shaped error naming the field in ``param``; what needs the tokenizer
+or the instances' context length is checked in :func:`resolve_max_tokens` and by the
+tokenizing step, still before anything is sent downstream.
+
+Rules worth knowing:
+
+- ``null`` means "not given" for every optional field, as in OpenAI's API.
+- Unknown fields are ignored (clients and SDKs send extras); known fields the router does
+  not implement are refused when they would change the result (``suffix``, ``logit_bias``,
+  ``tools``, non-text ``response_format``, ``best_of`` != ``n``, ``echo`` with ``logprobs``).
+- Types are strict: ``"n": 2.0`` or ``"temperature": "0.5"`` is a 400, as is ``true`` for a
+  number (JSON booleans are not numbers).
+- Completions default ``max_tokens`` to 16 (OpenAI's default, capped to the context left);
+  chat defaults to the whole context left.
+- vLLM extensions: ``top_k`` (-1 or 0 = off), ``min_p``, ``repetition_penalty``,
+  ``ignore_eos``, ``min_tokens``, ``stop_token_ids``. Tidepool's own: ``"tidepool":
+  {"trace": true}`` asks for the handoff trace in the response.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from libs.protocol.messages import MAX_LOGPROBS, SamplingSpec
+from services.router.errors import ApiError, bad_request
+
+Kind = Literal["completion", "chat"]
+
+MAX_N = 128
+MAX_CHOICES = 1024  # prompts x n in one request
+MAX_STOP_STRINGS = 32
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+_SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """A validated request of either endpoint, in the router's terms.
+
+    ``prompts`` holds the completions prompts (text, or token ids); chat requests carry
+    ``messages`` instead and have exactly one prompt. ``logprobs`` is the number of top
+    alternatives per token (``None``: no logprobs at all).
+    """
+
+    kind: Kind
+    model: str
+    prompts: tuple[str | tuple[int, ...], ...]
+    messages: tuple[dict[str, Any], ...]
+    n: int
+    max_tokens: int | None
+    min_tokens: int
+    stream: bool
+    include_usage: bool
+    stop: tuple[str, ...]
+    stop_token_ids: tuple[int, ...]
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
+    seed: int | None
+    ignore_eos: bool
+    logprobs: int | None
+    echo: bool
+    want_trace: bool
+    user: str | None
+
+    @property
+    def num_prompts(self) -> int:
+        return 1 if self.kind == "chat" else len(self.prompts)
+
+    def sampling(self, *, max_tokens: int, n: int, seed: int | None) -> SamplingSpec:
+        """The wire sampling spec of one prefill (``n`` first tokens) or one decode stream."""
+        return SamplingSpec(
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            seed=seed,
+            max_tokens=max_tokens,
+            min_tokens=min(self.min_tokens, max_tokens),
+            stop_token_ids=list(self.stop_token_ids),
+            ignore_eos=self.ignore_eos,
+            logprobs=self.logprobs,
+            n=n,
+        )
+
+
+def choice_seed(seed: int | None, index: int) -> int | None:
+    """The seed of choice ``index`` of ``n``: the request's seed for choice 0 (so ``n=1``
+    passes it through unchanged), then ``seed + index`` mod 2**64 as the engine derives its
+    own n > 1 children (libs/engine/params.py), so the choices differ but each reproduces."""
+    if seed is None or index == 0:
+        return seed
+    return (seed + index) % 2**64
+
+
+class _Fields:
+    """Typed access to a JSON object's fields; every failure is a 400 naming the field."""
+
+    def __init__(self, body: dict[str, Any]) -> None:
+        self.body = body
+
+    def raw(self, name: str) -> Any:
+        return self.body.get(name)
+
+    def given(self, name: str) -> bool:
+        return self.body.get(name) is not None
+
+    def _typed(self, name: str, py_type: type, label: str) -> Any:
+        """The field's value (None when absent or null), which must be exactly ``py_type``."""
+        value = self.body.get(name)
+        if value is not None and type(value) is not py_type:
+            raise bad_request(f"'{name}' must be {label}, got {_json_type(value)}", name, "invalid_type")
+        return value
+
+    def integer(self, name: str, default: int | None, lo: int | None = None, hi: int | None = None) -> int | None:
+        value = self._typed(name, int, "an integer")
+        if value is None:
+            return default
+        if (lo is not None and value < lo) or (hi is not None and value > hi):
+            raise bad_request(f"'{name}' must be in [{_bound(lo)}, {_bound(hi)}], got {value}", name)
+        return value
+
+    def number(self, name: str, default: float, lo: float, hi: float, *, lo_open: bool = False) -> float:
+        value = self.body.get(name)
+        if value is None:
+            return default
+        if type(value) not in (int, float):
+            raise bad_request(f"'{name}' must be a number, got {_json_type(value)}", name, "invalid_type")
+        value = float(value)
+        below = value <= lo if lo_open else value < lo
+        if not math.isfinite(value) or below or value > hi:
+            interval = f"({lo}, {hi}]" if lo_open else f"[{lo}, {hi}]"
+            raise bad_request(f"'{name}' must be in {interval}, got {value}", name)
+        return value
+
+    def boolean(self, name: str, default: bool) -> bool:
+        value = self._typed(name, bool, "a boolean")
+        return default if value is None else value
+
+    def string(self, name: str, default: str | None) -> str | None:
+        value = self._typed(name, str, "a string")
+        return default if value is None else value
+
+    def obj(self, name: str) -> "_Fields":
+        return _Fields(self._typed(name, dict, "an object") or {})
+
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    return {bool: "boolean", int: "integer", float: "number", str: "string", list: "array", dict: "object"}.get(
+        type(value), type(value).__name__
+    )
+
+
+def _bound(value: int | None) -> str:
+    return "-inf" if value is None else str(value)
+
+
+def parse_request(body: Any, kind: Kind, *, served_model: str, vocab_size: int) -> GenerateRequest:
+    """Validate a decoded JSON body of ``kind``; raise :class:`ApiError` naming the problem."""
+    if type(body) is not dict:
+        raise bad_request(f"the request body must be a JSON object, got {_json_type(body)}", None, "invalid_type")
+    f = _Fields(body)
+    model = f.string("model", served_model)
+    if model != served_model:
+        raise ApiError(404, f"The model `{model}` does not exist.", code="model_not_found", param="model")
+
+    n = f.integer("n", 1, 1, MAX_N)
+    assert n is not None
+    stream = f.boolean("stream", False)
+    options = f.obj("stream_options")
+    if f.given("stream_options") and not stream:
+        raise bad_request("'stream_options' is only allowed when 'stream' is true", "stream_options")
+    include_usage = options.boolean("include_usage", False)
+    ext = f.obj("tidepool")
+    want_trace = ext.boolean("trace", False)
+
+    if kind == "chat":
+        messages = _messages(f)
+        prompts: tuple[str | tuple[int, ...], ...] = ()
+        max_tokens = f.integer("max_completion_tokens", None, 1)
+        if max_tokens is None:
+            max_tokens = f.integer("max_tokens", None, 1)
+        logprobs = _chat_logprobs(f)
+        echo = False
+        _refuse_chat_extras(f)
+    else:
+        messages = ()
+        prompts = _prompts(f.raw("prompt"), vocab_size)
+        max_tokens = f.integer("max_tokens", None, 1)
+        logprobs = f.integer("logprobs", None, 0, MAX_LOGPROBS)
+        echo = f.boolean("echo", False)
+        if echo and logprobs is not None:
+            raise bad_request(
+                "'echo' with 'logprobs' needs prompt logprobs, which this server does not compute",
+                "echo",
+                "unsupported_parameter",
+            )
+        suffix = f.string("suffix", None)
+        if suffix:
+            raise bad_request("'suffix' is not supported", "suffix", "unsupported_parameter")
+        best_of = f.integer("best_of", None, 1)
+        if best_of is not None and best_of != n:
+            raise bad_request("'best_of' must equal 'n' (server-side best-of is not supported)", "best_of", "unsupported_parameter")
+    _refuse_logit_bias(f)
+
+    num_prompts = 1 if kind == "chat" else len(prompts)
+    if num_prompts * n > MAX_CHOICES:
+        raise bad_request(f"{num_prompts} prompts x n={n} exceeds {MAX_CHOICES} choices per request", "n")
+
+    top_k = f.integer("top_k", -1, -1)
+    assert top_k is not None
+    min_tokens = f.integer("min_tokens", 0, 0)
+    assert min_tokens is not None
+    if max_tokens is not None and min_tokens > max_tokens:
+        raise bad_request(f"'min_tokens' ({min_tokens}) must not exceed 'max_tokens' ({max_tokens})", "min_tokens")
+    return GenerateRequest(
+        kind=kind,
+        model=served_model,
+        prompts=prompts,
+        messages=messages,
+        n=n,
+        max_tokens=max_tokens,
+        min_tokens=min_tokens,
+        stream=stream,
+        include_usage=include_usage,
+        stop=_stop(f.raw("stop")),
+        stop_token_ids=_token_ids(f.raw("stop_token_ids"), "stop_token_ids", vocab_size, allow_empty=True),
+        temperature=f.number("temperature", 1.0, 0.0, 2.0),
+        top_p=f.number("top_p", 1.0, 0.0, 1.0, lo_open=True),
+        top_k=-1 if top_k == 0 else top_k,
+        min_p=f.number("min_p", 0.0, 0.0, 1.0),
+        presence_penalty=f.number("presence_penalty", 0.0, -2.0, 2.0),
+        frequency_penalty=f.number("frequency_penalty", 0.0, -2.0, 2.0),
+        repetition_penalty=f.number("repetition_penalty", 1.0, 0.0, 10.0, lo_open=True),
+        seed=f.integer("seed", None, _SEED_MIN, _SEED_MAX),
+        ignore_eos=f.boolean("ignore_eos", False),
+        logprobs=logprobs,
+        echo=echo,
+        want_trace=want_trace,
+        user=f.string("user", None),
+    )
+
+
+def _messages(f: _Fields) -> tuple[dict[str, Any], ...]:
+    """Shape checks only; roles and content parts are checked when the template renders."""
+    messages = f.raw("messages")
+    if messages is None:
+        raise bad_request("'messages' is required", "messages", "missing_required_parameter")
+    if type(messages) is not list:
+        raise bad_request(f"'messages' must be an array, got {_json_type(messages)}", "messages", "invalid_type")
+    if not messages:
+        raise bad_request("'messages' must not be empty", "messages")
+    for i, m in enumerate(messages):
+        if type(m) is not dict:
+            raise bad_request(f"'messages[{i}]' must be an object, got {_json_type(m)}", f"messages[{i}]", "invalid_type")
+    return tuple(messages)
+
+
+def _chat_logprobs(f: _Fields) -> int | None:
+    """Chat: ``logprobs: true`` turns them on, ``top_logprobs: k`` adds k alternatives."""
+    enabled = f.boolean("logprobs", False)
+    top = f.integer("top_logprobs", None, 0, MAX_LOGPROBS)
+    if top is not None and not enabled:
+        raise bad_request("'top_logprobs' requires 'logprobs' to be true", "top_logprobs")
+    if not enabled:
+        return None
+    return top or 0
+
+
+def _refuse_chat_extras(f: _Fields) -> None:
+    for name in ("tools", "functions"):
+        value = f.raw(name)
+        if value not in (None, []):
+            raise bad_request(f"'{name}' (tool calling) is not supported", name, "unsupported_parameter")
+    fmt = f.raw("response_format")
+    if fmt is not None:
+        if type(fmt) is not dict:
+            raise bad_request("'response_format' must be an object", "response_format", "invalid_type")
+        if fmt.get("type", "text") != "text":
+            raise bad_request(
+                "only 'response_format': {\"type\": \"text\"} is supported", "response_format", "unsupported_parameter"
+            )
+
+
+def _refuse_logit_bias(f: _Fields) -> None:
+    bias = f.raw("logit_bias")
+    if bias is None or bias == {}:
+        return
+    if type(bias) is not dict:
+        raise bad_request("'logit_bias' must be an object", "logit_bias", "invalid_type")
+    raise bad_request("'logit_bias' is not supported", "logit_bias", "unsupported_parameter")
+
+
+def _prompts(value: Any, vocab_size: int) -> tuple[str | tuple[int, ...], ...]:
+    """A string, a list of strings, a list of token ids, or a list of lists of token ids."""
+    if value is None:
+        raise bad_request("'prompt' is required", "prompt", "missing_required_parameter")
+    if type(value) is str:
+        return (value,)
+    if type(value) is not list:
+        raise bad_request(f"'prompt' must be a string or an array, got {_json_type(value)}", "prompt", "invalid_type")
+    if not value:
+        raise bad_request("'prompt' must not be an empty array", "prompt")
+    if all(type(v) is str for v in value):
+        return tuple(value)
+    if all(type(v) is int for v in value):
+        return (_token_ids(value, "prompt", vocab_size),)
+    if all(type(v) is list for v in value):
+        return tuple(_token_ids(v, f"prompt[{i}]", vocab_size) for i, v in enumerate(value))
+    raise bad_request(
+        "'prompt' must be a string, an array of strings, an array of token ids or an array of token id arrays",
+        "prompt",
+        "invalid_type",
+    )
+
+
+def _token_ids(value: Any, name: str, vocab_size: int, *, allow_empty: bool = False) -> tuple[int, ...]:
+    if value is None and allow_empty:
+        return ()
+    if type(value) is not list:
+        raise bad_request(f"'{name}' must be an array of token ids, got {_json_type(value)}", name, "invalid_type")
+    if not value and not allow_empty:
+        raise bad_request(f"'{name}' must not be empty", name)
+    for i, t in enumerate(value):
+        if type(t) is not int:
+            raise bad_request(f"'{name}[{i}]' must be an integer token id, got {_json_type(t)}", name, "invalid_type")
+        if not 0 <= t < vocab_size:
+            raise bad_request(f"'{name}[{i}]' = {t} is not a token id (vocabulary size {vocab_size})", name)
+    return tuple(value)
+
+
+def _stop(value: Any) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    stops = [value] if type(value) is str else value
+    if type(stops) is not list:
+        raise bad_request(f"'stop' must be a string or an array of strings, got {_json_type(value)}", "stop", "invalid_type")
+    if len(stops) > MAX_STOP_STRINGS:
+        raise bad_request(f"'stop' has {len(stops)} strings, at most {MAX_STOP_STRINGS}", "stop")
+    for s in stops:
+        if type(s) is not str:
+            raise bad_request(f"'stop' entries must be strings, got {_json_type(s)}", "stop", "invalid_type")
+        if not s:
+            raise bad_request("'stop' strings must not be empty", "stop")
+    return tuple(dict.fromkeys(stops))
+
+
+def resolve_max_tokens(req: GenerateRequest, prompt_len: int, max_model_len: int, prompt_index: int = 0) -> int:
+    """The completion budget of one prompt, or a 400 when the prompt does not fit.
+
+    ``max_model_len`` bounds prompt + completion, and the completion needs at least one
+    token. An explicit ``max_tokens`` that does not fit is an error (the client asked for
+    more than the model can give); the defaults are capped to what is left.
+    """
+    param = "messages" if req.kind == "chat" else "prompt"
+    room = max_model_len - prompt_len
+    if room < 1:
+        where = "" if req.num_prompts == 1 else f" (prompt {prompt_index})"
+        raise ApiError(
+            400,
+            f"This model's maximum context length is {max_model_len} tokens; the prompt{where} has "
+            f"{prompt_len} tokens, leaving no room for a completion.",
+            code="context_length_exceeded",
+            param=param,
+        )
+    if req.max_tokens is not None:
+        if req.max_tokens > room:
+            raise ApiError(
+                400,
+                f"This model's maximum context length is {max_model_len} tokens; you requested "
+                f"{prompt_len + req.max_tokens} tokens ({prompt_len} in the prompt, {req.max_tokens} for the "
+                "completion).",
+                code="context_length_exceeded",
+                param="max_tokens",
+            )
+        return req.max_tokens
+    budget = room if req.kind == "chat" else min(COMPLETIONS_DEFAULT_MAX_TOKENS, room)
+    if req.min_tokens > budget:
+        raise bad_request(
+            f"'min_tokens' ({req.min_tokens}) exceeds the {budget} tokens left in the context", "min_tokens"
+        )
+    return budget

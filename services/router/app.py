@@ -1,0 +1,195 @@
+"""The router's aiohttp application: the OpenAI API, instance registration, operations.
+
+=================================  =============================================================
+``POST /v1/completions``           OpenAI completions (generate.py)
+``POST /v1/chat/completions``      OpenAI chat completions (generate.py)
+``GET /v1/models``                 the served model
+``GET /v1/workers``                registered instances: role, url, load, last seen, usable
+``POST /internal/v1/register``     ``RegisterInstance`` -> ``InstanceAck`` (msgpack)
+``POST /internal/v1/heartbeat``    ``Heartbeat`` -> ``InstanceAck``; 404 from an unknown instance
+``GET /health /metrics /stats``    services/common
+=================================  =============================================================
+
+With ``api_key`` set, every ``/v1/`` route needs ``Authorization: Bearer <key>`` (401
+otherwise). The internal routes are not behind it: instances do not hold the client key,
+and like every service the router binds to localhost unless told otherwise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+from typing import AsyncIterator, Awaitable, Callable
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry
+
+from libs.model.tokenizer import Tokenizer
+from libs.protocol import msgpack_response, read_message
+from libs.protocol.messages import Heartbeat, InstanceAck, RegisterInstance
+from services.common import create_app
+from services.router.detok import TokenRenderer
+from services.router.errors import ApiError
+from services.router.generate import handle
+from services.router.metrics import RouterMetrics
+from services.router.registry import Registry
+from services.router.settings import RouterSettings
+from services.router.state import STATE, RouterState
+from services.router.workers import WorkerClient
+
+log = logging.getLogger("tidepool.router")
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _auth_middleware(api_key: str) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:
+    expected = api_key.encode()
+
+    @web.middleware
+    async def auth(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.path.startswith("/v1/"):
+            header = request.headers.get("Authorization", "")
+            scheme, _, token = header.partition(" ")
+            if scheme.lower() != "bearer" or not token:
+                return _unauthorized("You didn't provide an API key (Authorization: Bearer <key>).")
+            if not hmac.compare_digest(token.strip().encode(), expected):
+                return _unauthorized("Incorrect API key provided.")
+        return await handler(request)
+
+    return auth
+
+
+def _unauthorized(message: str) -> web.Response:
+    response = ApiError(401, message, code="invalid_api_key").response()
+    response.headers["WWW-Authenticate"] = "Bearer"
+    return response
+
+
+async def _completions(request: web.Request) -> web.StreamResponse:
+    return await handle(request, "completion")
+
+
+async def _chat(request: web.Request) -> web.StreamResponse:
+    return await handle(request, "chat")
+
+
+async def _models(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    card = {
+        "id": state.model_name,
+        "object": "model",
+        "created": int(request.app[_STARTED]),
+        "owned_by": "tidepool",
+        "max_model_len": state.registry.max_model_len("decode"),
+    }
+    return web.json_response({"object": "list", "data": [card]})
+
+
+async def _workers(request: web.Request) -> web.Response:
+    return web.json_response({"object": "list", "data": request.app[STATE].registry.describe()})
+
+
+async def _register(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    msg = await read_message(request, RegisterInstance)
+    if msg.model not in request.app[_MODEL_NAMES]:
+        return ApiError(
+            400,
+            f"instance serves model {msg.model!r}, this router serves {state.model_name!r}",
+            code="model_mismatch",
+            param="model",
+        ).response()
+    if not msg.url.startswith(("http://", "https://")):
+        return ApiError(400, f"url must be an http(s) URL, got {msg.url!r}", code="invalid_value", param="url").response()
+    try:
+        state.registry.register(msg)
+    except ValueError as exc:
+        return ApiError(400, str(exc), code="invalid_value", param="namespace").response()
+    state.metrics.registrations.labels(msg.role).inc()
+    return msgpack_response(InstanceAck(instance_id=msg.instance_id, heartbeat_timeout_s=state.settings.heartbeat_timeout_s))
+
+
+async def _heartbeat(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    msg = await read_message(request, Heartbeat)
+    if state.registry.heartbeat(msg) is None:
+        return ApiError(
+            404, f"unknown {msg.role} instance {msg.instance_id!r}; register again", code="unknown_instance"
+        ).response()
+    return msgpack_response(InstanceAck(instance_id=msg.instance_id, heartbeat_timeout_s=state.settings.heartbeat_timeout_s))
+
+
+async def _reap(state: RouterState) -> None:
+    """Drop instances whose heartbeats stopped, a few times per timeout."""
+    interval = min(1.0, max(0.05, state.settings.heartbeat_timeout_s / 4))
+    while True:
+        await asyncio.sleep(interval)
+        for inst in state.registry.expire():
+            state.metrics.instances_dropped.labels(inst.role).inc()
+
+
+_STARTED = web.AppKey("router_started", float)
+_MODEL_NAMES = web.AppKey("router_model_names", frozenset)
+
+
+def create_router_app(settings: RouterSettings, tokenizer: Tokenizer | None = None, model_name: str | None = None) -> web.Application:
+    """The router app. ``tokenizer``/``model_name`` default to loading ``settings.model``
+    (tests pass a tokenizer they loaded once); the served name is ``served_model_name`` or
+    the model's own name, and instances may register under either."""
+    if tokenizer is None or model_name is None:
+        from libs.model.loader import load_tokenizer, model_name as name_of, resolve_model_path
+
+        tokenizer = tokenizer or load_tokenizer(settings.model)
+        model_name = model_name or name_of(resolve_model_path(settings.model))
+    served = settings.served_model_name or model_name
+    metrics_registry = CollectorRegistry()
+    instances = Registry(heartbeat_timeout_s=settings.heartbeat_timeout_s)
+    state = RouterState(
+        settings=settings,
+        tokenizer=tokenizer,
+        model_name=served,
+        registry=instances,
+        metrics=RouterMetrics.create(metrics_registry, instances),
+        renderer=TokenRenderer(tokenizer),
+    )
+
+    def stats() -> dict[str, object]:
+        return {
+            "model": served,
+            "instances": {
+                role: {"live": len(instances.live(role)), "usable": len(instances.usable(role))}
+                for role in ("prefill", "decode")
+            },
+            "prefill_threshold_tokens": settings.prefill_threshold_tokens,
+            "cache_store_url": settings.cache_store_url,
+            "api_key_required": settings.api_key is not None,
+        }
+
+    app = create_app("router", settings, stats=stats, health=lambda: True, registry=metrics_registry)
+    if settings.api_key is not None:
+        app.middlewares.append(_auth_middleware(settings.api_key))
+    app[STATE] = state
+    app[_STARTED] = time.time()
+    app[_MODEL_NAMES] = frozenset({served, model_name})
+
+    async def lifecycle(app: web.Application) -> AsyncIterator[None]:
+        state.workers = WorkerClient(settings)
+        reaper = asyncio.create_task(_reap(state), name="router reaper")
+        try:
+            yield
+        finally:
+            reaper.cancel()
+            await asyncio.gather(reaper, return_exceptions=True)
+            await state.client.close()
+            state.executor.shutdown(wait=False, cancel_futures=True)
+
+    app.cleanup_ctx.append(lifecycle)
+    app.router.add_post("/v1/completions", _completions)
+    app.router.add_post("/v1/chat/completions", _chat)
+    app.router.add_get("/v1/models", _models)
+    app.router.add_get("/v1/workers", _workers)
+    app.router.add_post("/internal/v1/register", _register)
+    app.router.add_post("/internal/v1/heartbeat", _heartbeat)
+    return app

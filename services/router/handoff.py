@@ -1,0 +1,390 @@
+"""The prefill -> decode path of one prompt, and the decode stream of each of its choices.
+
+A :class:`PromptJob` decides whether prefill runs (placement.py), calls it for all ``n``
+first tokens at once, then runs ``n`` :class:`ChoiceJob` in parallel. Each choice streams
+from its own decode instance, turns tokens into text (detok.py) and puts
+:class:`ChoiceUpdate` items into the request's outbox; an unrecoverable failure is put
+there as an :class:`ApiError`.
+
+Faults cost latency, never a request:
+
+- no prefill instance, or the prefill call fails (refused, 503, timeout, killed): the
+  choices go to decode with ``first_token_id=None`` and decode computes the prompt;
+- a decode stream breaks (connection error, truncated stream, silence, a final event with
+  ``abort``/``error``, a 5xx): the instance is marked unusable until its next heartbeat and
+  the choice resumes on the best usable instance, waiting up to ``retry_wait_s`` for one
+  to (re)appear, at most ``decode_retries`` times. A resumed stream asks for
+  ``prompt + generated[:-1]`` with ``first_token_id = generated[-1]``, ``max_tokens`` and
+  ``min_tokens`` reduced by the tokens already counted and the same seed, so the client's
+  stream just continues. With greedy sampling the text is identical to an unbroken run;
+  with sampling it is a valid continuation (the seeded generator restarts, and tokens
+  generated so far count as prompt for the penalties).
+
+Contract with decode (as libs/engine's ``output_prefix``): when ``first_token_id`` is set,
+decode's stream carries only the tokens *after* it, since the router already has it from
+``PrefillResult`` (and streams it to the client at once). ``max_tokens`` counts it.
+
+Abort paths all end in ``AbortRequest`` to the instance that holds the work, in the
+background so a cancelled request still sends it: a stop string matching (the decode
+stream is also closed), the client going away (the request's tasks are cancelled), a
+decode attempt that broke, and a prefill call abandoned mid-way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+from libs.protocol.messages import DecodeRequest, PrefillRequest, PrefillResult, TokenLogprobs
+from services.router import placement
+from services.router.api import GenerateRequest, choice_seed
+from services.router.detok import Piece, TextAssembler, TokenLogprob
+from services.router.errors import ApiError, no_decode_instance
+from services.router.registry import Instance
+from services.router.state import RouterState
+from services.router.trace import AttemptTrace, PromptTrace
+from services.router.workers import WorkerError
+
+log = logging.getLogger("tidepool.router.handoff")
+
+_PARTIAL = ":partial:"
+
+
+@dataclass
+class ChoiceUpdate:
+    """New output of one choice; ``finish_reason`` is set on its last update only."""
+
+    index: int
+    text: str = ""
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    num_tokens: int = 0
+    finish_reason: str | None = None
+
+
+Outbox = asyncio.Queue  # of ChoiceUpdate | ApiError
+
+
+@dataclass
+class Handoff:
+    """What the choices start from: prefill's first tokens and blocks, or nothing."""
+
+    namespace: str | None
+    first_token_ids: list[int] | None = None
+    first_logprobs: list[TokenLogprobs] | None = None
+    block_keys: list[str] = field(default_factory=list)
+    lease_id: str | None = None
+
+
+def _marks_unusable(reason: str) -> bool:
+    """Whether a failure says something about the instance (rather than the request)."""
+    return not reason.startswith("status_4")
+
+
+class PromptJob:
+    """One prompt: the prefill decision and call, then its ``n`` choices in parallel."""
+
+    def __init__(
+        self,
+        state: RouterState,
+        req: GenerateRequest,
+        request_id: str,
+        index: int,
+        prompt_ids: list[int],
+        max_tokens: int,
+        trace: PromptTrace,
+        outbox: Outbox,
+    ) -> None:
+        self.state = state
+        self.req = req
+        self.index = index
+        self.id = request_id if req.num_prompts == 1 else f"{request_id}-{index}"
+        self.prompt_ids = prompt_ids
+        self.max_tokens = max_tokens
+        self.trace = trace
+        self.outbox = outbox
+        self.choices = [ChoiceJob(self, i) for i in range(req.n)]
+
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens served from a cache: prefill's count when it ran, else decode's."""
+        result = self.trace.prefill.result
+        if result is not None:
+            cached = result.num_cached_tokens
+        else:
+            attempts = self.trace.choices.get(0) or []
+            cached = attempts[0].num_cached_tokens if attempts else 0
+        return min(cached, len(self.prompt_ids))
+
+    async def run(self) -> None:
+        handoff = await self._prefill()
+        await asyncio.gather(*(choice.run(handoff) for choice in self.choices))
+
+    def _decide(self, decision: str, reason: str | None = None) -> None:
+        self.trace.prefill.decision = decision
+        self.trace.prefill.reason = reason
+        self.state.metrics.prefill_decisions.labels(decision).inc()
+
+    async def _prefill(self) -> Handoff:
+        s, registry = self.state.settings, self.state.registry
+        n_prompt = len(self.prompt_ids)
+        target = placement.pick_decode(registry.usable("decode"), n_prompt) or placement.pick_decode(
+            registry.live("decode"), n_prompt
+        )
+        handoff = Handoff(namespace=target.namespace if target else None)
+        if n_prompt < s.prefill_threshold_tokens:
+            self._decide(placement.SKIP_SHORT_PROMPT, f"{n_prompt} < {s.prefill_threshold_tokens} tokens")
+            return handoff
+        prefill = placement.pick_prefill(registry.usable("prefill"), handoff.namespace) if target else None
+        if prefill is None or target is None:
+            self._decide(placement.NO_PREFILL_INSTANCE)
+            return handoff
+        if s.cache_store_url:
+            complete, keys, note = await self.state.client.pool_has_all(target.root, self.prompt_ids)
+            self.trace.prefill.pool_query = note
+            if complete:
+                handoff.block_keys = keys
+                self._decide(placement.SKIP_IN_POOL, f"all {len(keys)} blocks in the pool")
+                return handoff
+        result = await self._call_prefill(prefill)
+        if result is not None:
+            handoff.first_token_ids = result.first_token_ids
+            handoff.first_logprobs = result.first_logprobs
+            handoff.block_keys = result.block_keys
+            handoff.lease_id = result.lease_id
+        return handoff
+
+    async def _call_prefill(self, inst: Instance) -> PrefillResult | None:
+        """Prefill's result, or None (decided and traced) when decode must do it all."""
+        state, t = self.state, self.trace.prefill
+        req = PrefillRequest(
+            request_id=self.id,
+            prompt_token_ids=self.prompt_ids,
+            sampling=self.req.sampling(max_tokens=self.max_tokens, n=self.req.n, seed=self.req.seed),
+            lease_ttl_s=state.settings.lease_ttl_s,
+            want_trace=True,
+        )
+        t.instance, t.request_id = inst.id, self.id
+        inst.dispatched += 1
+        inst.in_flight += 1
+        started = time.perf_counter()
+        try:
+            result = await state.client.prefill(inst.url, req)
+            self._check(result)
+        except WorkerError as exc:
+            if _marks_unusable(exc.reason):
+                state.registry.mark_unusable(inst, f"prefill {exc}")
+            state.client.abort(inst.url, self.id)  # it may still be working (a timeout)
+            log.warning("prefill of %s on %s failed (%s); decode serves the whole request", self.id, inst.id, exc)
+            self._decide(placement.PREFILL_FAILED, exc.reason)
+            return None
+        except asyncio.CancelledError:
+            state.client.abort(inst.url, self.id)
+            raise
+        finally:
+            inst.in_flight -= 1
+            t.call_s = time.perf_counter() - started
+        t.result = result
+        self._decide(placement.PREFILL)
+        return result
+
+    def _check(self, result: PrefillResult) -> None:
+        vocab = self.state.tokenizer.vocab_size
+        if result.request_id != self.id or len(result.first_token_ids) != self.req.n:
+            raise WorkerError(
+                "protocol", f"PrefillResult for {result.request_id} with {len(result.first_token_ids)} first tokens"
+            )
+        if max(result.first_token_ids) >= vocab:
+            raise WorkerError("protocol", f"first token id {max(result.first_token_ids)} outside the vocabulary")
+
+
+class ChoiceJob:
+    """One choice: its first token (from prefill, if any), then a decode stream, resumed
+    elsewhere when it breaks."""
+
+    def __init__(self, job: PromptJob, i: int) -> None:
+        self.job = job
+        self.state = job.state
+        self.i = i
+        self.index = job.index * job.req.n + i
+        self.id = job.id if job.req.n == 1 else f"{job.id}-{i}"
+        self.seed = choice_seed(job.req.seed, i)
+        self.generated: list[int] = []
+        self.text = TextAssembler(
+            job.state.renderer, job.prompt_ids, job.req.stop, logprobs=job.req.logprobs is not None
+        )
+        self.attempts: list[AttemptTrace] = job.trace.choices.setdefault(i, [])
+        self.first_token_at: float | None = None
+        self.last_token_at: float | None = None
+
+    async def run(self, handoff: Handoff) -> None:
+        """Generate until done; never raises but for cancellation (errors go to the outbox)."""
+        try:
+            reason = await self._generate(handoff)
+        except ApiError as exc:
+            self.job.outbox.put_nowait(exc)
+            return
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("choice %s failed", self.id)
+            self.job.outbox.put_nowait(ApiError(500, "internal error while generating", code="internal_error"))
+            return
+        self._emit(Piece(text=self.text.finish()), reason)
+
+    async def _generate(self, handoff: Handoff) -> str:
+        if handoff.first_token_ids is not None:
+            first = handoff.first_token_ids[self.i]
+            first_lp = handoff.first_logprobs[self.i] if handoff.first_logprobs else None
+            piece = self.text.add([first], [first_lp] if first_lp else None)
+            self.generated.append(first)
+            self._emit(piece)
+            if self.text.stopped:
+                return "stop"  # nothing sent to decode yet; the lease simply expires
+        failures = 0
+        while True:
+            inst = await self._pick_decode(handoff.namespace)
+            req = self._decode_request(handoff, failures)
+            try:
+                return await self._stream(inst, req)
+            except WorkerError as exc:
+                failures += 1
+                if _marks_unusable(exc.reason):
+                    self.state.registry.mark_unusable(inst, f"decode {exc}")
+                if exc.reason.startswith("status_4"):
+                    raise ApiError(502, f"decode refused the request: {exc.detail}", code="decode_refused") from None
+                if failures > self.state.settings.decode_retries:
+                    raise ApiError(
+                        503, f"decode failed {failures} times (last: {exc}); retry later", code="decode_failed"
+                    ) from None
+                done = self._finished_without_decode()
+                if done is not None:
+                    return done
+                self.state.metrics.resumptions.labels(exc.reason).inc()
+                log.warning(
+                    "decode of %s on %s broke after %d tokens (%s); resuming elsewhere",
+                    self.id,
+                    inst.id,
+                    len(self.generated),
+                    exc,
+                )
+
+    def _finished_without_decode(self) -> str | None:
+        """A stream that broke right after its last token leaves nothing to resume."""
+        if len(self.generated) < self.job.max_tokens:
+            return None
+        req = self.job.req
+        last = self.generated[-1]
+        eos = last in self.state.tokenizer.eos_token_ids and not req.ignore_eos
+        return "stop" if eos or last in req.stop_token_ids else "length"
+
+    async def _pick_decode(self, namespace: str | None) -> Instance:
+        registry = self.state.registry
+        need = len(self.job.prompt_ids) + self.job.max_tokens
+        context = len(self.job.prompt_ids) + len(self.generated)
+        deadline = time.monotonic() + self.state.settings.retry_wait_s
+        while True:
+            fits = [i for i in registry.usable("decode") if i.info.max_model_len >= need]
+            inst = placement.pick_decode(fits, context, namespace)
+            if inst is not None:
+                return inst
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise no_decode_instance(f"no usable decode instance for a {need}-token request")
+            await registry.wait_for_change(left)
+
+    def _decode_request(self, handoff: Handoff, attempt: int) -> DecodeRequest:
+        job, g = self.job, self.generated
+        request_id = self.id if attempt == 0 else f"{self.id}.r{attempt}"
+        if not g:  # decode computes the prompt and samples every token
+            return DecodeRequest(
+                request_id=request_id,
+                prompt_token_ids=job.prompt_ids,
+                sampling=job.req.sampling(max_tokens=job.max_tokens, n=1, seed=self.seed),
+                block_keys=handoff.block_keys,
+                lease_id=handoff.lease_id if attempt == 0 else None,
+                want_trace=True,
+            )
+        counted = len(g) - 1  # tokens before the one sent as first_token_id
+        first_lp = None
+        if counted == 0 and handoff.first_logprobs:
+            first_lp = handoff.first_logprobs[self.i]
+        keys = handoff.block_keys if counted == 0 else [k for k in handoff.block_keys if _PARTIAL not in k]
+        return DecodeRequest(
+            request_id=request_id,
+            prompt_token_ids=job.prompt_ids + g[:-1],
+            first_token_id=g[-1],
+            first_logprobs=first_lp,
+            sampling=job.req.sampling(max_tokens=job.max_tokens - counted, n=1, seed=self.seed),
+            block_keys=keys,
+            lease_id=handoff.lease_id if attempt == 0 else None,
+            want_trace=True,
+        )
+
+    async def _stream(self, inst: Instance, req: DecodeRequest) -> str:
+        """Run one decode attempt to its end; the finish reason, or ``WorkerError``."""
+        state = self.state
+        a = AttemptTrace(
+            instance=inst.id,
+            request_id=req.request_id,
+            resumed_after=len(self.generated),
+            with_first_token=req.first_token_id is not None,
+        )
+        self.attempts.append(a)
+        inst.dispatched += 1
+        inst.in_flight += 1
+        ended_by_decode = False
+        try:
+            async with state.client.decode(inst.url, req) as events:
+                async for ev in events:
+                    if a.first_event_s is None:
+                        a.first_event_s = time.perf_counter() - a.started
+                    a.num_cached_tokens = max(a.num_cached_tokens, ev.num_cached_tokens)
+                    piece = self.text.add(ev.token_ids, ev.logprobs)
+                    self.generated.extend(ev.token_ids[: piece.num_tokens])
+                    a.tokens += piece.num_tokens
+                    self._emit(piece)
+                    if ev.finish_reason is not None:
+                        ended_by_decode = True
+                        a.worker = ev.trace
+                    if self.text.stopped:
+                        a.outcome = "stop_string"
+                        state.metrics.aborts.labels("stop_string").inc()
+                        return "stop"
+                    if ev.finish_reason in ("stop", "length"):
+                        a.outcome = ev.finish_reason
+                        return ev.finish_reason
+                    if ev.finish_reason is not None:
+                        raise WorkerError(f"decode_{ev.finish_reason}", ev.error or "")
+                raise WorkerError("truncated", "the stream ended without a final event")
+        except WorkerError as exc:
+            a.outcome = exc.reason
+            raise
+        except asyncio.CancelledError:
+            a.outcome = "cancelled"
+            raise
+        finally:
+            a.seconds = time.perf_counter() - a.started
+            inst.in_flight -= 1
+            if not ended_by_decode:
+                state.client.abort(inst.url, req.request_id)
+
+    def _emit(self, piece: Piece, finish_reason: str | None = None) -> None:
+        if piece.num_tokens:
+            now = time.perf_counter()
+            if self.first_token_at is None:
+                self.first_token_at = now
+            self.last_token_at = now
+        if piece.text or piece.logprobs or piece.num_tokens or finish_reason:
+            self.job.outbox.put_nowait(
+                ChoiceUpdate(self.index, piece.text, piece.logprobs, piece.num_tokens, finish_reason)
+            )
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Time per output token after the first, for the metric."""
+        n = len(self.generated)
+        if n < 2 or self.first_token_at is None or self.last_token_at is None:
+            return None
+        return (self.last_token_at - self.first_token_at) / (n - 1)
