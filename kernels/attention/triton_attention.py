@@ -35,7 +35,8 @@ from tensor shapes and host ints and allocate with ``torch.empty``, so the decod
 be captured in a CUDA graph (compile the kernels with one eager call before capturing).
 
 Constraints: ``head_dim`` is any size from 1 up (tiles are padded to a power of two of at
-least 16, so sizes that are not powers of two waste some lanes); ``block_size`` is any
+least 16, so sizes that are not powers of two waste some lanes; it is a compile-time
+constant, which lets the masks fold away so tile loads vectorize and pipeline); ``block_size`` is any
 positive size (powers of two make the slot arithmetic cheapest). A sequence with no
 context (``seq_len`` 0, e.g. CUDA-graph padding) gets a zero output, as in the reference.
 """
@@ -51,15 +52,26 @@ import triton.language as tl
 
 _LOG2E = 1.4426950408889634
 
-# Decode tiling: keys per tile, and the fewest keys worth giving a split of its own.
-_DECODE_BLOCK_N = 64
+# Tiling, from bench/attention_bench.py --sweep on an H200 (SmolLM2 shape, bf16; see
+# bench/results/attention.md). Decode: keys per tile and warps per program (128 x 4 beat
+# 32/64 keys and 2/8 warps at every batch and context tried), and the fewest keys worth a
+# split of its own.
+_DECODE_BLOCK_N = 128
+_DECODE_NUM_WARPS = 4
+_DECODE_NUM_STAGES = 3
 _MIN_SPLIT_TOKENS = 128
 _MAX_SPLITS = 64
-# Decode aims for this many programs per SM before it stops splitting further.
-_DECODE_PROGRAMS_PER_SM = 2
-# Prefill tiling: query rows (tokens x group heads) and keys per tile.
+# Decode splits until there are about this many programs per SM: the sweep was fastest
+# near 750 programs on 132 SMs (batch 64 x 3 KV heads x 4 splits, batch 16 x 3 x 16), as
+# more programs in flight keep more loads outstanding.
+_DECODE_PROGRAMS_PER_SM = 6
+# Prefill: query rows (tokens x group heads) and keys per tile; warps per program for
+# head tiles up to 64 wide, and wider.
 _PREFILL_BLOCK_M = 128
 _PREFILL_BLOCK_N = 64
+_PREFILL_NUM_WARPS = 4
+_PREFILL_NUM_WARPS_WIDE = 8
+_PREFILL_NUM_STAGES = 3
 # SM count assumed off CUDA (the interpreter), so the split heuristic stays exercised.
 _CPU_SM_COUNT = 4
 
@@ -74,8 +86,8 @@ def _store_kv_kernel(
     stride_vt, stride_vh, stride_vd,
     stride_kcb, stride_kcs, stride_kch, stride_kcd,
     stride_vcb, stride_vcs, stride_vch, stride_vcd,
-    num_kv_heads, head_dim,
-    BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    num_kv_heads,
+    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + token).to(tl.int64)
@@ -84,7 +96,7 @@ def _store_kv_kernel(
         offset = slot % BLOCK_SIZE
         h = tl.arange(0, BLOCK_H)
         d = tl.arange(0, BLOCK_D)
-        mask = (h[:, None] < num_kv_heads) & (d[None, :] < head_dim)
+        mask = (h[:, None] < num_kv_heads) & (d[None, :] < HEAD_DIM)
         k = tl.load(key_ptr + token * stride_kt + h[:, None] * stride_kh + d[None, :] * stride_kd,
                     mask=mask)
         v = tl.load(value_ptr + token * stride_vt + h[:, None] * stride_vh + d[None, :] * stride_vd,
@@ -105,8 +117,7 @@ def _attend_tile(
     tile_start, key_end, q_pos, qk_scale,
     stride_kb, stride_kt, stride_kh, stride_kd,
     stride_vb, stride_vt, stride_vh, stride_vd,
-    head_dim,
-    CAUSAL: tl.constexpr, NATIVE_DOT: tl.constexpr,
+    HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, NATIVE_DOT: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
 ):
     """One online-softmax step: fold keys ``[tile_start, tile_start + BLOCK_N) ∩ [0, key_end)``
@@ -119,7 +130,7 @@ def _attend_tile(
     block = block.to(tl.int64)  # block * block stride overflows int32 on large caches
     row = pos % BLOCK_SIZE
     d = tl.arange(0, BLOCK_D)
-    kv_mask = key_valid[:, None] & (d[None, :] < head_dim)
+    kv_mask = key_valid[:, None] & (d[None, :] < HEAD_DIM)
     k = tl.load(k_cache_ptr + block[:, None] * stride_kb + row[:, None] * stride_kt
                 + kv_head * stride_kh + d[None, :] * stride_kd, mask=kv_mask, other=0.0)
     v = tl.load(v_cache_ptr + block[:, None] * stride_vb + row[:, None] * stride_vt
@@ -157,9 +168,8 @@ def _decode_kernel(
     stride_vb, stride_vt, stride_vh, stride_vd,
     stride_bt_b, stride_bt_n,
     stride_ob, stride_oh, stride_od,
-    num_heads, head_dim,
-    num_splits,
-    GROUP: tl.constexpr, SPLIT: tl.constexpr, NATIVE_DOT: tl.constexpr,
+    num_heads, num_splits,
+    HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, SPLIT: tl.constexpr, NATIVE_DOT: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
 ):
@@ -177,7 +187,7 @@ def _decode_kernel(
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
     head = kv_head * GROUP + g
-    q_mask = (g[:, None] < GROUP) & (d[None, :] < head_dim)
+    q_mask = (g[:, None] < GROUP) & (d[None, :] < HEAD_DIM)
     q = tl.load(q_ptr + seq * stride_qb + head[:, None] * stride_qh + d[None, :] * stride_qd,
                 mask=q_mask, other=0.0)
     if not NATIVE_DOT:
@@ -192,7 +202,7 @@ def _decode_kernel(
             q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row_ptr, stride_bt_n, kv_head,
             tile_start, end, g, qk_scale,
             stride_kb, stride_kt, stride_kh, stride_kd, stride_vb, stride_vt, stride_vh, stride_vd,
-            head_dim, False, NATIVE_DOT, BLOCK_N, BLOCK_D, BLOCK_SIZE,
+            HEAD_DIM, False, NATIVE_DOT, BLOCK_N, BLOCK_D, BLOCK_SIZE,
         )
 
     # An empty range (seq_len 0, or a split past the end) leaves l_i = 0: output zeros.
@@ -214,8 +224,8 @@ def _decode_kernel(
 def _decode_reduce_kernel(
     part_out_ptr, part_lse_ptr, out_ptr,
     stride_ob, stride_oh, stride_od,
-    num_heads, head_dim, num_splits,
-    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    num_heads, num_splits,
+    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """Merge one (sequence, head)'s split partials: softmax-weighted by their log-sum-exp."""
     seq = tl.program_id(0)
@@ -232,7 +242,7 @@ def _decode_reduce_kernel(
     total = tl.sum(w, axis=0)
     o = tl.sum(o * w[:, None], axis=0) / tl.where(total == 0.0, 1.0, total)
     tl.store(out_ptr + seq * stride_ob + head * stride_oh + d * stride_od,
-             o.to(out_ptr.dtype.element_ty), mask=d < head_dim)
+             o.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
 @triton.jit
@@ -260,8 +270,7 @@ def _prefill_kernel(
     stride_vb, stride_vt, stride_vh, stride_vd,
     stride_bt_b, stride_bt_n,
     stride_ot, stride_oh, stride_od,
-    head_dim,
-    GROUP: tl.constexpr, NATIVE_DOT: tl.constexpr,
+    HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, NATIVE_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
 ):
@@ -281,7 +290,7 @@ def _prefill_kernel(
         head = kv_head * GROUP + r % GROUP
         row_valid = (r < BLOCK_Q * GROUP) & (token < q_len)
         d = tl.arange(0, BLOCK_D)
-        qo_mask = row_valid[:, None] & (d[None, :] < head_dim)
+        qo_mask = row_valid[:, None] & (d[None, :] < HEAD_DIM)
         t64 = (q_start + token).to(tl.int64)
         q = tl.load(q_ptr + t64[:, None] * stride_qt + head[:, None] * stride_qh
                     + d[None, :] * stride_qd, mask=qo_mask, other=0.0)
@@ -301,7 +310,7 @@ def _prefill_kernel(
                 q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row_ptr, stride_bt_n, kv_head,
                 tile_start, causal_end, q_pos, qk_scale,
                 stride_kb, stride_kt, stride_kh, stride_kd, stride_vb, stride_vt, stride_vh,
-                stride_vd, head_dim, False, NATIVE_DOT, BLOCK_N, BLOCK_D, BLOCK_SIZE,
+                stride_vd, HEAD_DIM, False, NATIVE_DOT, BLOCK_N, BLOCK_D, BLOCK_SIZE,
             )
         # Padding rows (past q_len) have q_pos beyond causal_end; key 0 keeps them finite.
         for tile_start in range(unmasked_end, causal_end, BLOCK_N):
@@ -309,7 +318,7 @@ def _prefill_kernel(
                 q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row_ptr, stride_bt_n, kv_head,
                 tile_start, causal_end, q_pos, qk_scale,
                 stride_kb, stride_kt, stride_kh, stride_kd, stride_vb, stride_vt, stride_vh,
-                stride_vd, head_dim, True, NATIVE_DOT, BLOCK_N, BLOCK_D, BLOCK_SIZE,
+                stride_vd, HEAD_DIM, True, NATIVE_DOT, BLOCK_N, BLOCK_D, BLOCK_SIZE,
             )
         o = acc / l_i[:, None]
         tl.store(out_ptr + t64[:, None] * stride_ot + head[:, None] * stride_oh
@@ -375,8 +384,8 @@ def store_kv(
     _store_kv_kernel[(num_tokens,)](
         key, value, k_cache, v_cache, slot_mapping,
         *key.stride(), *value.stride(), *k_cache.stride(), *v_cache.stride(),
-        num_kv_heads, head_dim,
-        BLOCK_SIZE=k_cache.shape[1],
+        num_kv_heads,
+        HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
         BLOCK_H=triton.next_power_of_2(num_kv_heads),
         BLOCK_D=triton.next_power_of_2(head_dim),
     )
@@ -426,16 +435,16 @@ def paged_decode_attention_splits(
         q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse,
         scale * _LOG2E,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(), *out.stride(),
-        num_heads, head_dim, num_splits,
-        GROUP=group, SPLIT=num_splits > 1, NATIVE_DOT=_native_dot(q, k_cache),
+        num_heads, num_splits,
+        HEAD_DIM=head_dim, GROUP=group, SPLIT=num_splits > 1, NATIVE_DOT=_native_dot(q, k_cache),
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=_DECODE_BLOCK_N,
         BLOCK_D=block_d, BLOCK_SIZE=k_cache.shape[1],
-        num_warps=4,
+        num_warps=_DECODE_NUM_WARPS, num_stages=_DECODE_NUM_STAGES,
     )
     if num_splits > 1:
         _decode_reduce_kernel[(batch, num_heads)](
-            part_out, part_lse, out, *out.stride(), num_heads, head_dim, num_splits,
-            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
+            part_out, part_lse, out, *out.stride(), num_heads, num_splits,
+            HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
             num_warps=1 if block_d <= 64 else 2,
         )
     return out
@@ -465,10 +474,10 @@ def paged_prefill_attention(
         q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out,
         scale * _LOG2E, num_seqs,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(), *out.stride(),
-        head_dim,
-        GROUP=group, NATIVE_DOT=_native_dot(q, k_cache),
+        HEAD_DIM=head_dim, GROUP=group, NATIVE_DOT=_native_dot(q, k_cache),
         BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=_PREFILL_BLOCK_N, BLOCK_D=block_d,
         BLOCK_SIZE=k_cache.shape[1],
-        num_warps=4 if block_d <= 64 else 8,
+        num_warps=_PREFILL_NUM_WARPS if block_d <= 64 else _PREFILL_NUM_WARPS_WIDE,
+        num_stages=_PREFILL_NUM_STAGES,
     )
     return out

@@ -1,0 +1,154 @@
+"""Triton paged attention on CUDA at realistic sizes, against the torch reference, and the
+decode kernels captured in a CUDA graph and replayed on changing inputs.
+
+Shapes: SmolLM2-135M (9 query heads, 3 KV heads, head_dim 64) and a Llama-style 32/8 x 128,
+block size 16, in the engine's block-major cache.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+triton = pytest.importorskip("triton")
+
+from kernels.attention import reference as ref  # noqa: E402
+from kernels.attention import triton_attention as tri  # noqa: E402
+from kernels.attention.problems import PagedProblem, make_decode_problem, make_problem  # noqa: E402
+
+SMOLLM2 = dict(num_heads=9, num_kv_heads=3, head_dim=64, block_size=16)
+LLAMA = dict(num_heads=32, num_kv_heads=8, head_dim=128, block_size=16)
+MODELS = [SMOLLM2, LLAMA]
+MODEL_IDS = ["smollm2", "llama"]
+# bf16 feeds the tensor cores (probabilities rounded to bf16 for P @ V, as flash attention
+# does); fp32 multiplies in IEEE fp32.
+TOLERANCE = {
+    torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
+    torch.float16: dict(atol=5e-3, rtol=5e-3),
+    torch.float32: dict(atol=1e-4, rtol=1e-4),
+}
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+DTYPE_IDS = ["bf16", "fp16", "fp32"]
+
+
+def _lens(n: int, low: int, high: int, seed: int) -> list[int]:
+    return torch.randint(low, high + 1, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("model", MODELS, ids=MODEL_IDS)
+def test_decode_batch_64_matches_reference(model, dtype):
+    context = _lens(64, 1, 2048, seed=1)
+    context[:4] = [1, 16, 17, 2048]
+    p = make_decode_problem(context, dtype=dtype, device="cuda", **model)
+    torch.testing.assert_close(
+        tri.paged_decode_attention(*p.decode_args()),
+        ref.paged_decode_attention(*p.decode_args()),
+        **TOLERANCE[dtype],
+    )
+
+
+@pytest.mark.parametrize("context", [[4096], [2048, 3000, 5], [8191]], ids=["1x4096", "3-mixed", "1x8191"])
+@pytest.mark.parametrize("model", MODELS, ids=MODEL_IDS)
+def test_decode_split_k_long_context_matches_reference(model, context):
+    p = make_decode_problem(context, dtype=torch.bfloat16, device="cuda", **model)
+    width = p.block_tables.shape[1] * p.block_size
+    assert tri.decode_num_splits(len(context), model["num_kv_heads"], width, p.q.device) > 1
+    torch.testing.assert_close(
+        tri.paged_decode_attention(*p.decode_args()),
+        ref.paged_decode_attention(*p.decode_args()),
+        **TOLERANCE[torch.bfloat16],
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("model", MODELS, ids=MODEL_IDS)
+def test_prefill_mixed_chunks_match_reference(model, dtype):
+    # 16 sequences: whole prompts, chunks after longer prefixes, single tokens, empty entries.
+    query_lens = _lens(16, 1, 1024, seed=2)
+    prefixes = _lens(16, 0, 1500, seed=3)
+    query_lens[:4] = [1024, 0, 1, 0]
+    prefixes[:4] = [0, 700, 2000, 0]
+    context = [q + pre for q, pre in zip(query_lens, prefixes)]
+    p = make_problem(query_lens, context, dtype=dtype, device="cuda", **model)
+    torch.testing.assert_close(
+        tri.paged_prefill_attention(*p.prefill_args()),
+        ref.paged_prefill_attention(*p.prefill_args()),
+        **TOLERANCE[dtype],
+    )
+
+
+def test_store_kv_matches_reference_exactly():
+    p = make_decode_problem([4096] * 4, dtype=torch.bfloat16, device="cuda", **SMOLLM2)
+    gen = torch.Generator().manual_seed(4)
+    slots = torch.randperm(p.k_cache.shape[0] * p.block_size, generator=gen)[:3000]
+    slots[::7] = -1
+    slots = slots.cuda()
+    key = torch.randn((3000, 3, 64), device="cuda", dtype=torch.bfloat16)
+    value = torch.randn((3000, 3, 64), device="cuda", dtype=torch.bfloat16)
+    expected = p.cache.clone()
+    ref.store_kv(key, value, expected[:, 1, 0], expected[:, 1, 1], slots)
+    tri.store_kv(key, value, p.k_cache, p.v_cache, slots)
+    assert torch.equal(p.cache, expected)
+
+
+def _graph_step(p: PagedProblem, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor):
+    """One layer of a decode step: write this token's K/V, then attend."""
+    tri.store_kv(key, value, p.k_cache, p.v_cache, slots)
+    return tri.paged_decode_attention(*p.decode_args())
+
+
+@pytest.mark.parametrize("batch,max_context", [(32, 2048), (1, 4096)], ids=["batch32", "batch1-split"])
+def test_decode_cuda_graph_replays_with_new_inputs(batch, max_context):
+    """Capture store_kv + decode once, then replay with new seq_lens, block tables, queries
+    and K/V written into the static input tensors: each replay matches the reference."""
+    p = make_decode_problem([max_context] * batch, dtype=torch.bfloat16, device="cuda", seed=5,
+                            spare_blocks=2 * batch + 8, **SMOLLM2)
+    width = p.block_tables.shape[1]
+    splits = tri.decode_num_splits(batch, 3, width * p.block_size, p.q.device)
+    if batch == 1:
+        assert splits > 1  # the graph covers the split-K path and its reduce kernel
+    key = torch.zeros((batch, 3, 64), dtype=torch.bfloat16, device="cuda")
+    value = torch.zeros_like(key)
+    slots = torch.full((batch,), -1, dtype=torch.int64, device="cuda")
+    num_blocks = p.k_cache.shape[0]
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # compile and warm up outside the capture
+        _graph_step(p, key, value, slots)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = _graph_step(p, key, value, slots)
+
+    gen = torch.Generator().manual_seed(6)
+    for _ in range(3):
+        lens = torch.randint(1, max_context + 1, (batch,), generator=gen)
+        # Distinct blocks everywhere, so no two sequences write the same slot.
+        tables = torch.randperm(num_blocks, generator=gen)[: batch * width].view(batch, width)
+        # This token's slot: its position lens-1 in the block the table maps it to.
+        pos = lens - 1
+        new_slots = tables.gather(1, (pos // p.block_size).unsqueeze(1)).squeeze(1) * p.block_size
+        new_slots += pos % p.block_size
+        p.seq_lens.copy_(lens)
+        p.block_tables.copy_(tables)
+        slots.copy_(new_slots)
+        p.q.copy_(torch.randn(p.q.shape, generator=gen))
+        key.copy_(torch.randn(key.shape, generator=gen))
+        value.copy_(torch.randn(value.shape, generator=gen))
+        expected_cache = p.cache.clone()
+        ref.store_kv(key, value, expected_cache[:, 1, 0], expected_cache[:, 1, 1], slots)
+        expected = ref.paged_decode_attention(
+            p.q, expected_cache[:, 1, 0], expected_cache[:, 1, 1], p.block_tables, p.seq_lens,
+            p.scale,
+        )
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(p.cache, expected_cache)
+        torch.testing.assert_close(out, expected, **TOLERANCE[torch.bfloat16])
