@@ -111,5 +111,6 @@ class ModelRunner:
             generators=[s.generator for s in seqs],
             prompt_ids=[s.prompt_token_ids if s.params.repetition_penalty != 1 else [] for s in seqs],
             output_ids=[s.output_token_ids if s.params.has_penalties else [] for s in seqs],
+            banned_ids=[s.min_tokens_banned() for s in seqs],
         )
         return self.sampler.sample(logits, batch)

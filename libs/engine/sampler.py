@@ -24,6 +24,7 @@ class SamplingBatch:
     generators: list[torch.Generator | None]
     prompt_ids: list[list[int]]  # for the repetition penalty
     output_ids: list[list[int]]  # for presence / frequency penalties
+    banned_ids: list[list[int]] | None = None  # per row, ids that may not be sampled (min_tokens)
 
 
 @dataclass
@@ -60,6 +61,8 @@ class Sampler:
 
         if any(p.has_penalties for p in params):
             logits = self._apply_penalties(logits.clone(), batch)
+        if batch.banned_ids is not None and any(batch.banned_ids):
+            logits = self._ban(logits, batch.banned_ids)
 
         greedy = [i for i, p in enumerate(params) if p.greedy]
         random = [i for i, p in enumerate(params) if not p.greedy]
@@ -79,6 +82,17 @@ class Sampler:
         """Read the samples back: the one host sync of a step."""
         token_list = ds.tokens.tolist()
         return SamplerOutput(token_list, self._logprobs(ds, token_list))
+
+    def _ban(self, logits: torch.Tensor, banned: list[list[int]]) -> torch.Tensor:
+        """Mask each row's banned ids to -inf; the rest of the row stays finite, so every
+        row still has tokens to sample."""
+        pairs = [(i, t) for i, ids in enumerate(banned) for t in ids if 0 <= t < logits.shape[1]]
+        if not pairs:
+            return logits
+        rows, cols = zip(*pairs)
+        logits = logits.clone()
+        logits[torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device)] = float("-inf")
+        return logits
 
     def _apply_penalties(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """Repetition (HF/vLLM: over prompt and output), presence and frequency (OpenAI:

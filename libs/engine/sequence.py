@@ -148,6 +148,14 @@ class Sequence:
             return "length"
         return None
 
+    def min_tokens_banned(self) -> list[int]:
+        """Token ids that may not be sampled next: before ``min_tokens`` outputs, the stop
+        tokens and (unless ``ignore_eos``) EOS, so generation cannot end early (vLLM)."""
+        p = self.params
+        if self.num_output_tokens >= p.min_tokens:
+            return []
+        return [*p.stop_token_ids, *(() if p.ignore_eos else self.eos_token_ids)]
+
     def take_new(self) -> tuple[list[int], list[TokenLogprob]]:
         ids, lps = self.new_token_ids, self.new_logprobs
         self.new_token_ids, self.new_logprobs = [], []
