@@ -142,7 +142,7 @@ class AsyncEngine:
         """Validate (raising a typed error now, nothing queued) and queue a request."""
         if request_id in self._streams:
             raise DuplicateRequestError(f"request id {request_id!r} is already running", param="request_id")
-        self.engine.validate(list(prompt_token_ids) + list(output_prefix), params)
+        self.engine.validate(list(prompt_token_ids) + list(output_prefix), params, num_output_tokens=len(output_prefix))
         stream = RequestStream(self, request_id)
         self._streams[request_id] = stream
         kwargs = dict(output_prefix=list(output_prefix), kv_import=kv_import, export_kv=export_kv)

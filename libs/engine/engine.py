@@ -169,16 +169,19 @@ class LLMEngine:
             raise InvalidRequestError("params must be SamplingParams", param="params")
         if not prompt_token_ids:
             raise InvalidRequestError("the prompt must contain at least one token", param="prompt")
-        bad = next((t for t in prompt_token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise TokenOutOfRangeError(f"token id {bad!r} is outside the vocabulary [0, {self.vocab_size})", param="prompt")
+        bad = [t for t in prompt_token_ids if not (isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.vocab_size)]
+        if bad:  # (a list, not next(..., None): None itself is a bad token)
+            raise TokenOutOfRangeError(f"token id {bad[0]!r} is outside the vocabulary [0, {self.vocab_size})", param="prompt")
         bad = next((t for t in params.stop_token_ids if t >= self.vocab_size), None)
         if bad is not None:
             raise TokenOutOfRangeError(f"stop token id {bad} is outside the vocabulary [0, {self.vocab_size})", param="stop_token_ids")
-        n_prompt = len(prompt_token_ids)
-        if n_prompt >= self.max_model_len:
+        # ``prompt_token_ids`` may end with ``num_output_tokens`` already generated (an
+        # output prefix): they count toward max_tokens, not on top of it.
+        n_total = len(prompt_token_ids)
+        n_prompt = n_total - num_output_tokens
+        if n_total >= self.max_model_len:
             raise PromptTooLongError(
-                f"this model's maximum context length is {self.max_model_len} tokens, but the prompt has {n_prompt}",
+                f"this model's maximum context length is {self.max_model_len} tokens, but the prompt has {n_total}",
                 param="prompt",
             )
         if params.max_tokens is not None and n_prompt + params.max_tokens > self.max_model_len:
@@ -212,7 +215,7 @@ class LLMEngine:
         """
         if request_id in self._requests:
             raise DuplicateRequestError(f"request id {request_id!r} is already running", param="request_id")
-        self.validate(list(prompt_token_ids) + list(output_prefix), params)
+        self.validate(list(prompt_token_ids) + list(output_prefix), params, num_output_tokens=len(output_prefix))
         if output_prefix and params.n != 1:
             raise InvalidRequestError("n must be 1 when continuing from an output prefix", param="n")
         seq = self._new_sequence(request_id, 0, list(prompt_token_ids), params)
@@ -554,6 +557,8 @@ class LLMEngine:
             return [self.tokenizer.encode_chat(c) for c in convs]
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise InvalidRequestError(f"prompts must be a string, a list of token ids or a list of those, got {type(prompts).__name__}", param="prompt")
         out = []
         for p in prompts:
             if isinstance(p, str):

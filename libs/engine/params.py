@@ -39,6 +39,7 @@ class SamplingParams:
     logprobs: int | None = None
 
     def __post_init__(self) -> None:
+        _check(isinstance(self.stop_token_ids, (list, tuple)), "stop_token_ids", "must be a list of token ids", self.stop_token_ids)
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         _check(_is_int(self.n) and 1 <= self.n <= MAX_N, "n", f"must be an integer in [1, {MAX_N}]", self.n)
         _check(_finite(self.temperature) and self.temperature >= 0, "temperature", "must be a finite number >= 0", self.temperature)
@@ -54,6 +55,7 @@ class SamplingParams:
         _check(_is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens", "must be a non-negative integer", self.min_tokens)
         _check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens", "must not exceed max_tokens", self.min_tokens)
         _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be non-negative integers", self.stop_token_ids)
+        _check(isinstance(self.ignore_eos, bool), "ignore_eos", "must be a boolean", self.ignore_eos)
         _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS), "logprobs", f"must be an integer in [0, {MAX_LOGPROBS}]", self.logprobs)
 
     @property
