@@ -49,10 +49,14 @@ def resolve_model_path(path: str | Path | None) -> Path:
     p = Path(path).expanduser()
     if p.is_file() and p.suffix == ".gguf":
         return p
-    if p.is_dir() and (p / "config.json").exists():
-        return p
     if not p.exists():
         raise ModelNotFoundError(f"model path {str(p)!r} does not exist")
+    if p.is_dir() and (p / "config.json").exists():
+        # A checkpoint folder needs its weights and tokenizer too (one source for both).
+        missing = [name for name, ok in (("*.safetensors", any(p.glob("*.safetensors"))), ("tokenizer.json", (p / "tokenizer.json").exists())) if not ok]
+        if missing:
+            raise ModelNotFoundError(f"model folder {str(p)!r} has config.json but no {' and no '.join(missing)}")
+        return p
     raise ModelNotFoundError(
         f"model path {str(p)!r} is neither a .gguf file nor a folder with config.json"
     )
