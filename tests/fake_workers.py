@@ -360,7 +360,9 @@ class FakeDecode(FakeInstance):
                 if self.event_delay_s and not last:
                     await asyncio.sleep(self.event_delay_s)
             await stream.write_eof()
-        except (ConnectionResetError, asyncio.CancelledError):
+        except ConnectionResetError:  # the router closed the stream
+            self.disconnected.append(req.request_id)
+        except asyncio.CancelledError:
             self.disconnected.append(req.request_id)
             raise
         finally:

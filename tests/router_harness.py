@@ -72,7 +72,8 @@ class Cluster:
         return self.app[STATE]
 
     def openai(self, api_key: str = "unused", **kwargs: Any) -> openai.AsyncOpenAI:
-        client = openai.AsyncOpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0, timeout=20, **kwargs)
+        kwargs.setdefault("timeout", 20)
+        client = openai.AsyncOpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0, **kwargs)
         self._clients.append(client)
         return client
 

@@ -181,6 +181,7 @@ class PromptJob:
             return None
         except asyncio.CancelledError:
             state.client.abort(inst.url, self.id)
+            t.decision = "cancelled"  # the trace says where it was; not a placement decision
             raise
         finally:
             inst.in_flight -= 1

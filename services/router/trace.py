@@ -92,6 +92,13 @@ class PrefillTrace:
     pool_query: dict[str, Any] | None = None
     result: PrefillResult | None = None
 
+    def summary(self) -> str:
+        """``prefill-1`` when it ran, else the decision and why: ``skip_short_prompt(5 < 32 tokens)``."""
+        if self.decision == "prefill":
+            return self.instance or "prefill"
+        where = f"{self.instance}:" if self.instance else ""
+        return f"{where}{self.decision or 'undecided'}" + (f"({self.reason})" if self.reason else "")
+
     @property
     def numbers(self) -> WorkerNumbers:
         if self.result is None:
@@ -264,11 +271,7 @@ class RequestTrace:
     def log_line(self, outcome: str, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> str:
         """One line per request with the whole story, for grep."""
         t = self.totals()
-        prefills = ",".join(
-            f"{p.prefill.instance}" if p.prefill.decision == "prefill" else f"{p.prefill.decision}"
-            + (f"({p.prefill.reason})" if p.prefill.reason else "")
-            for p in self.prompts
-        )
+        prefills = ",".join(p.prefill.summary() for p in self.prompts)
         decodes = ",".join(
             sorted({a.instance for p in self.prompts for attempts in p.choices.values() for a in attempts})
         )
