@@ -1,0 +1,75 @@
+"""Shared pieces of the benchmarks: timing, tables, and random models of real shapes.
+
+GPU benchmarks run on a lent machine that cannot carry the 98 MB GGUF, so they use
+random weights of SmolLM2-135M's exact shape: speed does not depend on the values.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from libs.model import LoadedModel, ModelFingerprint
+from libs.model.attention import make_backend
+from libs.model.config import ModelConfig
+from libs.model.llama import LlamaModel
+from libs.model.tokenizer import Tokenizer
+
+SMOLLM2_135M = dict(
+    vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+    num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
+    rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True,
+)
+
+
+def hf_llama(device: torch.device, dtype: torch.dtype, seed: int = 0):
+    """A transformers LlamaForCausalLM of SmolLM2-135M's shape with random weights."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**SMOLLM2_135M, bos_token_id=1, eos_token_id=2, pad_token_id=2))
+    model.generation_config.eos_token_id = None  # never stop early: fixed-length timing
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def ours_from_hf(hf_model, device: torch.device, dtype: torch.dtype, backend: str = "auto") -> LoadedModel:
+    """Our model with exactly the weights of ``hf_model`` (via the HF state-dict names)."""
+    cfg = ModelConfig.from_hf(hf_model.config.to_dict())
+    with torch.device("meta"):
+        model = LlamaModel(cfg, make_backend(backend, device))
+    model = model.to_empty(device="cpu").float()
+    model.rotary.__init__(cfg)
+    model.load_hf_state({k: v.float().cpu() for k, v in hf_model.state_dict().items()})
+    model = model.to(device=device, dtype=dtype)
+    model.rotary.to(device=device, dtype=torch.float32)
+    model.eval().requires_grad_(False)
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models
+
+    tok = Tokenizer(backend=HFTokenizer(models.BPE()), eos_token_ids=())
+    fp = ModelFingerprint("random-smollm2-135m", str(dtype).removeprefix("torch."))
+    return LoadedModel("random-smollm2-135m", Path("random"), cfg, model, tok, fp, dtype, device)
+
+
+def cuda_time(fn: Callable[[], object], reps: int = 5, warmup: int = 1) -> float:
+    """Median seconds of ``fn`` (synchronised)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def table(headers: list[str], rows: list[list[object]]) -> str:
+    out = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    out += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return "\n".join(out)

@@ -1,0 +1,118 @@
+"""The engine on CUDA (Triton attention, CUDA graphs, async prepare, pinned swaps) against
+transformers on the same random weights, and against its own slower paths."""
+
+import pytest
+import torch
+
+from libs.engine import EngineConfig, KVImport, LLMEngine, SamplingParams
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+SMALL = dict(
+    vocab_size=49152, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
+    num_key_value_heads=2, max_position_embeddings=4096, rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True,
+)
+
+
+@pytest.fixture(scope="module")
+def models():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from bench.common import ours_from_hf
+
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(LlamaConfig(**SMALL)).cuda().float().eval()
+    with torch.no_grad():  # peaked logits: greedy comparisons are not decided by ties
+        hf.model.embed_tokens.weight.normal_(0, 1.0)
+    return hf, ours_from_hf(hf, torch.device("cuda"), torch.float32)
+
+
+def make(loaded, **kw):
+    cfg = dict(device="cuda", dtype="float32", num_blocks=512, max_num_seqs=16, max_model_len=2048)
+    cfg.update(kw)
+    return LLMEngine(EngineConfig(**cfg), loaded=loaded)
+
+
+def prompts(n=6):
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, 49152, (int(l),), generator=g).tolist() for l in torch.randint(5, 300, (n,), generator=g)]
+
+
+def hf_greedy(hf, ids, n):
+    out, past, x = [], None, torch.tensor([ids], device="cuda")
+    with torch.no_grad():
+        for _ in range(n):
+            o = hf(input_ids=x, past_key_values=past, use_cache=True)
+            past, t = o.past_key_values, int(o.logits[0, -1].argmax())
+            out.append(t)
+            x = torch.tensor([[t]], device="cuda")
+    return out
+
+
+def test_first_step_logits_match_transformers(models):
+    hf, loaded = models
+    eng = make(loaded)
+    for ids in prompts(3):
+        ours = eng.first_step_logits(ids)
+        with torch.no_grad():
+            ref = hf(torch.tensor([ids], device="cuda")).logits[0, -1].float().cpu()
+        assert torch.allclose(ours, ref, atol=2e-3, rtol=0), (ours - ref).abs().max()
+    eng.close()
+
+
+def test_greedy_matches_transformers_with_graphs_and_async_prepare(models):
+    hf, loaded = models
+    eng = make(loaded)
+    assert eng.runner.graphs is not None and eng._prepare is not None
+    ps = prompts()
+    got = eng.generate(ps, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+    assert eng.runner.graphs.replays > 0 and eng.prepared_ahead_hits > 0
+    for ids, r in zip(ps, got):
+        assert r.token_ids == hf_greedy(hf, ids, 16)
+    assert eng.timer.idle_fraction is not None and 0 <= eng.timer.idle_fraction < 1
+    eng.close()
+
+
+def test_graphs_and_async_prepare_do_not_change_outputs(models):
+    _, loaded = models
+    ps = prompts()
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    ref = make(loaded, cuda_graphs=False, async_prepare="off").generate(ps, params)
+    fast = make(loaded)
+    got = fast.generate(ps, params)
+    assert [r.token_ids for r in got] == [r.token_ids for r in ref]
+    seeded = SamplingParams(temperature=0.9, top_p=0.9, max_tokens=24, seed=3, ignore_eos=True)
+    a = make(loaded, cuda_graphs=False, async_prepare="off").generate(ps[:2], seeded)
+    b = fast.generate(ps[:2], seeded)
+    assert [r.token_ids for r in a] == [r.token_ids for r in b]
+    fast.close()
+
+
+def test_kv_export_import_through_pinned_staging(models):
+    _, loaded = models
+    pre, dec = make(loaded, swap_max_blocks=4), make(loaded, swap_max_blocks=4)
+    ids = prompts(1)[0] + list(range(100, 150))
+    pre.add_request("p", ids, SamplingParams(temperature=0, max_tokens=1), export_kv=True)
+    outs = []
+    while pre.has_unfinished_requests():
+        outs += pre.step()
+    exported = outs[-1].exported_kv
+    first = [t for o in outs for c in o.outputs for t in c.new_token_ids][0]
+    bufs, blocks = [], list(exported.blocks())
+    for i in range(0, len(blocks), 4):
+        chunk = blocks[i : i + 4]
+        b = dec.swapper.acquire(len(chunk))
+        for j, (blk, _) in enumerate(chunk):
+            b.host[j].copy_(blk)
+        bufs.append(b)
+    exported.release()
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    dec.add_request("d", ids, params, output_prefix=[first], kv_import=KVImport(bufs, 0, len(ids)))
+    got = []
+    while dec.has_unfinished_requests():
+        for o in dec.step():
+            got += [t for c in o.outputs for t in c.new_token_ids]
+    assert dec.num_prompt_tokens_computed == 0  # everything came from staging
+    ref = make(loaded).generate([ids], SamplingParams(temperature=0, max_tokens=13, ignore_eos=True))[0].token_ids
+    assert [first] + got == ref
+    assert pre.swapper.in_use == 0 and dec.swapper.in_use == 0
