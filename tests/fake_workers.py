@@ -264,7 +264,7 @@ class FakePrefill(FakeInstance):
                 bytes_written=1000 * n_keys,
                 blocks_written=n_keys,
                 timings={"queue_s": 0.001, "compute_s": 0.01, "write_s": 0.004},
-                trace={"load": {"hit_blocks": 1, "miss_reasons": {"absent": 2}, "bytes_read": 500, "load_s": 0.001}}
+                trace={"pool_hit_blocks": 1, "pool_miss_reasons": {"absent": 2}, "bytes_read": 500, "load_s": 0.001}
                 if req.want_trace
                 else None,
             )
@@ -347,8 +347,8 @@ class FakeDecode(FakeInstance):
                         finish_reason=finish if last else None,
                         num_cached_tokens=len(req.prompt_token_ids) - 1 if hits else 0,
                         trace={
-                            "hit_blocks": hits,
-                            "miss_reasons": self.miss_reasons,
+                            "pool_hit_blocks": hits,
+                            "pool_miss_reasons": self.miss_reasons,
                             "bytes_read": 1000 * hits,
                             "load_s": 0.002,
                             "queue_s": 0.0005,

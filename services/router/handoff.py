@@ -329,7 +329,7 @@ class ChoiceJob:
         a = AttemptTrace(
             instance=inst.id,
             request_id=req.request_id,
-            resumed_after=len(self.generated),
+            tokens_before=len(self.generated),
             with_first_token=req.first_token_id is not None,
         )
         self.attempts.append(a)

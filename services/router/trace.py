@@ -7,20 +7,23 @@ instances report: ``PrefillResult`` (byte and block counts, ``timings``, ``trace
 traces, so every request is logged in one line and feeds the metrics; the client gets the
 whole trace only when it asks (``"tidepool": {"trace": true}``).
 
-Worker traces are free-form maps. The router reads these keys, at the top level or one
-map down (e.g. ``{"load": {...}}``), and ignores anything else or of another type:
+Worker traces are free-form maps (services/prefill and services/decode write them). The
+router reads these top-level keys and ignores anything else, or of another type:
 
-==================  ==========================================================
-``hit_blocks``      blocks loaded from the pool (int)
-``miss_reasons``    blocks not loaded, by reason (``{"absent": 2}``)
-``bytes_read``      KV bytes read from the pool (int)
-``*_s``             durations in seconds, also from a ``timings`` map:
-                    ``queue_s``, ``compute_s``, ``write_s`` (prefill), ``load_s``,
-                    ``decode_s`` (decode)
-==================  ==========================================================
+=======================  =====================================================
+``pool_hit_blocks``      blocks loaded from the pool (int)
+``pool_miss_reasons``    blocks not loaded, by reason (``{"absent": 2}``)
+``bytes_read``           KV bytes read from the pool (int)
+``*_s``                  durations in seconds (prefill's also from
+                         ``PrefillResult.timings``): ``queue_s``, ``compute_s``,
+                         ``load_s``, ``write_s`` (prefill); ``queue_s``,
+                         ``load_s``, ``decode_s`` (decode)
+=======================  =====================================================
 
-Totals (``RequestTrace.totals``) sum over prompts, choices and attempts:
-``transfer_s`` is prefill's ``write_s`` plus decode's ``load_s``, the handoff latency.
+Totals (``RequestTrace.totals``) sum over prompts, choices and attempts. ``transfer_s``
+is all pool time (prefill's ``load_s`` and ``write_s``, decode's ``load_s``); a handoff's
+latency, for the metric, is prefill's ``write_s`` plus the ``load_s`` of the decode that
+took over from it.
 """
 
 from __future__ import annotations
@@ -37,15 +40,6 @@ def _number(value: Any) -> float | None:
     return float(value) if type(value) in (int, float) else None
 
 
-def _find(trace: dict[str, Any], key: str) -> Any:
-    if key in trace:
-        return trace[key]
-    for value in trace.values():
-        if isinstance(value, dict) and key in value:
-            return value[key]
-    return None
-
-
 @dataclass
 class WorkerNumbers:
     """What the router understands of one instance's trace."""
@@ -60,23 +54,16 @@ class WorkerNumbers:
         out = cls(timings={k: v for k, v in (timings or {}).items() if _number(v) is not None})
         if not trace:
             return out
-        hits = _find(trace, "hit_blocks")
-        out.hit_blocks = int(hits) if type(hits) is int and hits >= 0 else 0
-        misses = _find(trace, "miss_reasons")
+        hits = trace.get("pool_hit_blocks")
+        out.hit_blocks = hits if type(hits) is int and hits >= 0 else 0
+        misses = trace.get("pool_miss_reasons")
         if isinstance(misses, dict):
             out.miss_reasons = {str(r): n for r, n in misses.items() if type(n) is int and n > 0}
-        read = _find(trace, "bytes_read")
-        out.bytes_read = int(read) if type(read) is int and read >= 0 else 0
-        nested = trace.get("timings")
-        for source in (nested if isinstance(nested, dict) else {}, trace):
-            for key, value in source.items():
-                if key.endswith("_s") and _number(value) is not None:
-                    out.timings.setdefault(key, float(value))
-        for value in trace.values():  # one map down, e.g. {"load": {"load_s": ...}}
-            if isinstance(value, dict):
-                for key, v in value.items():
-                    if key.endswith("_s") and _number(v) is not None:
-                        out.timings.setdefault(key, float(v))
+        read = trace.get("bytes_read")
+        out.bytes_read = read if type(read) is int and read >= 0 else 0
+        for key, value in trace.items():
+            if key.endswith("_s") and _number(value) is not None:
+                out.timings.setdefault(key, float(value))
         return out
 
 
@@ -133,7 +120,7 @@ class AttemptTrace:
 
     instance: str
     request_id: str
-    resumed_after: int  # completion tokens the choice had before this attempt
+    tokens_before: int  # completion tokens the choice had when this attempt started (1: prefill's first token)
     with_first_token: bool
     started: float = field(default_factory=time.perf_counter)
     outcome: str = "running"
@@ -151,7 +138,7 @@ class AttemptTrace:
         return {
             "instance": self.instance,
             "request_id": self.request_id,
-            "resumed_after": self.resumed_after,
+            "tokens_before": self.tokens_before,
             "with_first_token": self.with_first_token,
             "outcome": self.outcome,
             "first_event_s": None if self.first_event_s is None else round(self.first_event_s, 6),
@@ -236,6 +223,7 @@ class RequestTrace:
                 t.prefill_s += pre.timings.get("compute_s", p.prefill.call_s or 0.0)
             self._add_pool(t, pre)
             write_s = pre.timings.get("write_s")
+            t.transfer_s += pre.timings.get("load_s", 0.0)
             for attempts in p.choices.values():
                 t.resumptions += max(0, len(attempts) - 1)
                 for n, a in enumerate(attempts):

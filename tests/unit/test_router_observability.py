@@ -39,17 +39,17 @@ async def test_trace_is_returned_only_when_asked(cluster: Cluster) -> None:
     assert pre["decision"] == "prefill" and pre["instance"] == "prefill-0"
     assert pre["bytes_written"] == 1000 * n_keys and pre["blocks_written"] == n_keys
     assert pre["timings"] == {"queue_s": 0.001, "compute_s": 0.01, "write_s": 0.004}
-    assert pre["worker"]["load"]["miss_reasons"] == {"absent": 2}
+    assert pre["worker"]["pool_miss_reasons"] == {"absent": 2}
     (choice,) = prompt["choices"]
     (attempt,) = choice["attempts"]
     assert attempt["outcome"] == "length" and attempt["with_first_token"] and attempt["tokens"] == 2
-    assert attempt["worker"]["hit_blocks"] == n_keys - 1  # the fake loads every full block
+    assert attempt["worker"]["pool_hit_blocks"] == n_keys - 1  # the fake loads every full block
     totals = trace["totals"]
     assert totals["bytes_written"] == 1000 * n_keys
     assert totals["bytes_read"] == 500 + 1000 * (n_keys - 1)  # prefill's own pool hit + decode's load
     assert totals["blocks_hit"] == 1 + (n_keys - 1)
     assert totals["blocks_missed"] == {"absent": 2, "expired": 1}
-    assert totals["transfer_s"] == pytest.approx(0.004 + 0.002)  # prefill write + decode load
+    assert totals["transfer_s"] == pytest.approx(0.001 + 0.004 + 0.002)  # prefill load + write, decode load
     assert totals["queue_s"] == pytest.approx(0.001 + 0.0005)
     assert totals["prefill_s"] == pytest.approx(0.01)
 
