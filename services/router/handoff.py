@@ -19,6 +19,8 @@ Faults cost latency, never a request:
   stream just continues. With greedy sampling the text is identical to an unbroken run;
   with sampling it is a valid continuation (the seeded generator restarts, and tokens
   generated so far count as prompt for the penalties).
+- a decode that refuses the request (4xx) is not retried: the router validated it, so
+  another instance would refuse it too; the client gets a 502 naming decode's reason.
 
 Contract with decode (as libs/engine's ``output_prefix``): when ``first_token_id`` is set,
 decode's stream carries only the tokens *after* it, since the router already has it from
