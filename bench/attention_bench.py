@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -41,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import triton  # noqa: E402
 
+from bench.swap_bench import median_ms  # noqa: E402  (CUDA-event median, shared with the swap bench)
 from kernels.attention import reference as ref  # noqa: E402
 from kernels.attention import triton_attention as tri  # noqa: E402
 from kernels.attention.problems import PagedProblem, make_decode_problem, make_problem  # noqa: E402
@@ -59,22 +59,6 @@ PREFILL_TILES = [(m, n, w, st) for m, n in ((64, 64), (128, 64), (128, 128)) for
                  for st in (2, 3)]
 
 
-def events_ms(fn: Callable[[], None], reps: int, warmup: int = 2) -> float:
-    """Median wall time of ``fn`` on the GPU stream, CUDA events around each call."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
 def graph_ms(calls: list[Callable[[], object]], reps: int = 20) -> float:
     """Capture ``calls`` back to back in one CUDA graph; median replay time per call."""
     stream = torch.cuda.Stream()
@@ -87,7 +71,7 @@ def graph_ms(calls: list[Callable[[], object]], reps: int = 20) -> float:
     with torch.cuda.graph(graph):
         for call in calls:
             call()
-    ms = events_ms(graph.replay, reps) / len(calls)
+    ms = median_ms(graph.replay, reps, 2) / len(calls)
     del graph
     return ms
 
@@ -139,8 +123,8 @@ def decode_rows(sweep: bool) -> tuple[list[str], list[str]]:
                 for call in calls:
                     call()
 
-            eager = events_ms(eager_step, reps=10) / LAYERS
-            reference = events_ms(lambda: ref.paged_decode_attention(*p.decode_args()), reps=3)
+            eager = median_ms(eager_step, 10, 2) / LAYERS
+            reference = median_ms(lambda: ref.paged_decode_attention(*p.decode_args()), 3, 2)
             splits = tri.decode_num_splits(batch, 3, tables.shape[1] * p.block_size, q.device)
             kv_bytes = 2 * batch * context * 3 * 64 * p.cache.element_size()
             rows.append(
@@ -201,14 +185,14 @@ def prefill_rows() -> list[str]:
     for name, q_len, prefix in PREFILL_CASES:
         query_lens, context = [q_len] * 16, [q_len + prefix] * 16
         p = prefill_problem(q_len, prefix)
-        ours = events_ms(lambda: tri.paged_prefill_attention(*p.prefill_args()), reps=20, warmup=3)
-        reference = events_ms(lambda: ref.paged_prefill_attention(*p.prefill_args()), reps=5)
+        ours = median_ms(lambda: tri.paged_prefill_attention(*p.prefill_args()), 20, 3)
+        reference = median_ms(lambda: ref.paged_prefill_attention(*p.prefill_args()), 5, 2)
         # Dense, unpaged flash attention of the same shape (no prefix: a pure causal square).
         dense_q = torch.randn((16, 9, q_len, 64), dtype=DTYPE, device=DEVICE)
         dense_kv = torch.randn((16, 3, q_len + prefix, 64), dtype=DTYPE, device=DEVICE)
         if prefix == 0:
-            dense = events_ms(lambda: F.scaled_dot_product_attention(
-                dense_q, dense_kv, dense_kv, is_causal=True, enable_gqa=True), reps=20)
+            dense = median_ms(lambda: F.scaled_dot_product_attention(
+                dense_q, dense_kv, dense_kv, is_causal=True, enable_gqa=True), 20, 2)
             dense_text = f"{dense * 1e3:.0f}"
         else:
             dense_text = "-"
@@ -228,7 +212,7 @@ def prefill_tile_rows() -> list[str]:
         p = prefill_problem(q_len, prefix)
         times = [
             with_constants(
-                lambda: events_ms(lambda: tri.paged_prefill_attention(*p.prefill_args()), reps=10),
+                lambda: median_ms(lambda: tri.paged_prefill_attention(*p.prefill_args()), 10, 2),
                 _PREFILL_BLOCK_M=m, _PREFILL_BLOCK_N=n, _PREFILL_NUM_WARPS=warps,
                 _PREFILL_NUM_STAGES=stages)
             for m, n, warps, stages in PREFILL_TILES

@@ -36,15 +36,14 @@ be captured in a CUDA graph (compile the kernels with one eager call before capt
 
 Constraints: ``head_dim`` is any size from 1 up (tiles are padded to a power of two of at
 least 16, so sizes that are not powers of two waste some lanes; it is a compile-time
-constant, which lets the masks fold away so tile loads vectorize and pipeline); ``block_size`` is any
-positive size (powers of two make the slot arithmetic cheapest). A sequence with no
+constant, which lets the masks fold away so tile loads vectorize and pipeline);
+``block_size`` is any positive size (powers of two make the slot arithmetic cheapest). A sequence with no
 context (``seq_len`` 0, e.g. CUDA-graph padding) gets a zero output, as in the reference.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 import triton
@@ -52,21 +51,24 @@ import triton.language as tl
 
 _LOG2E = 1.4426950408889634
 
-# Tiling, from bench/attention_bench.py --sweep on an H200 (SmolLM2 shape, bf16; see
-# bench/results/attention.md). Decode: keys per tile and warps per program (128 x 4 beat
-# 32/64 keys and 2/8 warps at every batch and context tried), and the fewest keys worth a
-# split of its own.
+# Tiling, from bench/attention_bench.py --sweep on an H100 and an H200 (SmolLM2 shape, bf16;
+# bench/results/attention.md). Decode: 128 keys per tile, 4 warps, 3 stages was the best at
+# batch 1 and within 5% (H100; 7% on the H200) of the best elsewhere; 64 keys were 10%
+# slower at batch 1, and 32 keys or 8 warps slower everywhere.
 _DECODE_BLOCK_N = 128
 _DECODE_NUM_WARPS = 4
 _DECODE_NUM_STAGES = 3
-_MIN_SPLIT_TOKENS = 128
-_MAX_SPLITS = 64
-# Decode splits until there are about this many programs per SM: the sweep was fastest
-# near 750 programs on 132 SMs (batch 64 x 3 KV heads x 4 splits, batch 16 x 3 x 16), as
-# more programs in flight keep more loads outstanding.
+# Decode splits a sequence until there are about this many programs per SM (more programs
+# in flight keep more loads outstanding), with splits of at least _MIN_SPLIT_TOKENS keys of
+# the longest possible context; once the batch alone fills the SMs, of at least
+# _MIN_SPLIT_TOKENS_BUSY (at batch 64 and context 256 one split beat two by 12%).
 _DECODE_PROGRAMS_PER_SM = 6
+_MIN_SPLIT_TOKENS = 128
+_MIN_SPLIT_TOKENS_BUSY = 512
+_MAX_SPLITS = 64
 # Prefill: query rows (tokens x group heads) and keys per tile; warps per program for
-# head tiles up to 64 wide, and wider.
+# head tiles up to 64 wide, and wider. (64 query rows measured 3-10% faster in the sweep;
+# 128 is what the GPU tests have run.)
 _PREFILL_BLOCK_M = 128
 _PREFILL_BLOCK_N = 64
 _PREFILL_NUM_WARPS = 4
@@ -357,15 +359,17 @@ def decode_num_splits(batch: int, num_kv_heads: int, max_context: int, device: t
     """How many programs share one sequence's context, from host ints only.
 
     Enough splits to give every SM ``_DECODE_PROGRAMS_PER_SM`` programs, but no split shorter
-    than ``_MIN_SPLIT_TOKENS`` keys of the longest possible context (``max_context``: the
-    block-table width in tokens): below that the reduction costs more than it saves."""
+    than ``_MIN_SPLIT_TOKENS`` keys (``_MIN_SPLIT_TOKENS_BUSY`` once ``batch * num_kv_heads``
+    programs fill the SMs) of the longest possible context (``max_context``: the block-table
+    width in tokens): below that the reduction costs more than it saves."""
     if device.type == "cuda":
         sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
     else:
         sms = _CPU_SM_COUNT
     programs = batch * num_kv_heads
     wanted = triton.cdiv(_DECODE_PROGRAMS_PER_SM * sms, max(programs, 1))
-    most = max(1, max_context // _MIN_SPLIT_TOKENS)
+    min_tokens = _MIN_SPLIT_TOKENS if programs < sms else _MIN_SPLIT_TOKENS_BUSY
+    most = max(1, max_context // min_tokens)
     return max(1, min(wanted, most, _MAX_SPLITS))
 
 
