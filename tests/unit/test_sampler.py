@@ -193,7 +193,7 @@ def test_a_row_is_unaffected_by_its_neighbours_filters():
     rng = np.random.default_rng(0)
     rows = 600
     logits = random_logits(5, rows=rows)
-    params = [FILTERS[i] for i in rng.integers(0, len(FILTERS), rows)] + []
+    params = [FILTERS[i] for i in rng.integers(0, len(FILTERS), rows)]
     params = [p if i % 5 else SamplingParams(temperature=0) for i, p in enumerate(params)]
     torch.manual_seed(1)
     out = sample_rows(logits, params)
@@ -279,11 +279,9 @@ def test_seeded_row_ignores_its_batch_companions():
     for step in range(20):
         row = logits[step : step + 1]
         alone.append(sample_rows(row, [p], [alone_gen]).token_ids[0])
-        companions = random_logits(1000 + step, rows=5)
-        batch = torch.cat([companions[:3], row, companions[3:]])
-        params = [SamplingParams(), SamplingParams(seed=5, top_k=3), SamplingParams(temperature=0), p, SamplingParams(top_p=0.5)]
-        params.insert(3, replace(p, seed=99))
-        batch = torch.cat([batch[:3], row, batch[3:]])
+        companions = random_logits(1000 + step, rows=4)
+        batch = torch.cat([companions[:3], row, row, companions[3:]])  # our row is 4th of 6
+        params = [SamplingParams(), SamplingParams(seed=5, top_k=3), SamplingParams(temperature=0), replace(p, seed=99), p, SamplingParams(top_p=0.5)]
         gens = [None, generator(5), None, other_gen, mixed_gen, None]
         out = sample_rows(batch, params, gens).token_ids
         mixed.append(out[4])
