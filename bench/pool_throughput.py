@@ -13,9 +13,11 @@ One 2048-token prompt in SmolLM2's layout (30 layers, 3 kv heads, head dim 64, b
   ``-c`` = ``--max-parallel`` connections and ``-P`` = ``--pipeline-blocks``, the same shape
   of concurrency as ours.
 
-GB/s counts value bytes (1 GB = 1e9 B); ours is the median of ``--rounds`` after ``--warmup``,
-redis-benchmark the median of ``--bench-runs`` runs. The script starts its own redis-server
-(no persistence, ``noeviction``) and runs the client on uvloop, as the services do.
+GB/s counts value bytes (1 GB = 1e9 B). The machine may be shared, so the two are
+interleaved: each of ``--reps`` repetitions runs redis-benchmark once and then each of our
+rows (median of ``--rounds`` calls), and the ratio is taken within the repetition. The
+script starts its own redis-server (no persistence, ``noeviction``) and runs the client on
+uvloop, as the services do.
 
     python3 bench/pool_throughput.py [--markdown bench/results/pool.md]
 """
@@ -23,7 +25,6 @@ redis-benchmark the median of ``--bench-runs`` runs. The script starts its own r
 from __future__ import annotations
 
 import argparse
-import asyncio
 import csv
 import datetime
 import io
@@ -81,34 +82,34 @@ def start_redis(port: int, workdir: str) -> subprocess.Popen[bytes]:
     raise RuntimeError("redis-server did not start")
 
 
-def redis_benchmark_gbps(port: int, value_nbytes: int, clients: int, pipeline: int, requests: int, runs: int) -> dict[str, float]:
-    """Median GB/s of redis-benchmark SET and GET with values of ``value_nbytes``."""
-    rates: dict[str, list[float]] = {"SET": [], "GET": []}
-    for _ in range(runs):
-        out = subprocess.run(
-            ["redis-benchmark", "-h", "127.0.0.1", "-p", str(port), "-t", "set,get", "-d", str(value_nbytes),
-             "-n", str(requests), "-c", str(clients), "-P", str(pipeline), "--csv"],
-            capture_output=True, text=True, check=True,
-        ).stdout
-        for row in csv.reader(io.StringIO(out)):
-            if row and row[0] in rates:
-                rates[row[0]].append(float(row[1]) * value_nbytes / 1e9)
-    return {test: statistics.median(v) for test, v in rates.items()}
+def redis_benchmark_gbps(port: int, value_nbytes: int, clients: int, pipeline: int, requests: int) -> dict[str, float]:
+    """GB/s of one redis-benchmark run of SET and GET with values of ``value_nbytes``."""
+    out = subprocess.run(
+        ["redis-benchmark", "-h", "127.0.0.1", "-p", str(port), "-t", "set,get", "-d", str(value_nbytes),
+         "-n", str(requests), "-c", str(clients), "-P", str(pipeline), "--csv"],
+        capture_output=True, text=True, check=True,
+    ).stdout
+    return {row[0]: float(row[1]) * value_nbytes / 1e9 for row in csv.reader(io.StringIO(out)) if row and row[0] in ("SET", "GET")}
 
 
-async def median_gbps(fn: Callable[[], Awaitable[None]], nbytes: int, rounds: int, warmup: int) -> tuple[float, float, float]:
-    """(median, min, max) GB/s of ``fn`` moving ``nbytes`` per call."""
-    for _ in range(warmup):
-        await fn()
+async def median_gbps(fn: Callable[[], Awaitable[None]], nbytes: int, rounds: int) -> float:
     rates = []
     for _ in range(rounds):
         start = time.perf_counter()
         await fn()
         rates.append(nbytes / (time.perf_counter() - start) / 1e9)
-    return statistics.median(rates), min(rates), max(rates)
+    return statistics.median(rates)
 
 
-async def bench_dtype(url: str, name: str, args: argparse.Namespace) -> list[tuple[str, tuple[float, float, float]]]:
+BASELINE = {"put": "SET", "get": "GET", "encode + put": "SET", "get + decode": "GET"}
+
+
+async def bench_dtype(port: int, name: str, args: argparse.Namespace) -> dict[str, list[float]]:
+    """GB/s samples per row, and the ratio samples ``<row> ratio``, over ``--reps`` interleaved reps.
+
+    Each rep runs redis-benchmark and then ours back to back, and the ratio is taken within
+    the rep: on a shared machine the load drifts between reps, not within one.
+    """
     layout = KVLayout(LAYERS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, DTYPES[name])
     codec = BlockCodec(layout)
     ns = Namespace(model_digest=f"bench-{name}", dtype=name, block_size=BLOCK_SIZE)
@@ -118,10 +119,10 @@ async def bench_dtype(url: str, name: str, args: argparse.Namespace) -> list[tup
     values = [codec.encode(staging[i], BLOCK_SIZE) for i in range(len(keys))]
     nbytes = sum(map(len, values))
     config = PoolConfig(
-        url=url, key_prefix=f"bench{name}", pipeline_blocks=args.pipeline_blocks, max_parallel=args.max_parallel,
-        max_connections=max(args.max_parallel, 4),
+        url=f"redis://127.0.0.1:{port}/0", key_prefix=f"bench{name}", pipeline_blocks=args.pipeline_blocks,
+        max_parallel=args.max_parallel, max_connections=max(args.max_parallel, 4),
     )
-    rows = []
+    samples: dict[str, list[float]] = {}
     async with RedisPool(config) as pool:
         items = list(zip(keys, values))
 
@@ -142,45 +143,54 @@ async def bench_dtype(url: str, name: str, args: argparse.Namespace) -> list[tup
             for i, v in enumerate(await pool.get_blocks(ns, keys)):
                 codec.decode(v, out[i], expected_tokens=BLOCK_SIZE)
 
-        for label, fn in (("put", put), ("get", get), ("encode + put", encode_put), ("get + decode", get_decode)):
-            rows.append((label, await median_gbps(fn, nbytes, args.rounds, args.warmup)))
+        rows = {"put": put, "get": get, "encode + put": encode_put, "get + decode": get_decode}
+        for fn in rows.values():  # warm-up: connections, scripts, allocator
+            for _ in range(args.warmup):
+                await fn()
+        for _ in range(args.reps):
+            theirs = redis_benchmark_gbps(port, len(values[0]), args.max_parallel, args.pipeline_blocks, args.bench_requests)
+            for test, gbps in theirs.items():
+                samples.setdefault(f"redis-benchmark {test}", []).append(gbps)
+            for label, fn in rows.items():
+                gbps = await median_gbps(fn, nbytes, args.rounds)
+                samples.setdefault(label, []).append(gbps)
+                samples.setdefault(f"{label} ratio", []).append(gbps / theirs[BASELINE[label]])
         assert torch.equal(out.view(torch.uint8), staging.view(torch.uint8))
-    return rows
+    return samples
+
+
+def spread(values: list[float]) -> str:
+    return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=15)
-    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--reps", type=int, default=5, help="interleaved repetitions (redis-benchmark, then ours)")
+    parser.add_argument("--rounds", type=int, default=3, help="timed calls of ours per row and rep (median)")
+    parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--pipeline-blocks", type=int, default=PoolConfig.pipeline_blocks)
     parser.add_argument("--max-parallel", type=int, default=PoolConfig.max_parallel)
-    parser.add_argument("--bench-requests", type=int, default=1024, help="redis-benchmark -n per run")
-    parser.add_argument("--bench-runs", type=int, default=3)
+    parser.add_argument("--bench-requests", type=int, default=512, help="redis-benchmark -n per test and rep")
     parser.add_argument("--dtypes", default="bf16,fp32")
     parser.add_argument("--markdown", type=Path, help="also write the table to this file")
     args = parser.parse_args()
     if not shutil.which("redis-server") or not shutil.which("redis-benchmark"):
         sys.exit("redis-server and redis-benchmark are needed (make redis)")
     torch.set_num_threads(1)
+    load_before = os.getloadavg()[0]
     port = free_port()
     workdir = tempfile.mkdtemp(prefix="tidepool-bench-redis-")
     redis = start_redis(port, workdir)
     lines = []
     try:
-        url = f"redis://127.0.0.1:{port}/0"
         for name in args.dtypes.split(","):
-            value_nbytes = LAYERS * 2 * BLOCK_SIZE * KV_HEADS * HEAD_DIM * (2 if name == "bf16" else 4) + 24
-            ours = dict(uvloop.run(bench_dtype(url, name, args)))
-            theirs = redis_benchmark_gbps(
-                port, value_nbytes, args.max_parallel, args.pipeline_blocks, args.bench_requests, args.bench_runs
-            )
-            base = {"put": "SET", "encode + put": "SET", "get": "GET", "get + decode": "GET"}
-            lines.append(f"| **{name}** ({value_nbytes:,} B a value) | | | |")
-            for label, (med, lo, hi) in ours.items():
-                ref = theirs[base[label]]
-                lines.append(f"| ours: {label} | {med:.2f} ({lo:.2f}-{hi:.2f}) | {ref:.2f} | {med / ref:.2f} |")
+            samples = uvloop.run(bench_dtype(port, name, args))
+            value_nbytes = LAYERS * 2 * BLOCK_SIZE * KV_HEADS * HEAD_DIM * DTYPES[name].itemsize + 24
+            lines.append(f"| **{name}** ({value_nbytes:,} B a value) | | |")
+            for label in BASELINE:
+                lines.append(f"| ours: {label} | {spread(samples[label])} | {spread(samples[label + ' ratio'])} |")
             for test in ("SET", "GET"):
-                lines.append(f"| redis-benchmark {test} | {theirs[test]:.2f} | | |")
+                lines.append(f"| redis-benchmark {test} | {spread(samples['redis-benchmark ' + test])} | |")
     finally:
         redis.kill()
         redis.wait()
@@ -188,15 +198,17 @@ def main() -> None:
     header = [
         f"Device: {platform.machine()}, {os.cpu_count()} CPUs ({platform.processor() or 'cpu'}); "
         f"{subprocess.run(['redis-server', '--version'], capture_output=True, text=True).stdout.split()[2]}; "
-        f"Python {platform.python_version()}, uvloop; {datetime.date.today()}",
+        f"Python {platform.python_version()}, uvloop; {datetime.date.today()}; "
+        f"1-min load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after (shared machine)",
         f"Prompt: {PROMPT_TOKENS} tokens = {PROMPT_TOKENS // BLOCK_SIZE} blocks, SmolLM2 layout. "
         f"Client: pipeline_blocks={args.pipeline_blocks}, max_parallel={args.max_parallel}; "
         f"redis-benchmark -c {args.max_parallel} -P {args.pipeline_blocks} -n {args.bench_requests}. "
-        f"GB/s of value bytes, median (min-max) of {args.rounds} rounds after {args.warmup} warm-up; "
-        f"redis-benchmark median of {args.bench_runs} runs.",
+        f"GB/s of value bytes (1 GB = 1e9 B): median (min-max) over {args.reps} interleaved reps, each rep "
+        f"one redis-benchmark run then the median of {args.rounds} calls of ours (after {args.warmup} warm-up "
+        "calls); ratio = ours / redis-benchmark (SET for puts, GET for gets) within each rep.",
         "",
-        "| operation | GB/s | redis-benchmark GB/s | ratio |",
-        "|---|---:|---:|---:|",
+        "| operation | GB/s | ratio to redis-benchmark |",
+        "|---|---:|---:|",
     ]
     table = "\n".join(header + lines) + "\n"
     print(table)

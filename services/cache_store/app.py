@@ -219,7 +219,12 @@ def _rejections(api: CacheStoreApi) -> Callable[..., Awaitable[web.StreamRespons
             return await handler(request)
         except RequestRejected as exc:
             api.rejected.labels(exc.code).inc()
-            return _error(exc.status, exc.code, str(exc), exc.param)
+            response = _error(exc.status, exc.code, str(exc), exc.param)
+            if exc.status == 413:
+                # The body was refused unread: close the connection rather than drain
+                # megabytes nobody wants.
+                response.force_close()
+            return response
         except PoolUnavailable as exc:
             return _error(503, "pool_unavailable", str(exc))
         except PoolError as exc:

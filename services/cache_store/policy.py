@@ -52,19 +52,30 @@ class PolicyLoop:
         self.snapshot: PoolStats | None = None  # the latest pool statistics
         self.redis_up: bool | None = None  # unknown until the first pass
         self._task: asyncio.Task[None] | None = None
+        self._stopping = False
 
     def start(self) -> None:
         if self._task is None:
+            self._stopping = False
             self._task = asyncio.get_running_loop().create_task(self._run(), name="cache_store-policy")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
+        """Stop the loop; returns only once it has.
+
+        Cancelling once is not enough on Python 3.11: ``asyncio.wait_for`` (inside
+        redis-py's socket calls) can swallow a cancellation that lands as its inner call
+        completes, and the loop would go on to sleep with the cancel lost, so shutdown
+        would wait forever. The flag ends the loop at its next turn, and the cancel is
+        repeated until the task is done.
+        """
+        self._stopping = True
+        task, self._task = self._task, None
+        while task is not None and not task.done():
+            task.cancel()
+            await asyncio.wait({task}, timeout=0.1)
 
     async def _run(self) -> None:
-        while True:
+        while not self._stopping:
             await self.run_pass()
             await asyncio.sleep(self.interval_s)
 

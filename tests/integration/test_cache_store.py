@@ -51,7 +51,7 @@ async def wait_until(check: Callable[[], Awaitable[bool]], timeout_s: float, wha
 def start_cache_store(redis_url: str, prefix: str, *extra: str) -> ServiceProcess:
     args = [
         "--redis-url", redis_url, "--key-prefix", prefix, "--maintenance-interval-s", "0.05",
-        "--redis-timeout-s", "0.5", "--log-level", "warning", *extra,
+        "--redis-timeout-s", "0.5", "--log-level", "info", "--shutdown-timeout-s", "2", *extra,
     ]
     return ServiceProcess("cache_store", args).start()
 

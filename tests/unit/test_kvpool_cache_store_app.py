@@ -215,3 +215,24 @@ async def test_the_policy_loop_outlives_failures() -> None:
     assert policy.redis_up is True
     assert policy.counters.errors_by_kind == {"RuntimeError": 1, "PoolUnavailable": 1}
     assert (policy.counters.passes, policy.counters.failed_passes) == (3, 2)
+
+
+async def test_the_policy_loop_stops_even_if_a_cancellation_is_swallowed() -> None:
+    # Python 3.11's asyncio.wait_for (inside redis-py) can swallow a cancellation; a loop
+    # that relied on one cancel would then never stop, and neither would the service.
+    from services.cache_store.policy import PolicyLoop
+
+    entered = asyncio.Event()
+
+    async def swallow(op: str, ids: object) -> None:
+        if op == "reap_leases":
+            entered.set()
+            try:
+                await asyncio.sleep(10)
+            except asyncio.CancelledError:
+                pass  # what the wait_for race does: the call completes, the cancel is lost
+
+    policy = PolicyLoop(MemoryPool(fault=swallow), budget_bytes=0, interval_s=30, evict_batch=8)
+    policy.start()
+    await asyncio.wait_for(entered.wait(), 5)
+    await asyncio.wait_for(policy.stop(), 5)
