@@ -214,7 +214,12 @@ class BlockPool(ABC):
     # -- accounting and policy ------------------------------------------------------------
 
     async def record_misses(self, reason: str, n: int = 1) -> None:
-        """Count ``n`` blocks that a reader could not use, e.g. ``"corrupt:checksum"``."""
+        """Count ``n`` blocks that a reader could not use, e.g. ``"corrupt:checksum"``.
+
+        ``get_blocks`` counts a block it returns as a hit and one it cannot find as
+        ``misses:absent``; what happens after is the reader's to report: a block that came
+        back but fails ``BlockCodec.decode`` is recorded here as ``corrupt:<reason>``.
+        """
         check_reason(reason)
         if n < 0:
             raise ValueError(f"miss count must be >= 0, got {n}")
