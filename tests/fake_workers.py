@@ -335,6 +335,7 @@ class FakeDecode(FakeInstance):
         try:
             for i, batch in enumerate(batches):
                 if self.die_after is not None and i >= self.die_after:
+                    await self.stop_heartbeats()  # a crashing process stops heartbeating too
                     transport.abort()  # mid-stream: the chunked body never ends
                     return stream
                 last = i == len(batches) - 1

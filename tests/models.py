@@ -13,7 +13,7 @@ from libs.model import LoadedModel, ModelFingerprint, default_model_path
 from libs.model.attention import torch_backend
 from libs.model.config import ModelConfig
 from libs.model.llama import LlamaModel
-from libs.model.loader import load_tokenizer
+from libs.model.source import load_tokenizer
 
 RAW_PROMPTS = [
     "The quick brown fox",
@@ -47,6 +47,11 @@ def tiny_config() -> ModelConfig:
     )
 
 
+@functools.lru_cache(maxsize=1)
+def _tokenizer():
+    return load_tokenizer(None)
+
+
 def tiny_loaded(seed: int = 0) -> LoadedModel:
     """A 2-layer random Llama with the real tokenizer: fast, deterministic, same API."""
     cfg = tiny_config()
@@ -56,7 +61,7 @@ def tiny_loaded(seed: int = 0) -> LoadedModel:
         for p in model.parameters():
             p.normal_(0, 0.5)
     return LoadedModel(
-        name="tiny", path=Path("tiny"), config=cfg, model=model, tokenizer=load_tokenizer(None),
+        name="tiny", path=Path("tiny"), config=cfg, model=model, tokenizer=_tokenizer(),
         fingerprint=ModelFingerprint(f"tiny-{seed}", "float32"), dtype=torch.float32, device=torch.device("cpu"),
     )
 

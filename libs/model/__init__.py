@@ -1,35 +1,39 @@
-"""Model loading (GGUF, safetensors), tokenizer and chat template, and the Llama decoder."""
+"""Model loading (GGUF, safetensors), tokenizer and chat template, and the Llama decoder.
 
-from libs.model.attention import AttentionMetadata, PagedAttention, make_backend
-from libs.model.config import ModelConfig
-from libs.model.loader import (
-    DEFAULT_MODEL_NAME,
-    LoadedModel,
-    ModelFingerprint,
-    ModelNotFoundError,
-    default_model_path,
-    load_config,
-    load_model,
-    load_tokenizer,
-    resolve_model_path,
-)
-from libs.model.tokenizer import ChatTemplateError, IncrementalDetokenizer, Tokenizer
+Names are imported lazily: ``from libs.model import load_tokenizer`` (the router's need)
+must not pay for importing torch, which only the loader and the model itself use.
+"""
 
-__all__ = [
-    "AttentionMetadata",
-    "ChatTemplateError",
-    "DEFAULT_MODEL_NAME",
-    "IncrementalDetokenizer",
-    "LoadedModel",
-    "ModelConfig",
-    "ModelFingerprint",
-    "ModelNotFoundError",
-    "PagedAttention",
-    "Tokenizer",
-    "default_model_path",
-    "load_config",
-    "load_model",
-    "load_tokenizer",
-    "make_backend",
-    "resolve_model_path",
-]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "AttentionMetadata": "libs.model.attention",
+    "PagedAttention": "libs.model.attention",
+    "make_backend": "libs.model.attention",
+    "ModelConfig": "libs.model.config",
+    "LoadedModel": "libs.model.loader",
+    "ModelFingerprint": "libs.model.loader",
+    "load_model": "libs.model.loader",
+    "DEFAULT_MODEL_NAME": "libs.model.source",
+    "ModelNotFoundError": "libs.model.source",
+    "default_model_path": "libs.model.source",
+    "load_config": "libs.model.source",
+    "load_tokenizer": "libs.model.source",
+    "model_name": "libs.model.source",
+    "resolve_model_path": "libs.model.source",
+    "ChatTemplateError": "libs.model.tokenizer",
+    "IncrementalDetokenizer": "libs.model.tokenizer",
+    "Tokenizer": "libs.model.tokenizer",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'libs.model' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

@@ -57,8 +57,11 @@ async def serve(
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    # handler_cancellation: a client that disconnects cancels its handler, so a streaming
+    # handler learns at once (and a decode frees the request's blocks at once).
     runner = web.AppRunner(
-        app, handle_signals=False, access_log=None, shutdown_timeout=settings.shutdown_timeout_s
+        app, handle_signals=False, access_log=None, shutdown_timeout=settings.shutdown_timeout_s,
+        handler_cancellation=True,
     )
     await runner.setup()
     try:

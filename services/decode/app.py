@@ -44,7 +44,7 @@ async def handle_decode(request: web.Request) -> web.StreamResponse:
     prefix = [] if msg.first_token_id is None else [msg.first_token_id]
     try:
         params = sampling_params(msg.sampling)
-        rt.llm.validate(prompt + prefix, params)
+        rt.llm.validate(prompt + prefix, params, num_output_tokens=len(prefix))
     except InvalidRequestError as e:
         rt.metrics.requests.labels("invalid").inc()
         return invalid_request(e)

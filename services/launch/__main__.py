@@ -34,8 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = ClusterConfig(
         host=args.host, router_port=args.port, model=args.model, device=args.device, dtype=args.dtype,
         num_prefill=args.prefill, num_decode=args.decode, threads=args.threads, redis_url=args.redis_url,
-        pool_gb=args.pool_gb, log_dir=Path(args.log_dir),
-        router_args=["--api-key", args.api_key] if args.api_key else [],
+        pool_gb=args.pool_gb, log_dir=Path(args.log_dir), api_key=args.api_key,
     )
     cluster = LocalCluster(cfg)
     stop = threading.Event()

@@ -33,6 +33,7 @@ class ClusterConfig:
     threads: int | None = None  # per model process; default: the cores split between them
     redis_url: str | None = None  # an existing Redis; default: start one
     pool_gb: float = 1.0  # Redis maxmemory; cache_store's budget is 80% of it
+    api_key: str | None = None  # the router requires it when set
     log_dir: Path = Path(".run/logs")
     ready_timeout_s: float = 180.0
     router_args: list[str] = field(default_factory=list)
@@ -73,7 +74,8 @@ class LocalCluster:
             self.cache_store.start()
             self.router = self._child("router", "services.router", [
                 "--host", cfg.host, "--port", str(cfg.router_port), "--cache-store-url", self.cache_store.wait_ready(30),
-                *(["--model", cfg.model] if cfg.model else []), *cfg.router_args,
+                *(["--model", cfg.model] if cfg.model else []), *(["--api-key", cfg.api_key] if cfg.api_key else []),
+                *cfg.router_args,
             ])
             self.router.start()
             router_url = self.router.wait_ready(60)
@@ -156,7 +158,10 @@ class LocalCluster:
         return self.router.url
 
     def get_json(self, url: str, timeout: float = 5.0) -> dict:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
+        req = urllib.request.Request(url)
+        if self.config.api_key:
+            req.add_header("Authorization", f"Bearer {self.config.api_key}")
+        with urllib.request.urlopen(req, timeout=timeout) as r:
             return json.loads(r.read())
 
     def workers(self) -> list[dict]:

@@ -56,7 +56,6 @@ async def handle_prefill(request: web.Request) -> web.Response:
 
 async def _prefill(rt: WorkerRuntime, msg: PrefillRequest, params, t0: float) -> PrefillResult:
     prompt = msg.prompt_token_ids
-    bs = rt.llm.config.block_size
     keys = rt.keys(prompt)
     full = [k for k in keys if not k.partial]
     lease_id = None

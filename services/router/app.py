@@ -139,7 +139,7 @@ def create_router_app(settings: RouterSettings, tokenizer: Tokenizer | None = No
     (tests pass a tokenizer they loaded once); the served name is ``served_model_name`` or
     the model's own name, and instances may register under either."""
     if tokenizer is None or model_name is None:
-        from libs.model.loader import load_tokenizer, model_name as name_of, resolve_model_path
+        from libs.model.source import load_tokenizer, model_name as name_of, resolve_model_path
 
         tokenizer = tokenizer or load_tokenizer(settings.model)
         model_name = model_name or name_of(resolve_model_path(settings.model))

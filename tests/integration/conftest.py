@@ -45,3 +45,43 @@ def unique_prefix() -> str:
 def pool_config(redis_server: RedisServer) -> PoolConfig:
     """A config on the shared server under a key prefix no other test uses."""
     return PoolConfig(url=redis_server.url, key_prefix=unique_prefix(), socket_timeout_s=5.0, retries=1)
+
+
+# -- the whole system, for the end-to-end tests (tests/integration/test_pd_*.py) -----------
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory: pytest.TempPathFactory):
+    """Redis, cache_store, router, one prefill and one decode, as real processes, started
+    the way ``make run`` starts them (services.launch.LocalCluster), on the real model."""
+    from services.launch.cluster import ClusterConfig, LocalCluster
+    from services.launch.processes import free_port
+
+    cfg = ClusterConfig(
+        router_port=free_port(),
+        device="cpu",
+        threads=1,
+        log_dir=tmp_path_factory.mktemp("cluster-logs"),
+        worker_args=["--num-blocks", "768", "--heartbeat-s", "0.2"],
+        router_args=["--heartbeat-timeout-s", "3", "--retry-wait-s", "10"],
+    )
+    with LocalCluster(cfg) as c:
+        yield c
+
+
+@pytest.fixture(scope="session")
+def reference_engine():
+    """The same model in-process: what PD serving must reproduce token for token."""
+    import torch
+
+    from libs.engine import EngineConfig, LLMEngine
+
+    torch.set_num_threads(1)
+    return LLMEngine(EngineConfig(device="cpu", dtype="float32", num_blocks=512))
+
+
+@pytest.fixture(scope="session")
+def client(cluster):
+    from openai import OpenAI
+
+    return OpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0, timeout=120)

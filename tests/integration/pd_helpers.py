@@ -1,0 +1,59 @@
+"""Helpers for the end-to-end tests: talking to instances directly, reading their stats."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import urllib.request
+
+from libs.engine import SamplingParams
+
+TRACE = {"tidepool": {"trace": True}}
+
+
+def get(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return json.loads(r.read())
+
+
+def metrics(url: str) -> dict[str, float]:
+    """Prometheus text → {"name{labels}": value} (samples only)."""
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def metric(samples: dict[str, float], name: str, **labels: str) -> float:
+    """Sum of the samples of ``name`` whose labels include ``labels``."""
+    total = 0.0
+    for key, value in samples.items():
+        base, _, rest = key.partition("{")
+        if base != name:
+            continue
+        have = dict(re.findall(r'(\w+)="([^"]*)"', rest))
+        if all(have.get(k) == v for k, v in labels.items()):
+            total += value
+    return total
+
+
+def engine_tokens(engine, prompt_ids: list[int], max_tokens: int) -> list[int]:
+    return engine.generate([prompt_ids], SamplingParams(temperature=0, max_tokens=max_tokens))[0].token_ids
+
+
+def wait_until(cond, timeout: float = 30.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.1)
+
+
+def trace_of(resp) -> dict:
+    extra = resp.model_extra or {}
+    return extra["tidepool"]["trace"]

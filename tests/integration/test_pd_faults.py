@@ -1,0 +1,148 @@
+"""Faults cost latency, never a request: evicted or corrupt blocks, a killed prefill, a
+client that goes away, Redis restarting. Driven against the real processes."""
+
+import asyncio
+import time
+
+import aiohttp
+import pytest
+import redis
+
+from libs.protocol import decode, encode, iter_messages
+from libs.protocol.messages import DecodeRequest, PrefillRequest, PrefillResult, SamplingSpec, TokenEvent
+from tests.integration.pd_helpers import TRACE, engine_tokens, get, trace_of, wait_until
+
+pytestmark = pytest.mark.integration
+
+CHAT = [{"role": "user", "content": "Tell me about the history of the printing press in three sentences."}]
+HEADERS = {"Content-Type": "application/msgpack"}
+
+
+def prefill_then_decode(cluster, prompt: list[int], max_tokens: int, between=None) -> tuple[list[int], dict]:
+    """Drive one handoff by hand (no router), with ``between(result)`` run in the middle."""
+
+    async def go():
+        spec = SamplingSpec(temperature=0, max_tokens=max_tokens)
+        rid = f"fault-{time.monotonic_ns()}"
+        async with aiohttp.ClientSession() as s:
+            async with s.post(cluster.prefills[0].url + "/v1/prefill", data=encode(PrefillRequest(request_id=rid, prompt_token_ids=prompt, sampling=spec)), headers=HEADERS) as r:
+                assert r.status == 200, await r.text()
+                result = decode(await r.read(), PrefillResult)
+            if between is not None:
+                between(result)
+            req = DecodeRequest(request_id=rid, prompt_token_ids=prompt, first_token_id=result.first_token_ids[0], sampling=spec,
+                                block_keys=result.block_keys, lease_id=result.lease_id, want_trace=True)
+            tokens, trace = [result.first_token_ids[0]], None
+            async with s.post(cluster.decodes[0].url + "/v1/decode", data=encode(req), headers=HEADERS) as r:
+                async for ev in iter_messages(r, TokenEvent):
+                    tokens += ev.token_ids
+                    trace = ev.trace or trace
+            return tokens, trace
+
+    return asyncio.run(go())
+
+
+def redis_client(cluster) -> redis.Redis:
+    return redis.Redis.from_url(cluster.redis_url)
+
+
+def block_redis_key(cluster, key: str) -> str:
+    ns = get(cluster.decodes[0].url + "/stats")["namespace"]
+    return f"tidepool:kv:{ns}:{key}"
+
+
+def test_evicted_blocks_are_recomputed_with_identical_output(cluster, reference_engine):
+    prompt = reference_engine.tokenizer.encode("Evicted blocks: " + "a stone skipped across the pond, " * 12)
+    ref = engine_tokens(reference_engine, prompt, 12)
+
+    def evict(result: PrefillResult):
+        r = redis_client(cluster)
+        assert r.delete(block_redis_key(cluster, result.block_keys[2])) == 1  # the third block is gone
+
+    tokens, trace = prefill_then_decode(cluster, prompt, 12, evict)
+    assert tokens == ref
+    assert trace["pool_hit_blocks"] == 2
+    assert trace["pool_miss_reasons"].get("absent") == 1
+
+
+def test_a_corrupt_block_is_a_miss_not_garbage(cluster, reference_engine):
+    prompt = reference_engine.tokenizer.encode("Corrupt blocks: " + "the river bends around the old mill, " * 12)
+    ref = engine_tokens(reference_engine, prompt, 12)
+
+    def corrupt(result: PrefillResult):
+        r = redis_client(cluster)
+        k = block_redis_key(cluster, result.block_keys[1])
+        value = bytearray(r.get(k))
+        value[-100] ^= 0x40  # one bit in the payload
+        r.set(k, bytes(value))
+
+    tokens, trace = prefill_then_decode(cluster, prompt, 12, corrupt)
+    assert tokens == ref
+    assert trace["pool_hit_blocks"] == 1
+    assert trace["pool_miss_reasons"].get("corrupt:checksum") == 1
+
+
+def test_killed_prefill_costs_latency_not_requests_and_rejoins(cluster, client, reference_engine):
+    model = client.models.list().data[0].id
+    tok = reference_engine.tokenizer
+    ref = tok.decode(engine_tokens(reference_engine, tok.encode_chat(CHAT), 10))
+    prefill = cluster.prefills[0]
+    prefill.kill()
+    try:
+        resp = client.chat.completions.create(model=model, messages=CHAT, temperature=0, max_tokens=10, extra_body=TRACE)
+        assert resp.choices[0].message.content == ref
+        assert trace_of(resp)["prompts"][0]["prefill"]["decision"] != "prefill"  # decode served it alone
+    finally:
+        cluster.restart(prefill)
+    wait_until(lambda: any(w.get("role") == "prefill" and w.get("usable", True) for w in cluster.workers()), 30, "prefill to re-register")
+    resp = client.chat.completions.create(model=model, messages=CHAT, temperature=0, max_tokens=10, extra_body=TRACE)
+    assert resp.choices[0].message.content == ref
+    assert trace_of(resp)["prompts"][0]["prefill"]["decision"] == "prefill"
+
+
+def test_client_disconnect_frees_the_decode_blocks(cluster, client):
+    model = client.models.list().data[0].id
+    decode_stats = lambda: get(cluster.decodes[0].url + "/stats")["engine"]  # noqa: E731
+    stream = client.chat.completions.create(
+        model=model, messages=CHAT, max_tokens=400, stream=True, extra_body={"ignore_eos": True}
+    )
+    for i, _ in enumerate(stream):
+        if i == 3:
+            break
+    assert decode_stats()["running"] == 1
+    stream.close()  # the client goes away mid-stream
+    wait_until(lambda: decode_stats()["running"] == 0, 20, "decode to drop the request")
+    s = decode_stats()
+    assert s["free_blocks"] == s["total_blocks"]
+
+
+def test_redis_restart_costs_latency_not_requests(cluster, client, reference_engine):
+    model = client.models.list().data[0].id
+    tok = reference_engine.tokenizer
+    msgs = [{"role": "user", "content": "Name a colour of the sunset and explain why in one sentence."}]
+    ref = tok.decode(engine_tokens(reference_engine, tok.encode_chat(msgs), 8))
+    cluster.redis.kill()
+    try:
+        resp = client.chat.completions.create(model=model, messages=msgs, temperature=0, max_tokens=8, extra_body=TRACE)
+        assert resp.choices[0].message.content == ref
+        totals = trace_of(resp)["totals"]
+        assert totals["bytes_written"] == 0 and totals["bytes_read"] == 0  # no pool, all recomputed
+        wait_until(lambda: _status(cluster.cache_store.url + "/health") == 503, 15, "cache_store to report unhealthy")
+    finally:
+        cluster.start_redis()  # same port, empty pool
+    wait_until(lambda: _status(cluster.cache_store.url + "/health") == 200, 30, "cache_store to recover")
+    resp = client.chat.completions.create(model=model, messages=msgs + [{"role": "assistant", "content": "Red."}, {"role": "user", "content": "Another?"}], temperature=0, max_tokens=8, extra_body=TRACE)
+    assert trace_of(resp)["totals"]["bytes_written"] > 0  # the pool is used again
+
+
+def _status(url: str) -> int:
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+    except OSError:
+        return 0
