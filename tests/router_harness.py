@@ -34,7 +34,7 @@ SCRIPT = " The quick brown fox jumps over a lazy dog. Zebras éclair 😀 end"
 
 @lru_cache(maxsize=1)
 def tokenizer() -> Tokenizer:
-    from libs.model.loader import load_tokenizer
+    from libs.model.source import load_tokenizer
 
     return load_tokenizer(None)
 

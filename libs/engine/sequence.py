@@ -12,7 +12,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 from enum import Enum, auto
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from libs.engine.params import SamplingParams
 
