@@ -34,6 +34,7 @@ def _build_parser() -> argparse.ArgumentParser:
     g.add_argument("--model", default=None, help="a .gguf file or Hugging Face folder (default: embedded SmolLM2-135M-Instruct)")
     g.add_argument("--device", default="auto", help="cpu, cuda or auto (default)")
     g.add_argument("--dtype", default="auto", help="float32, bfloat16 or auto (default: float32 on CPU, bfloat16 on CUDA)")
+    g.add_argument("--quantized", action="store_true", help="CPU + GGUF: decode with the file's 4-bit weights (faster, approximate)")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     return parser
 
@@ -43,7 +44,7 @@ def _generate(args: argparse.Namespace) -> int:
     params = SamplingParams(
         temperature=args.temperature, top_p=args.top_p, seed=args.seed, max_tokens=args.max_tokens
     )
-    engine = LLMEngine(EngineConfig(model=args.model, device=args.device, dtype=args.dtype))
+    engine = LLMEngine(EngineConfig(model=args.model, device=args.device, dtype=args.dtype, quantized_weights=args.quantized))
     tok = engine.tokenizer
     if args.chat is not None:
         prompt_ids = tok.encode_chat([{"role": "user", "content": args.chat}])

@@ -31,8 +31,9 @@ def store_kv(
     """Write this step's K and V (``[T, kv_heads, head_dim]``) into their cache slots.
     Slots ``< 0`` are padding (e.g. a CUDA-graph batch padded past its real tokens) and write
     nothing."""
-    keep = slot_mapping >= 0
-    key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
+    if slot_mapping.numel() and int(slot_mapping.min()) < 0:  # padding present (rare off CUDA)
+        keep = slot_mapping >= 0
+        key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
     block_size = k_cache.shape[1]
     blocks = torch.div(slot_mapping, block_size, rounding_mode="floor")
     offsets = slot_mapping - blocks * block_size
@@ -55,17 +56,30 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """One query per sequence (``q``: ``[B, num_heads, head_dim]``) over its paged context."""
+    """One query per sequence (``q``: ``[B, num_heads, head_dim]``) over its paged context.
+
+    All sequences at once: each one's blocks are gathered up to the longest context and the
+    padding is masked out. Masked keys add exact zeros, so a sequence's result does not
+    depend on what it is batched with (checked bit for bit in the tests). A sequence of
+    length 0 (a padding row) gets zeros, as in the Triton kernel.
+    """
     batch, num_heads, head_dim = q.shape
-    out = torch.empty_like(q)
     if batch == 0:
-        return out
-    lens = seq_lens.tolist()
-    for i, length in enumerate(lens):
-        k = _gather_context(k_cache, block_tables[i], length)
-        v = _gather_context(v_cache, block_tables[i], length)
-        out[i] = _attend(q[i : i + 1], k, v, scale, causal_offset=None)[0]
-    return out
+        return torch.empty_like(q)
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    n_blocks = max(1, -(-int(seq_lens.max()) // block_size))
+    table = block_tables[:, :n_blocks].long()
+    length = n_blocks * block_size
+    k = k_cache[table].view(batch, length, num_kv_heads, head_dim).transpose(1, 2).to(q.dtype)
+    v = v_cache[table].view(batch, length, num_kv_heads, head_dim).transpose(1, 2).to(q.dtype)
+    valid = torch.arange(length, device=q.device) < seq_lens.unsqueeze(1)  # [B, L]
+    o = F.scaled_dot_product_attention(
+        q.unsqueeze(2), k, v, attn_mask=valid.view(batch, 1, 1, length), scale=scale,
+        enable_gqa=num_heads != num_kv_heads,
+    ).squeeze(2)
+    if int(seq_lens.min()) > 0:
+        return o
+    return torch.where((seq_lens > 0).view(batch, 1, 1), o, 0.0).to(q.dtype)
 
 
 def paged_prefill_attention(

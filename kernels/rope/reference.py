@@ -27,9 +27,23 @@ def apply_rotary(
     q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(q, k)`` rotated by each token's position. ``q`` and ``k`` are left unchanged."""
-    c = cos[positions].to(q.dtype).unsqueeze(1)  # [T, 1, D]: the same rotation for every head
-    s = sin[positions].to(q.dtype).unsqueeze(1)
-    return q * c + _rotate_half(q) * s, k * c + _rotate_half(k) * s
+    return rotate(q, k, *rotary_rows(positions, cos, sin, q.dtype))
+
+
+def rotary_rows(positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The table rows of ``positions``, ``[T, 1, D]`` in ``dtype`` (the same for every head
+    and every layer: a caller may compute them once per forward and ``rotate`` per layer)."""
+    return cos[positions].to(dtype).unsqueeze(1), sin[positions].to(dtype).unsqueeze(1)
+
+
+def rotate(q: torch.Tensor, k: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x * c + rotate_half(x) * s`` for q and k, with rows from ``rotary_rows``."""
+    return rotate_heads(q, c, s), rotate_heads(k, c, s)
+
+
+def rotate_heads(x: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """One tensor of heads ``[T, H, D]`` (q's and k's heads together, say) rotated."""
+    return x * c + _rotate_half(x) * s
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

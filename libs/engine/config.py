@@ -36,6 +36,9 @@ class EngineConfig:
     attention_backend: str = "auto"
     num_threads: int | None = None
     seed: int = 0
+    # CPU + GGUF only: run the file's 4-bit (Q4_0/Q4_1) linear weights natively instead of
+    # dequantizing them (libs/model/quantized.py): ~4x less memory traffic per decode step.
+    quantized_weights: bool = False
     # CUDA only: decode steps replay captured graphs (batch sizes up to graph_max_batch);
     # async_prepare builds the next step's inputs while the device runs this one.
     cuda_graphs: bool = True

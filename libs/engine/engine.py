@@ -104,7 +104,10 @@ class LLMEngine:
         device = config.resolve_device()
         dtype = config.resolve_dtype(device)
         if loaded is None:
-            loaded = load_model(config.model, dtype=dtype, device=device, backend=make_backend(config.attention_backend, device))
+            loaded = load_model(
+                config.model, dtype=dtype, device=device, backend=make_backend(config.attention_backend, device),
+                quantized_weights=config.quantized_weights,
+            )
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
         self.model_config = mc = loaded.config

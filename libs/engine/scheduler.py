@@ -99,7 +99,7 @@ class Scheduler:
                 self._preempt(seq, out)
                 break
             self.bm.allocate_slots(seq, n)
-            (decodes if n == 1 else prefills).append(self._scheduled(seq, n))
+            (decodes if _is_decode(seq, n) else prefills).append(self._scheduled(seq, n))
             budget -= n
             i += 1
 
@@ -111,7 +111,7 @@ class Scheduler:
                 break
             self.waiting.popleft()
             self.running.append(seq)
-            (decodes if admitted.num_tokens == 1 else prefills).append(admitted)
+            (decodes if _is_decode(seq, admitted.num_tokens) else prefills).append(admitted)
             budget -= admitted.num_tokens
 
         out.scheduled = decodes + prefills
@@ -196,3 +196,9 @@ class Scheduler:
                 seq.kv_import.release()
                 seq.kv_import = None
         return aborted
+
+
+def _is_decode(seq: Sequence, n: int) -> bool:
+    """One generated token (never a prompt's last token, even alone in a chunk): the batch's
+    decode-first part, which every attention backend and the quantized path rely on."""
+    return n == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens

@@ -12,14 +12,17 @@ fewer, larger matmuls are faster on every device, and the result is identical.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.rope import reference as rope_reference
 from kernels.select import ops_for
 from libs.model.attention import AttentionMetadata, PagedAttention
 from libs.model.config import ModelConfig
+from libs.model.quantized import Int4Linear, Int4Weight, Int8Linear
 
 
 class RMSNorm(nn.Module):
@@ -65,11 +68,21 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat([freqs, freqs], dim=-1)
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
+        self._rows_key: torch.Tensor | None = None
+        self._rows: tuple[torch.Tensor, torch.Tensor] = (torch.empty(0), torch.empty(0))
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotated ``(q, k)``. On CUDA ``q`` and ``k`` are rotated in place (inside the qkv
         projection's output) and returned; use only the return values."""
         return ops_for(q.device).apply_rotary(q, k, positions, self.cos, self.sin)
+
+    def rotate_heads(self, positions: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
+        """CPU: q's and k's heads rotated together (``[T, Hq + Hkv, D]``). Every layer of a
+        forward rotates by the same positions, so the table rows are gathered once (keyed
+        by the step's positions tensor) rather than once per layer."""
+        if self._rows_key is not positions or self._rows[0].dtype != heads.dtype:
+            self._rows_key, self._rows = positions, rope_reference.rotary_rows(positions, self.cos, self.sin, heads.dtype)
+        return rope_reference.rotate_heads(heads, *self._rows)
 
 
 class Attention(nn.Module):
@@ -86,11 +99,14 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, meta: AttentionMetadata) -> torch.Tensor:
         T = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(T, self.num_heads, self.head_dim)
-        k = k.view(T, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x)
+        if qkv.device.type == "cpu":  # q and k are adjacent: rotate their heads in one go
+            qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+            q, k = rotary.rotate_heads(positions, qk.view(T, -1, self.head_dim)).split([self.num_heads, self.num_kv_heads], dim=1)
+        else:
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q, k = rotary(positions, q.view(T, self.num_heads, self.head_dim), k.view(T, self.num_kv_heads, self.head_dim))
         v = v.view(T, self.num_kv_heads, self.head_dim)
-        q, k = rotary(positions, q, k)
         o = self.backend(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
         return self.o_proj(o.reshape(T, self.q_size))
 
@@ -136,6 +152,8 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, backend) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.quantized_head: Int8Linear | None = None  # quantized-weights mode (CPU)
+        self._quantized: list[nn.Module] | None = None
 
     def bind_kv_cache(self, cache: torch.Tensor) -> None:
         """Point every layer at its K/V views of the block-major cache
@@ -148,6 +166,8 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Final hidden states ``[T, hidden]`` for the flattened tokens of a step."""
+        for m in self._quantized_modules:  # decode rows take the 4-bit path (libs/model/quantized.py)
+            m.decode_rows = meta.num_decodes
         h, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
             h, residual = layer(h, residual, positions, self.rotary, meta)
@@ -155,12 +175,30 @@ class LlamaModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits ``[S, vocab]`` for the rows that are sampled."""
+        if self.quantized_head is not None:
+            return self.quantized_head(hidden).float()
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, weight).float()
 
     @torch.no_grad()
-    def load_hf_state(self, state: dict[str, torch.Tensor]) -> None:
-        """Copy a Hugging Face-named state dict in, fusing q/k/v and gate/up."""
+    def quantize_head(self) -> None:
+        """Run the LM head (the tied embeddings, or lm_head) as per-row int8 (CPU only)."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        self.quantized_head = Int8Linear(weight.detach())
+
+    @property
+    def _quantized_modules(self) -> list[nn.Module]:
+        if self._quantized is None:
+            self._quantized = [m for m in self.modules() if isinstance(m, (Int4Linear, Int8Linear))]
+        return self._quantized
+
+    @torch.no_grad()
+    def load_hf_state(self, state: dict[str, Any]) -> None:
+        """Copy a Hugging Face-named state dict in, fusing q/k/v and gate/up.
+
+        A linear weight given as an ``Int4Weight`` (GGUF 4-bit, kept packed) replaces that
+        projection with an ``Int4Linear``; fused parts are concatenated when all are 4-bit
+        and dequantized otherwise."""
         own = dict(self.named_parameters())
         used: set[str] = set()
 
@@ -170,7 +208,16 @@ class LlamaModel(nn.Module):
             used.add(name)
             return state[name]
 
-        def put(name: str, value: torch.Tensor) -> None:
+        def put(name: str, value: Any) -> None:
+            if isinstance(value, Int4Weight):
+                module_path = name.removesuffix(".weight")
+                parent, _, attr = module_path.rpartition(".")
+                linear = self.get_submodule(module_path)
+                if (linear.out_features, linear.in_features) != value.shape:
+                    raise ValueError(f"{name}: checkpoint shape {value.shape} != model {(linear.out_features, linear.in_features)}")
+                bias = linear.bias.detach().clone() if linear.bias is not None else None
+                setattr(self.get_submodule(parent), attr, Int4Linear(value, bias))
+                return
             if own[name].shape != value.shape:
                 raise ValueError(f"{name}: checkpoint shape {tuple(value.shape)} != model {tuple(own[name].shape)}")
             own[name].copy_(value)
@@ -184,12 +231,19 @@ class LlamaModel(nn.Module):
             put(p + "input_layernorm.weight", take(m + "input_layernorm.weight"))
             put(p + "post_attention_layernorm.weight", take(m + "post_attention_layernorm.weight"))
             a = m + "self_attn."
-            put(p + "self_attn.qkv_proj.weight", torch.cat([take(a + f"{x}_proj.weight") for x in "qkv"]))
-            if self.config.attention_bias:
+            if self.config.attention_bias:  # before the weight: an Int4Linear takes the bias along
                 put(p + "self_attn.qkv_proj.bias", torch.cat([take(a + f"{x}_proj.bias") for x in "qkv"]))
+            put(p + "self_attn.qkv_proj.weight", _cat([take(a + f"{x}_proj.weight") for x in "qkv"]))
             put(p + "self_attn.o_proj.weight", take(a + "o_proj.weight"))
-            put(p + "mlp.gate_up_proj.weight", torch.cat([take(m + "mlp.gate_proj.weight"), take(m + "mlp.up_proj.weight")]))
+            put(p + "mlp.gate_up_proj.weight", _cat([take(m + "mlp.gate_proj.weight"), take(m + "mlp.up_proj.weight")]))
             put(p + "mlp.down_proj.weight", take(m + "mlp.down_proj.weight"))
         unused = set(state) - used - {"lm_head.weight"}
         if unused:
             raise ValueError(f"checkpoint has weights the model does not use: {sorted(unused)[:5]}")
+
+
+def _cat(parts: list[Any]) -> Any:
+    """Fuse projections: 4-bit stays 4-bit when every part is; otherwise dense."""
+    if all(isinstance(p, Int4Weight) for p in parts):
+        return Int4Weight.cat(parts)
+    return torch.cat([p.dequantize() if isinstance(p, Int4Weight) else p for p in parts])

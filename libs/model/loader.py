@@ -46,11 +46,19 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device,
     backend: PagedAttention,
+    quantized_weights: bool = False,
 ) -> LoadedModel:
-    """Read weights and tokenizer from the same source, build the model on ``device``."""
+    """Read weights and tokenizer from the same source, build the model on ``device``.
+
+    ``quantized_weights``: keep a GGUF's Q4_0/Q4_1 linear weights 4-bit and run them with
+    torch's int4 CPU kernel (libs/model/quantized.py): CPU only, GGUF only."""
+    if quantized_weights and device.type != "cpu":
+        raise ValueError("quantized_weights needs a GGUF model on the CPU (the int4 kernels are CPU kernels)")
     p = resolve_model_path(path)
+    if quantized_weights and not p.is_file():
+        raise ValueError("quantized_weights needs a GGUF model on the CPU (a Hugging Face folder has no 4-bit weights)")
     if p.is_file():
-        cfg, state, meta = read_gguf(p)
+        cfg, state, meta = read_gguf(p, keep_q4=quantized_weights)
         tokenizer = Tokenizer.from_gguf_fields(meta)
     else:
         cfg, state = read_hf_folder(p)
@@ -65,5 +73,8 @@ def load_model(
     # The rope tables stay fp32 whatever the weights' dtype (cast per step, as HF does).
     model.rotary.to(device=device, dtype=torch.float32)
     model.eval().requires_grad_(False)
-    fp = ModelFingerprint(weights_digest(p), str(dtype).removeprefix("torch."))
+    if quantized_weights:
+        model.quantize_head()
+    # 4-bit weights give different KV than dequantized ones: never share blocks across modes.
+    fp = ModelFingerprint(weights_digest(p), str(dtype).removeprefix("torch.") + ("+q4" if quantized_weights else ""))
     return LoadedModel(model_name(p), p, cfg, model, tokenizer, fp, dtype, device)

@@ -66,9 +66,17 @@ def resolve_model_path(path: str | Path | None) -> Path:
 
 def model_name(path: Path) -> str:
     """The name the API serves the model under."""
-    if path == default_model_path():
+    if _is_default(path):
         return DEFAULT_MODEL_NAME
     return path.stem if path.is_file() else path.name
+
+
+def _is_default(path: Path) -> bool:
+    """Whether ``path`` is the embedded model (False where that package is not installed)."""
+    try:
+        return path == default_model_path()
+    except ModelNotFoundError:
+        return False
 
 
 def weight_files(path: Path) -> Iterator[Path]:

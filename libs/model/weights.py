@@ -35,7 +35,7 @@ _GGUF_GLOBAL_NAMES = {
 }
 
 
-def unpermute_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+def unpermute_rope(w: Any, n_heads: int) -> Any:
     """Undo llama.cpp's Q/K row permutation for interleaved rope (back to the HF layout).
 
     llama.cpp's converter reorders each head's rows from [half0, half1] to interleaved
@@ -44,12 +44,20 @@ def unpermute_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     """
     out_dim = w.shape[0]
     half = out_dim // n_heads // 2
+    if not isinstance(w, torch.Tensor):  # an Int4Weight: permute its rows the same way
+        rows = torch.arange(out_dim).reshape(n_heads, half, 2).transpose(1, 2).reshape(-1)
+        return w.rows(rows)
     return w.reshape(n_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def read_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], dict[str, Any]]:
-    """Config, float32 state dict (HF names) and raw metadata of a GGUF file."""
+def read_gguf(path: Path, *, keep_q4: bool = False) -> tuple[ModelConfig, dict[str, Any], dict[str, Any]]:
+    """Config, float32 state dict (HF names) and raw metadata of a GGUF file.
+
+    With ``keep_q4``, linear weights stored as Q4_0/Q4_1 come back as ``Int4Weight``
+    (libs/model/quantized.py) instead of being dequantized."""
     import gguf
+
+    from libs.model.quantized import read_q4
 
     reader = gguf.GGUFReader(str(path))
     meta = gguf_metadata(reader)
@@ -59,9 +67,13 @@ def read_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], dict[st
         name = _gguf_to_hf_name(t.name)
         if name is None:
             continue
-        arr = gguf.quants.dequantize(t.data, t.tensor_type)
-        # GGUF lists dims fastest-first; dequantize already returns [out, in].
-        tensor = torch.from_numpy(np.require(arr, np.float32, ["C_CONTIGUOUS", "WRITEABLE"]))
+        if keep_q4 and t.tensor_type.name in ("Q4_0", "Q4_1") and name.endswith("_proj.weight"):
+            # GGUF lists dims fastest-first: shape [in, out] is a [out, in] matrix.
+            tensor = read_q4(t.data, t.tensor_type.name, (int(t.shape[1]), int(t.shape[0])))
+        else:
+            arr = gguf.quants.dequantize(t.data, t.tensor_type)
+            # GGUF lists dims fastest-first; dequantize already returns [out, in].
+            tensor = torch.from_numpy(np.require(arr, np.float32, ["C_CONTIGUOUS", "WRITEABLE"]))
         if meta["general.architecture"] == "llama":
             if name.endswith("q_proj.weight") or name.endswith("q_proj.bias"):
                 tensor = unpermute_rope(tensor, cfg.num_heads)

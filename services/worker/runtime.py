@@ -104,6 +104,7 @@ class WorkerRuntime:
             max_num_batched_tokens=settings.max_num_batched_tokens,
             enable_prefix_caching=settings.enable_prefix_caching,
             attention_backend=settings.attention_backend,
+            quantized_weights=settings.quantized_weights,
             num_threads=settings.threads,
             swap_buffers=settings.swap_buffers,
             swap_max_blocks=settings.swap_max_blocks,

@@ -24,6 +24,7 @@ class WorkerSettings(BaseSettings):
     max_num_batched_tokens: int | None = setting(None, help="tokens per step at most (chunked prefill); default 1024 CPU / 8192 CUDA")
     enable_prefix_caching: bool = setting(True, help="reuse KV blocks of identical prefixes inside this instance")
     attention_backend: Literal["auto", "torch", "triton"] = setting("auto", help="attention kernels")
+    quantized_weights: bool = setting(False, help="CPU + GGUF: decode with the file's 4-bit weights (approximate, ~2x faster decode)")
     swap_buffers: int = setting(8, help="staging buffers for pool transfers (bounds concurrent handoffs)")
     swap_max_blocks: int = setting(64, help="blocks per staging buffer")
     redis_url: str = setting("redis://127.0.0.1:6379/0", help="the pool's Redis")

@@ -113,6 +113,7 @@ def test_kv_export_import_through_pinned_staging(models):
         for o in dec.step():
             got += [t for c in o.outputs for t in c.new_token_ids]
     assert dec.num_prompt_tokens_computed == 0  # everything came from staging
-    ref = make(loaded).generate([ids], SamplingParams(temperature=0, max_tokens=13, ignore_eos=True))[0].token_ids
+    # max_tokens counts the prefix: decode's 12 tokens are the first plus 11 more.
+    ref = make(loaded).generate([ids], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0].token_ids
     assert [first] + got == ref
     assert pre.swapper.in_use == 0 and dec.swapper.in_use == 0
