@@ -1,0 +1,123 @@
+"""PD serving through the router against the in-process engine, on this machine, one run.
+
+1. Throughput at 16 concurrent streams: the same seeded workload through the in-process
+   engine (``AsyncEngine``, no HTTP) and through Redis + cache_store + router + prefill +
+   decode as processes (``services.launch``). Goal: PD >= 0.8x the in-process throughput.
+2. Handoff share of TTFT for 1024-token prompts: one request at a time through PD, its
+   trace giving the pool write (prefill) and pool read (decode) times. Goal: <= 10%.
+
+    python -m bench.pd_vs_engine [--threads 2] [--requests 48]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import subprocess
+import sys
+from dataclasses import asdict
+
+import aiohttp
+import torch
+
+from bench.common import table
+from bench.loadgen import HEADERS, EngineTarget, HttpTarget, Report, run, workload
+from libs.engine import EngineConfig, LLMEngine
+from services.launch.cluster import ClusterConfig, LocalCluster
+from services.launch.processes import free_port
+
+
+async def in_process(reqs, concurrency: int, threads: int, quantized: bool):
+    torch.set_num_threads(threads)
+    target = EngineTarget(LLMEngine(EngineConfig(device="cpu", num_threads=threads, num_blocks=2048, quantized_weights=quantized)))
+    try:
+        await run(target, reqs[:4], 4)  # warm-up
+        return await run(target, reqs, concurrency)
+    finally:
+        await target.close()
+
+
+async def through_pd(url: str, reqs, concurrency: int):
+    target = await HttpTarget.connect(url)
+    try:
+        await run(target, reqs[:4], 4)
+        return await run(target, reqs, concurrency)
+    finally:
+        await target.close()
+
+
+async def handoff_share(url: str, n: int, prompt_len: int = 1024) -> list[dict]:
+    out = []
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as s:
+        async with s.get(url + "/v1/models") as r:
+            model = (await r.json())["data"][0]["id"]
+        for req in workload(n + 1, f"fixed:{prompt_len}", "fixed:4", seed=99):
+            body = {"model": model, "prompt": req.prompt, "max_tokens": 4, "temperature": 0, "stream": True, "ignore_eos": True, "tidepool": {"trace": True}}
+            t0, ttft, trace = time.perf_counter(), None, None
+            async with s.post(url + "/v1/completions", json=body) as r:
+                async for raw in r.content:
+                    line = raw.decode().strip()
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    if ttft is None and chunk.get("choices") and chunk["choices"][0].get("text"):
+                        ttft = time.perf_counter() - t0
+                    trace = chunk.get("tidepool", {}).get("trace", trace)
+            p = trace["prompts"][0]
+            write = p["prefill"]["timings"].get("write_s", 0.0)
+            read = p["choices"][0]["attempts"][0]["worker"].get("load_s", 0.0)
+            out.append({"ttft_s": ttft, "write_s": write, "read_s": read, "compute_s": p["prefill"]["timings"].get("compute_s", 0.0)})
+    return out[1:]  # the first warms up
+
+
+def in_process_subprocess(args: argparse.Namespace) -> Report:
+    """The in-process side, in a process of its own like every PD service: measured in the
+    benchmark's own process, the engine was seen to leave the services behind it slower."""
+    argv = [sys.executable, "-m", "bench.pd_vs_engine", "--in-process-only", "--threads", str(args.threads),
+            "--concurrency", str(args.concurrency), "--requests", str(args.requests), "--prompt-len", args.prompt_len,
+            "--output-len", args.output_len, *(["--quantized"] if args.quantized else [])]
+    out = subprocess.run(argv, check=True, capture_output=True, text=True).stdout
+    return Report(**json.loads(out.strip().splitlines()[-1]))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="torch threads: in-process engine, and each of prefill/decode")
+    ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--requests", type=int, default=48)
+    ap.add_argument("--prompt-len", default="uniform:64-256")
+    ap.add_argument("--output-len", default="uniform:48-96")
+    ap.add_argument("--quantized", action="store_true", help="both sides decode with the GGUF's 4-bit weights")
+    ap.add_argument("--handoff-requests", type=int, default=7)
+    ap.add_argument("--in-process-only", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    reqs = workload(args.requests + 4, args.prompt_len, args.output_len, seed=1)
+    if args.in_process_only:
+        print(json.dumps(asdict(asyncio.run(in_process(reqs[4:], args.concurrency, args.threads, args.quantized)))))
+        return
+    local = in_process_subprocess(args)
+    extra = ["--quantized-weights"] if args.quantized else []
+    cfg = ClusterConfig(router_port=free_port(), device="cpu", threads=args.threads, log_dir=Path(".run/bench-logs"),
+                        worker_args=["--num-blocks", "2048", *extra])
+    with LocalCluster(cfg) as cluster:
+        hand = asyncio.run(handoff_share(cluster.url, args.handoff_requests))  # an idle system: one request at a time
+        pd = asyncio.run(through_pd(cluster.url, reqs[4:], args.concurrency))
+    print(f"\n{platform.machine()}, {os.cpu_count()} cores, {args.threads} torch threads per model process, "
+          f"{args.requests} requests, prompts {args.prompt_len}, outputs {args.output_len}, {args.concurrency} concurrent\n")
+    print(table(HEADERS, [local.row("in-process engine"), pd.row("PD through the router")]))
+    print(f"\nPD / in-process throughput: {pd.throughput / local.throughput:.2f}x (goal >= 0.8x)")
+    med = {k: statistics.median(h[k] for h in hand) for k in hand[0]}
+    share = (med["write_s"] + med["read_s"]) / med["ttft_s"]
+    print(f"\n1024-token prompts, median of {len(hand)}: TTFT {med['ttft_s'] * 1e3:.0f} ms (prefill compute {med['compute_s'] * 1e3:.0f} ms); "
+          f"pool write {med['write_s'] * 1e3:.1f} ms + read {med['read_s'] * 1e3:.1f} ms = {share * 100:.1f}% of TTFT (goal <= 10%)")
+
+
+if __name__ == "__main__":
+    main()
