@@ -83,10 +83,21 @@ def _url_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
-async def _cancel_leftover_tasks(log: logging.Logger) -> None:
+async def _cancel_leftover_tasks(log: logging.Logger, *, rounds: int = 20, wait_s: float = 0.25) -> None:
+    """Cancel what cleanup left running, and keep cancelling: on Python 3.11
+    ``asyncio.wait_for`` (inside redis-py) can swallow a cancellation, so one ``cancel()``
+    is not always enough. Gives up after ``rounds`` tries rather than hang the shutdown."""
     current = asyncio.current_task()
     leftover = [t for t in asyncio.all_tasks() if t is not current and not t.done()]
     for task in leftover:
         log.warning("task %s still running after cleanup; cancelling", task.get_name())
-        task.cancel()
-    await asyncio.gather(*leftover, return_exceptions=True)
+    for _ in range(rounds):
+        pending = [t for t in leftover if not t.done()]
+        if not pending:
+            return
+        for task in pending:
+            task.cancel()
+        await asyncio.wait(pending, timeout=wait_s)
+    stuck = [t.get_name() for t in leftover if not t.done()]
+    if stuck:
+        log.error("tasks ignored cancellation, shutting down without them: %s", ", ".join(stuck))

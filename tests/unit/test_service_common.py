@@ -481,3 +481,33 @@ def test_configure_torch_threads(
 def test_configure_torch_threads_rejects_zero() -> None:
     with pytest.raises(ValueError):
         configure_torch_threads(0)
+
+
+def test_leftover_tasks_that_swallow_a_cancellation_are_cancelled_again():
+    """Python 3.11's wait_for can lose a cancel(); shutdown must not hang on such a task.
+    (A private event loop: the runner cancels every other task on its loop.)"""
+    import asyncio
+    import logging
+
+    from services.common.runner import _cancel_leftover_tasks
+
+    swallowed = 0
+
+    async def stubborn() -> None:
+        nonlocal swallowed
+        while True:
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                swallowed += 1
+                if swallowed >= 2:
+                    raise
+
+    async def main() -> asyncio.Task:
+        task = asyncio.create_task(stubborn(), name="stubborn")
+        await asyncio.sleep(0)
+        await _cancel_leftover_tasks(logging.getLogger("t"), wait_s=0.05)
+        return task
+
+    task = asyncio.run(main())
+    assert task.cancelled() and swallowed == 2
