@@ -28,7 +28,7 @@ from libs.engine.async_engine import EngineStepError
 from libs.kvpool.pool import PoolError
 from libs.protocol import MessageStreamResponse, read_message
 from libs.protocol.messages import DecodeRequest, TokenEvent
-from services.worker.app import RUNTIME, invalid_request
+from services.worker.app import RUNTIME, rejected
 from services.worker.convert import sampling_params, wire_logprob
 from services.worker.runtime import WorkerRuntime
 from services.worker.transfer import load_blocks
@@ -46,8 +46,7 @@ async def handle_decode(request: web.Request) -> web.StreamResponse:
         params = sampling_params(msg.sampling)
         rt.llm.validate(prompt + prefix, params, num_output_tokens=len(prefix))
     except InvalidRequestError as e:
-        rt.metrics.requests.labels("invalid").inc()
-        return invalid_request(e)
+        return rejected(rt, e)
 
     rt.in_flight += 1
     try:
@@ -63,8 +62,7 @@ async def handle_decode(request: web.Request) -> web.StreamResponse:
         except InvalidRequestError as e:
             if load.kv_import is not None:
                 load.kv_import.release()
-            rt.metrics.requests.labels("invalid").inc()
-            return invalid_request(e)
+            return rejected(rt, e)
         t_queued = time.perf_counter()
 
         resp = MessageStreamResponse()

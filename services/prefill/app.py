@@ -25,7 +25,7 @@ from libs.engine import InvalidRequestError
 from libs.kvpool.pool import PoolError
 from libs.protocol import msgpack_response, read_message
 from libs.protocol.messages import PrefillRequest, PrefillResult
-from services.worker.app import RUNTIME, invalid_request
+from services.worker.app import RUNTIME, rejected
 from services.worker.convert import sampling_params, wire_logprob
 from services.worker.runtime import WorkerRuntime
 from services.worker.transfer import LoadResult, load_blocks, store_blocks
@@ -42,14 +42,12 @@ async def handle_prefill(request: web.Request) -> web.Response:
         rt.llm.validate(prompt, sampling_params(msg.sampling))  # the whole request must fit
         params = sampling_params(msg.sampling, max_tokens=1)
     except InvalidRequestError as e:
-        rt.metrics.requests.labels("invalid").inc()
-        return invalid_request(e)
+        return rejected(rt, e)
     rt.in_flight += 1
     try:
         return msgpack_response(await _prefill(rt, msg, params, t0))
     except InvalidRequestError as e:
-        rt.metrics.requests.labels("invalid").inc()
-        return invalid_request(e)
+        return rejected(rt, e)
     finally:
         rt.in_flight -= 1
 

@@ -16,7 +16,9 @@ from services.worker.settings import WorkerSettings
 RUNTIME = web.AppKey("runtime", WorkerRuntime)
 
 
-def invalid_request(e: InvalidRequestError) -> web.Response:
+def rejected(rt: WorkerRuntime, e: InvalidRequestError) -> web.Response:
+    """A 400 naming the problem (the engine's typed error), counted as an invalid request."""
+    rt.metrics.requests.labels("invalid").inc()
     return json_error(400, str(e), code=e.code, param=e.param)
 
 
