@@ -17,6 +17,8 @@ own segment as the error travels up, so a successful decode builds no path strin
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import numbers
 import types
 import typing
@@ -78,18 +80,18 @@ def _enter_container(value: Any, codec: Codec, py_type: type, max_len: int, limi
     return depth
 
 
-class Codec:
+class Codec(ABC):
     """Checks and converts one annotated type; see the module docstring."""
 
     name: str
     #: True when ``decode`` returns its input unchanged and needs no depth (scalars).
     scalar: bool = False
 
-    def decode(self, value: Any, limits: Limits, depth: int) -> Any:
-        raise NotImplementedError
+    @abstractmethod
+    def decode(self, value: Any, limits: Limits, depth: int) -> Any: ...
 
-    def encode(self, value: Any) -> Any:
-        raise NotImplementedError
+    @abstractmethod
+    def encode(self, value: Any) -> Any: ...
 
     def all_valid(self, values: list[Any] | tuple[Any, ...], limits: Limits) -> bool:
         """Whether every item decodes unchanged, if a fast check can tell; False means "look
