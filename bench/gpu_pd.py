@@ -27,6 +27,7 @@ import aiohttp
 import torch
 
 from bench.common import hf_llama, table
+from bench.loadgen import sse_chunks
 from services.launch.cluster import ClusterConfig, LocalCluster
 from services.launch.processes import free_port
 
@@ -45,11 +46,7 @@ async def one(session: aiohttp.ClientSession, url: str, model: str, prompt: list
     trace = None
     async with session.post(url + "/v1/completions", json=body) as r:
         assert r.status == 200, await r.text()
-        async for raw in r.content:
-            line = raw.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
+        async for chunk in sse_chunks(r):
             if chunk.get("choices") and chunk["choices"][0].get("text") is not None:
                 now = time.perf_counter() - t0
                 if first is None:

@@ -22,7 +22,7 @@ import json
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import AsyncIterator, Protocol
 
 import aiohttp
 
@@ -65,6 +65,14 @@ def workload(n: int, prompt_len: str, output_len: str, seed: int = 0, vocab: int
     return reqs
 
 
+async def sse_chunks(resp: aiohttp.ClientResponse) -> AsyncIterator[dict]:
+    """The JSON chunks of an OpenAI server-sent-event stream, up to ``[DONE]``."""
+    async for raw in resp.content:
+        line = raw.decode().strip()
+        if line.startswith("data: ") and line != "data: [DONE]":
+            yield json.loads(line[6:])
+
+
 class Target(Protocol):
     async def send(self, req: Request) -> Result: ...
 
@@ -88,11 +96,7 @@ class HttpTarget:
         async with self.session.post(self.url + "/v1/completions", json=body) as r:
             if r.status != 200:
                 raise RuntimeError(f"HTTP {r.status}: {await r.text()}")
-            async for raw in r.content:
-                line = raw.decode().strip()
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
+            async for chunk in sse_chunks(r):
                 if chunk.get("usage"):
                     res.output_tokens = chunk["usage"]["completion_tokens"]
                 if chunk.get("choices") and chunk["choices"][0].get("text"):

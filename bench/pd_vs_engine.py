@@ -28,7 +28,7 @@ import aiohttp
 import torch
 
 from bench.common import table
-from bench.loadgen import HEADERS, EngineTarget, HttpTarget, Report, run, workload
+from bench.loadgen import HEADERS, EngineTarget, HttpTarget, Report, run, sse_chunks, workload
 from libs.engine import EngineConfig, LLMEngine
 from services.launch.cluster import ClusterConfig, LocalCluster
 from services.launch.processes import free_port
@@ -62,11 +62,7 @@ async def handoff_share(url: str, n: int, prompt_len: int = 1024) -> list[dict]:
             body = {"model": model, "prompt": req.prompt, "max_tokens": 4, "temperature": 0, "stream": True, "ignore_eos": True, "tidepool": {"trace": True}}
             t0, ttft, trace = time.perf_counter(), None, None
             async with s.post(url + "/v1/completions", json=body) as r:
-                async for raw in r.content:
-                    line = raw.decode().strip()
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    chunk = json.loads(line[6:])
+                async for chunk in sse_chunks(r):
                     if ttft is None and chunk.get("choices") and chunk["choices"][0].get("text"):
                         ttft = time.perf_counter() - t0
                     trace = chunk.get("tidepool", {}).get("trace", trace)

@@ -144,11 +144,6 @@ class LocalCluster:
         child.start()
         child.wait_ready(self.config.ready_timeout_s)
 
-    def restart_redis(self) -> None:
-        """Kill and restart the pool's Redis on the same port (an empty pool after)."""
-        assert self.redis is not None, "only a Redis this cluster started can be restarted"
-        self.redis.kill()
-        self.start_redis()
 
     # -- queries ------------------------------------------------------------------------
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Awaitable, Callable
+from typing import Callable
 
 from aiohttp import web
 
@@ -73,8 +73,6 @@ def reachable_url(url: str) -> str:
         addr = "127.0.0.1"
     return f"{parts.scheme}://{addr}:{parts.port}"
 
-
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def run_worker(role: Role, routes: Callable[[web.Application, WorkerRuntime], None]) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import re
 import time
 import urllib.request
@@ -10,11 +9,6 @@ import urllib.request
 from libs.engine import SamplingParams
 
 TRACE = {"tidepool": {"trace": True}}
-
-
-def get(url: str) -> dict:
-    with urllib.request.urlopen(url, timeout=10) as r:
-        return json.loads(r.read())
 
 
 def metrics(url: str) -> dict[str, float]:

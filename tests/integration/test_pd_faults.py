@@ -10,7 +10,7 @@ import redis
 
 from libs.protocol import decode, encode, iter_messages
 from libs.protocol.messages import DecodeRequest, PrefillRequest, PrefillResult, SamplingSpec, TokenEvent
-from tests.integration.pd_helpers import TRACE, engine_tokens, get, trace_of, wait_until
+from tests.integration.pd_helpers import TRACE, engine_tokens, trace_of, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -47,7 +47,7 @@ def redis_client(cluster) -> redis.Redis:
 
 
 def block_redis_key(cluster, key: str) -> str:
-    ns = get(cluster.decodes[0].url + "/stats")["namespace"]
+    ns = cluster.get_json(cluster.decodes[0].url + "/stats")["namespace"]
     return f"tidepool:kv:{ns}:{key}"
 
 
@@ -102,7 +102,7 @@ def test_killed_prefill_costs_latency_not_requests_and_rejoins(cluster, client, 
 
 def test_client_disconnect_frees_the_decode_blocks(cluster, client):
     model = client.models.list().data[0].id
-    decode_stats = lambda: get(cluster.decodes[0].url + "/stats")["engine"]  # noqa: E731
+    decode_stats = lambda: cluster.get_json(cluster.decodes[0].url + "/stats")["engine"]  # noqa: E731
     stream = client.chat.completions.create(
         model=model, messages=CHAT, max_tokens=400, stream=True, extra_body={"ignore_eos": True}
     )

@@ -6,10 +6,8 @@ built ahead, and share no mutable buffers between the two sides.
 """
 
 import threading
-import time
 
 import pytest
-import torch
 
 from libs.engine import SamplingParams
 from libs.engine.async_runner import AsyncRunner, AsyncRunnerError

@@ -10,7 +10,6 @@ order 1, against a tolerance of 1e-4.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest

@@ -1,7 +1,5 @@
 """The GGUF 4-bit path (EngineConfig.quantized_weights, libs/model/quantized.py)."""
 
-import glob
-
 import gguf
 import numpy as np
 import pytest
