@@ -28,7 +28,7 @@ import time
 import torch
 
 from bench.common import table
-from libs.engine import EngineConfig, LLMEngine, SamplingParams
+from libs.engine import EngineConfig, LLM, SamplingParams
 from libs.model import default_model_path
 
 PREFILL_LEN = 512
@@ -44,7 +44,7 @@ def prompt_ids(tokenizer, n: int, salt: int = 0) -> list[int]:
 
 def ours(threads: int, dtype: str, quantized: bool = False) -> dict:
     torch.set_num_threads(threads)
-    eng = LLMEngine(EngineConfig(
+    eng = LLM(EngineConfig(
         device="cpu", dtype=dtype, num_threads=threads, max_num_batched_tokens=PREFILL_LEN, num_blocks=1024,
         enable_prefix_caching=False, quantized_weights=quantized,
     ))

@@ -19,19 +19,19 @@ import time
 import torch
 
 from bench.common import cuda_time, hf_llama, ours_from_hf, table
-from libs.engine import EngineConfig, LLMEngine, SamplingParams
+from libs.engine import EngineConfig, LLM, SamplingParams
 
 PROMPT = 128
 DECODE_STEPS = 256
 
 
-def engine(loaded, **kw) -> LLMEngine:
+def engine(loaded, **kw) -> LLM:
     cfg = dict(device="cuda", dtype="bfloat16", max_num_seqs=64, num_blocks=8192, max_num_batched_tokens=16384, max_model_len=4096)
     cfg.update(kw)
-    return LLMEngine(EngineConfig(**cfg), loaded=loaded)
+    return LLM(EngineConfig(**cfg), loaded=loaded)
 
 
-def decode(eng: LLMEngine, batch: int, steps: int = DECODE_STEPS) -> dict:
+def decode(eng: LLM, batch: int, steps: int = DECODE_STEPS) -> dict:
     """Steady-state decode of ``batch`` sequences; prefill is excluded from the timing."""
     g = torch.Generator().manual_seed(batch)
     for i in range(batch):
@@ -56,7 +56,7 @@ def decode(eng: LLMEngine, batch: int, steps: int = DECODE_STEPS) -> dict:
     }
 
 
-def prefill(eng: LLMEngine, batch: int = 16, length: int = 1024) -> float:
+def prefill(eng: LLM, batch: int = 16, length: int = 1024) -> float:
     g = torch.Generator().manual_seed(7)
 
     def run():

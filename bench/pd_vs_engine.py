@@ -29,14 +29,14 @@ import torch
 
 from bench.common import table
 from bench.loadgen import HEADERS, EngineTarget, HttpTarget, Report, run, sse_chunks, workload
-from libs.engine import EngineConfig, LLMEngine
+from libs.engine import EngineConfig, LLM
 from services.launch.cluster import ClusterConfig, LocalCluster
 from services.launch.processes import free_port
 
 
 async def in_process(reqs, concurrency: int, threads: int, quantized: bool):
     torch.set_num_threads(threads)
-    target = EngineTarget(LLMEngine(EngineConfig(device="cpu", num_threads=threads, num_blocks=2048, quantized_weights=quantized)))
+    target = EngineTarget(LLM(EngineConfig(device="cpu", num_threads=threads, num_blocks=2048, quantized_weights=quantized)))
     try:
         await run(target, reqs[:4], 4)  # warm-up
         return await run(target, reqs, concurrency)

@@ -16,7 +16,7 @@ import json
 import sys
 from typing import Sequence
 
-from libs.engine import EngineConfig, InvalidRequestError, LLMEngine, SamplingParams
+from libs.engine import EngineConfig, InvalidRequestError, LLM, SamplingParams
 from libs.model import IncrementalDetokenizer, ModelNotFoundError
 
 
@@ -44,7 +44,7 @@ def _generate(args: argparse.Namespace) -> int:
     params = SamplingParams(
         temperature=args.temperature, top_p=args.top_p, seed=args.seed, max_tokens=args.max_tokens
     )
-    engine = LLMEngine(EngineConfig(model=args.model, device=args.device, dtype=args.dtype, quantized_weights=args.quantized))
+    engine = LLM(EngineConfig(model=args.model, device=args.device, dtype=args.dtype, quantized_weights=args.quantized))
     tok = engine.tokenizer
     if args.chat is not None:
         prompt_ids = tok.encode_chat([{"role": "user", "content": args.chat}])

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from libs.engine import EngineConfig, LLMEngine
+from libs.engine import EngineConfig, LLM
 from libs.model import LoadedModel, ModelFingerprint, default_model_path
 from libs.model.attention import torch_backend
 from libs.model.config import ModelConfig
@@ -66,9 +66,9 @@ def tiny_loaded(seed: int = 0) -> LoadedModel:
     )
 
 
-def tiny_engine(**overrides) -> LLMEngine:
+def tiny_engine(**overrides) -> LLM:
     cfg = EngineConfig(device="cpu", dtype="float32", **{"num_blocks": 64, **overrides})
-    return LLMEngine(cfg, loaded=tiny_loaded())
+    return LLM(cfg, loaded=tiny_loaded())
 
 
 def real_model_path() -> Path:

@@ -17,7 +17,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Sequence
 
-from libs.engine.engine import LLMEngine, RequestOutput
+from libs.engine.engine import LLMEngine
+from libs.engine.outputs import RequestOutput
 from libs.engine.errors import DuplicateRequestError
 from libs.engine.params import SamplingParams
 from libs.engine.sequence import KVImport

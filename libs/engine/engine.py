@@ -1,7 +1,9 @@
 """The engine: requests in, tokens out, one ``step()`` at a time.
 
-``LLMEngine`` glues the scheduler, block manager and model runner together. It is
-synchronous and single-threaded by design (services drive it from a worker thread, see
+``LLMEngine`` glues the scheduler, block manager and model runner together (as nano-vllm's
+``LLMEngine`` does); the offline API over it is ``LLM`` (libs/engine/llm.py), PD export is
+libs/engine/kv_export.py and ``n > 1`` sampling libs/engine/forks.py. It is synchronous
+and single-threaded by design (services drive it from a worker thread, see
 ``AsyncEngine``); every public method validates its input and raises a typed
 ``InvalidRequestError`` before anything is queued.
 """
@@ -9,92 +11,26 @@ synchronous and single-threaded by design (services drive it from a worker threa
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
-from typing import Any, Iterator, Sequence as Seq
+from typing import Sequence as Seq
 
 import torch
 
-from kernels.swap import BlockSwapper, StagingBuffer
+from kernels.swap import BlockSwapper
 from libs.engine.async_runner import AsyncRunner
 from libs.engine.block_manager import BlockManager
 from libs.engine.config import EngineConfig
 from libs.engine.errors import DuplicateRequestError, InvalidRequestError, PromptTooLongError, TokenOutOfRangeError
+from libs.engine.forks import Forks
 from libs.engine.inputs import StepInputs, StepPlan, build_inputs
+from libs.engine.kv_export import ExportedKV, ExportQueue
 from libs.engine.model_runner import ModelRunner
+from libs.engine.outputs import CompletionOutput, RequestOutput
 from libs.engine.step_timer import StepTimer
 from libs.engine.params import SamplingParams
 from libs.engine.scheduler import Scheduler, SchedulerConfig
-from libs.engine.sequence import KVImport, Sequence, TokenLogprob
+from libs.engine.sequence import KVImport, Sequence
 from libs.kvpool.layout import KVLayout
 from libs.model import LoadedModel, load_model, make_backend
-
-
-@dataclass
-class CompletionOutput:
-    """What one sequence of a request produced since the last report."""
-
-    index: int
-    new_token_ids: list[int]
-    new_logprobs: list[TokenLogprob]
-    finish_reason: str | None
-    num_output_tokens: int
-
-
-@dataclass
-class ExportedKV:
-    """A prompt's KV, gathered into host staging when a prefill-only request finished.
-
-    ``buffers`` hold the prompt's blocks in order, in pool layout; together they cover
-    ``num_tokens`` tokens (the last block may be partial). The consumer reads them and
-    must call ``release()`` (idempotent) to hand the staging back to the engine.
-    """
-
-    buffers: list[StagingBuffer]
-    num_tokens: int
-    block_size: int
-
-    @property
-    def num_blocks(self) -> int:
-        return sum(b.n for b in self.buffers)
-
-    def blocks(self) -> Iterator[tuple[torch.Tensor, int]]:
-        """``(block, num_tokens_in_block)`` for every block, in order."""
-        i = 0
-        for buf in self.buffers:
-            host = buf.host
-            for row in range(buf.n):
-                yield host[row], min(self.block_size, self.num_tokens - i * self.block_size)
-                i += 1
-
-    def release(self) -> None:
-        buffers, self.buffers = self.buffers, []
-        for b in buffers:
-            b.release()
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    outputs: list[CompletionOutput]
-    finished: bool
-    num_prompt_tokens: int
-    num_cached_tokens: int
-    num_imported_tokens: int = 0
-    exported_kv: ExportedKV | None = None
-    metrics: dict[str, float] = field(default_factory=dict)
-
-
-@dataclass
-class GenerationResult:
-    """A finished request from ``Engine.generate``."""
-
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
-    finish_reason: str
-    logprobs: list[TokenLogprob]
-    num_cached_tokens: int
-    index: int = 0
 
 
 class LLMEngine:
@@ -129,7 +65,8 @@ class LLMEngine:
         # Staging for PD handoff: exports (prefill) and imports (decode) move through here.
         self.swapper = BlockSwapper(cache, max_blocks=config.swap_max_blocks, num_buffers=config.swap_buffers)
         self.runner = ModelRunner(loaded.model, cache, config.block_size, mc.vocab_size, device, self.swapper)
-        self._pending_exports: list[Sequence] = []
+        self.exports = ExportQueue(self.block_manager, config.block_size, self.runner.export_blocks)
+        self.forks = Forks(self.scheduler, self.block_manager, self.runner.copy_blocks, config.block_size)
         if device.type == "cuda" and config.cuda_graphs and loaded.model.layers[0].self_attn.backend.name == "triton":
             self.runner.enable_cuda_graphs(
                 max_batch=min(config.max_num_seqs, config.graph_max_batch),
@@ -255,13 +192,7 @@ class LLMEngine:
             return False
         self.scheduler.abort(request_id)
         for seq in self._requests[request_id]:
-            if seq.export_pending:
-                self._pending_exports.remove(seq)
-                seq.export_pending = False
-                self.block_manager.free(seq)
-            for b in seq.export_buffers:
-                b.release()
-            seq.export_buffers = []
+            self.exports.discard(seq)
         self._aborted.append(request_id)
         return True
 
@@ -306,7 +237,7 @@ class LLMEngine:
             if s.num_samples:
                 sample_seqs.append(s.seq)
                 for _ in range(s.seq.pending_forks):
-                    child = self._fork_child(s.seq)
+                    child = self.forks.spawn(s.seq, self._requests[s.seq.request_id], self._params[s.seq.request_id], self._new_sequence)
                     forks.append((s.seq, child))
                     sample_seqs.append(child)
                 s.seq.pending_forks = 0
@@ -339,7 +270,7 @@ class LLMEngine:
             if s.seq.num_computed_tokens <= s.seq.num_prompt_tokens:
                 self.num_prompt_tokens_computed += s.num_tokens
         for parent, child in forks:
-            self._attach_child(parent, child)
+            self.forks.attach(parent, child)
         touched: dict[str, None] = {}
         if sampled is not None:
             now = time.monotonic()
@@ -376,26 +307,6 @@ class LLMEngine:
             self._prepare.close()
         self.swapper.close()
 
-    def _fork_child(self, parent: Sequence) -> Sequence:
-        """A sibling of ``parent`` (same prompt, its own derived seed), sampled this step."""
-        family = self._requests[parent.request_id]
-        child = self._new_sequence(parent.request_id, len(family), list(parent.prompt_token_ids), self._params[parent.request_id])
-        child.token_ids = list(parent.token_ids)
-        family.append(child)
-        return child
-
-    def _attach_child(self, parent: Sequence, child: Sequence) -> None:
-        """Share the parent's prompt blocks with a freshly sampled child (copying a partial
-        last block). Without a free block the child is queued to recompute instead."""
-        if self.block_manager.num_free_blocks < 1 and parent.num_computed_tokens % self.config.block_size:
-            self.scheduler.add(child)  # recompute later; its prompt blocks are prefix-cache hits
-            return
-        copy = self.block_manager.fork(parent, child)
-        if copy is not None:
-            self.runner.copy_blocks([copy])
-        child.status = parent.status
-        self.scheduler.running.append(child)
-
     def _import(self, imports: list) -> None:
         for imp, rows, blocks in imports:
             try:
@@ -406,34 +317,13 @@ class LLMEngine:
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq, reason)
         if seq.export_kv and seq.index == 0:
-            # Keep the blocks until the prompt's KV is gathered (maybe a later step, when
-            # a staging buffer is free): the request finishes only then.
-            seq.export_pending = True
-            self._pending_exports.append(seq)
-            if len(self._pending_exports) == 1:
-                self._try_export(seq)
+            self.exports.add(seq)  # the request finishes once its prompt's KV is gathered
             return
         self.block_manager.free(seq)
 
-    def _try_export(self, seq: Sequence) -> bool:
-        nblocks = -(-seq.num_prompt_tokens // self.config.block_size)
-        bufs = self.runner.export_blocks(seq.block_table[:nblocks])
-        if bufs is None:
-            return False  # no staging free: retry next step
-        seq.export_buffers = bufs
-        seq.export_pending = False
-        self._pending_exports.remove(seq)
-        self.block_manager.free(seq)
-        return True
-
     def _drain_exports(self) -> list[RequestOutput]:
-        """Gather finished prompts' KV into staging, in order, as buffers allow."""
-        done = []
-        for seq in list(self._pending_exports):
-            if not self._try_export(seq):
-                break
-            done.append(seq.request_id)
-        return [self._request_output(rid) for rid in done if rid in self._requests and self._all_done(rid)]
+        done = self.exports.drain()
+        return [self._request_output(s.request_id) for s in done if s.request_id in self._requests and self._all_done(s.request_id)]
 
     def _all_done(self, request_id: str) -> bool:
         family = self._requests[request_id]
@@ -441,7 +331,7 @@ class LLMEngine:
 
     @property
     def num_pending_exports(self) -> int:
-        return len(self._pending_exports)
+        return len(self.exports)
 
     def _request_output(self, request_id: str) -> RequestOutput:
         family = self._requests[request_id]
@@ -474,100 +364,3 @@ class LLMEngine:
         head = family[0] if family else None
         outs = [CompletionOutput(s.index, *s.take_new(), "abort", s.num_output_tokens) for s in family]
         return RequestOutput(request_id, outs, True, head.num_prompt_tokens if head else 0, head.num_cached_tokens if head else 0)
-
-    # -- offline API ----------------------------------------------------------------------
-
-    def generate(
-        self,
-        prompts: str | list[int] | Seq[str | list[int]] | None = None,
-        params: SamplingParams | Seq[SamplingParams] | None = None,
-        *,
-        messages: Seq[dict[str, Any]] | Seq[Seq[dict[str, Any]]] | None = None,
-    ) -> list[GenerationResult]:
-        """Run prompts (text or token ids) or chat conversations to completion, batched.
-
-        Returns one result per prompt and per sample (``n``), in input order. All inputs
-        are validated before any is queued.
-        """
-        token_lists = self._encode_inputs(prompts, messages)
-        if params is None or isinstance(params, SamplingParams):
-            params_list = [params or SamplingParams()] * len(token_lists)
-        else:
-            params_list = list(params)
-            if len(params_list) != len(token_lists):
-                raise InvalidRequestError("params must be one SamplingParams or one per prompt", param="params")
-        for ids, p in zip(token_lists, params_list):
-            self.validate(ids, p)
-        ids_by_req: dict[str, int] = {}
-        for i, (ids, p) in enumerate(zip(token_lists, params_list)):
-            rid = f"generate-{id(self)}-{time.monotonic_ns()}-{i}"
-            self.add_request(rid, ids, p)
-            ids_by_req[rid] = i
-        collected: dict[str, dict[int, GenerationResult]] = {rid: {} for rid in ids_by_req}
-        while any(rid in self._requests for rid in ids_by_req):
-            for o in self.step():
-                if o.request_id not in collected:
-                    continue
-                for c in o.outputs:
-                    r = collected[o.request_id].setdefault(
-                        c.index, GenerationResult(token_lists[ids_by_req[o.request_id]], [], "", "", [], o.num_cached_tokens, c.index)
-                    )
-                    r.token_ids.extend(c.new_token_ids)
-                    r.logprobs.extend(c.new_logprobs)
-                    if c.finish_reason:
-                        r.finish_reason = c.finish_reason
-        results = []
-        for rid in ids_by_req:
-            for idx in sorted(collected[rid]):
-                r = collected[rid][idx]
-                r.text = self.tokenizer.decode(r.token_ids)
-                results.append(r)
-        return results
-
-    def first_step_logits(self, prompt_token_ids: list[int]) -> torch.Tensor:
-        """fp32 logits ``[vocab]`` for the token after the prompt, computed through the
-        normal request path (scheduler, cache, batching): what tests compare with a
-        reference implementation."""
-        rid = f"logits-{id(self)}-{time.monotonic_ns()}"
-        self.add_request(rid, prompt_token_ids, SamplingParams(temperature=0, max_tokens=1))
-        seq = self._requests[rid][0]
-        seq.capture_logits = True
-        while rid in self._requests:
-            self.step()
-        return seq.captured_logits[: self.vocab_size]
-
-    def stream(self, prompt_token_ids: list[int], params: SamplingParams) -> Iterator[list[int]]:
-        """Yield new token ids of one request as they are produced (used by the CLI)."""
-        rid = f"stream-{id(self)}-{time.monotonic_ns()}"
-        self.add_request(rid, prompt_token_ids, params)
-        try:
-            while rid in self._requests:
-                for o in self.step():
-                    if o.request_id == rid:
-                        for c in o.outputs:
-                            if c.new_token_ids:
-                                yield c.new_token_ids
-        finally:
-            if rid in self._requests:
-                self.abort_request(rid)
-                self.step()
-
-    def _encode_inputs(self, prompts: Any, messages: Any) -> list[list[int]]:
-        if (prompts is None) == (messages is None):
-            raise InvalidRequestError("pass exactly one of prompts or messages")
-        if messages is not None:
-            convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-            return [self.tokenizer.encode_chat(c) for c in convs]
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        if not isinstance(prompts, (list, tuple)):
-            raise InvalidRequestError(f"prompts must be a string, a list of token ids or a list of those, got {type(prompts).__name__}", param="prompt")
-        out = []
-        for p in prompts:
-            if isinstance(p, str):
-                out.append(self.tokenizer.encode(p))
-            elif isinstance(p, (list, tuple)):
-                out.append(list(p))
-            else:
-                raise InvalidRequestError(f"a prompt must be a string or a list of token ids, got {type(p).__name__}", param="prompt")
-        return out

@@ -4,7 +4,7 @@ transformers on the same random weights, and against its own slower paths."""
 import pytest
 import torch
 
-from libs.engine import EngineConfig, KVImport, LLMEngine, SamplingParams
+from libs.engine import EngineConfig, KVImport, LLM, SamplingParams
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -30,7 +30,7 @@ def models():
 def make(loaded, **kw):
     cfg = dict(device="cuda", dtype="float32", num_blocks=512, max_num_seqs=16, max_model_len=2048)
     cfg.update(kw)
-    return LLMEngine(EngineConfig(**cfg), loaded=loaded)
+    return LLM(EngineConfig(**cfg), loaded=loaded)
 
 
 def prompts(n=6):

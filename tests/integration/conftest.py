@@ -74,10 +74,10 @@ def reference_engine():
     """The same model in-process: what PD serving must reproduce token for token."""
     import torch
 
-    from libs.engine import EngineConfig, LLMEngine
+    from libs.engine import EngineConfig, LLM
 
     torch.set_num_threads(1)
-    return LLMEngine(EngineConfig(device="cpu", dtype="float32", num_blocks=512))
+    return LLM(EngineConfig(device="cpu", dtype="float32", num_blocks=512))
 
 
 @pytest.fixture(scope="session")

@@ -6,7 +6,7 @@ import asyncio
 import pytest
 
 from libs.blocks import block_keys
-from libs.engine import EngineConfig, KVImport, LLMEngine, SamplingParams
+from libs.engine import EngineConfig, KVImport, LLM, SamplingParams
 from libs.kvpool.codec import BlockCodec
 from libs.kvpool.redis_pool import RedisPool
 
@@ -15,8 +15,8 @@ pytestmark = pytest.mark.integration
 
 def test_real_kv_blocks_survive_the_pool(pool_config, reference_engine):
     loaded = reference_engine.loaded
-    prefill = LLMEngine(EngineConfig(device="cpu", dtype="float32", num_blocks=256, swap_max_blocks=4), loaded=loaded)
-    decode = LLMEngine(EngineConfig(device="cpu", dtype="float32", num_blocks=256, swap_max_blocks=4), loaded=loaded)
+    prefill = LLM(EngineConfig(device="cpu", dtype="float32", num_blocks=256, swap_max_blocks=4), loaded=loaded)
+    decode = LLM(EngineConfig(device="cpu", dtype="float32", num_blocks=256, swap_max_blocks=4), loaded=loaded)
     tok = reference_engine.tokenizer
     prompt = tok.encode_chat([{"role": "user", "content": "Explain why the sky is blue, with an analogy about marbles. " * 2}])
     keys = block_keys(prefill.namespace, prompt)

@@ -3,7 +3,7 @@ is batched with, on whether its prompt is chunked, or on prefix-cache hits."""
 
 import pytest
 
-from libs.engine import EngineConfig, LLMEngine, SamplingParams
+from libs.engine import EngineConfig, LLM, SamplingParams
 from tests.models import CHAT_PROMPTS, RAW_PROMPTS
 
 N_TOKENS = 24
@@ -27,9 +27,9 @@ def mixed_prompts(engine) -> list[list[int]]:
     return ids
 
 
-def engine_like(base: LLMEngine, **overrides) -> LLMEngine:
+def engine_like(base: LLM, **overrides) -> LLM:
     cfg = EngineConfig(device="cpu", dtype="float32", num_blocks=1024, max_num_seqs=32, **overrides)
-    return LLMEngine(cfg, loaded=base.loaded)
+    return LLM(cfg, loaded=base.loaded)
 
 
 def test_batch_of_16_equals_alone(engine, mixed_prompts):

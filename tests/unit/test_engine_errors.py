@@ -16,7 +16,7 @@ from libs.engine import (
     EngineConfig,
     InvalidRequestError,
     InvalidSamplingParamsError,
-    LLMEngine,
+    LLM,
     PromptTooLongError,
     SamplingParams,
     TokenOutOfRangeError,
@@ -48,11 +48,11 @@ BAD_VALUES = {
 
 
 @pytest.fixture(scope="module")
-def eng() -> LLMEngine:
+def eng() -> LLM:
     return tiny_engine(num_blocks=64, max_model_len=MAX_LEN)
 
 
-def assert_idle(eng: LLMEngine) -> None:
+def assert_idle(eng: LLM) -> None:
     assert not eng.has_unfinished_requests()
     assert eng.num_waiting == 0 and eng.num_running == 0
     bm = eng.block_manager
@@ -85,7 +85,7 @@ def test_boundary_values_are_accepted():
 # -- requests against an engine ----------------------------------------------------------
 
 
-def _raises(eng: LLMEngine, error: type[Exception], words: list[str], fn, *args, **kwargs):
+def _raises(eng: LLM, error: type[Exception], words: list[str], fn, *args, **kwargs):
     with pytest.raises(error) as exc:
         fn(*args, **kwargs)
     assert type(exc.value) is error, f"{type(exc.value).__name__}: {exc.value}"
@@ -218,20 +218,20 @@ def test_chat_template_raise_exception_is_a_chat_template_error(eng):
 
 def test_unknown_model_path():
     with pytest.raises(ModelNotFoundError, match="/nope"):
-        LLMEngine(EngineConfig(model="/nope", device="cpu"))
+        LLM(EngineConfig(model="/nope", device="cpu"))
 
 
 def test_folder_without_config_json(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"")
     with pytest.raises(ModelNotFoundError, match="config.json"):
-        LLMEngine(EngineConfig(model=str(tmp_path), device="cpu"))
+        LLM(EngineConfig(model=str(tmp_path), device="cpu"))
 
 
 def test_file_that_is_not_gguf(tmp_path):
     f = tmp_path / "weights.bin"
     f.write_bytes(b"\0" * 16)
     with pytest.raises(ModelNotFoundError, match="gguf"):
-        LLMEngine(EngineConfig(model=str(f), device="cpu"))
+        LLM(EngineConfig(model=str(f), device="cpu"))
 
 
 @pytest.mark.parametrize("missing", ["*.safetensors", "tokenizer.json"])
@@ -242,4 +242,4 @@ def test_folder_missing_weights_or_tokenizer(tmp_path, missing):
     else:
         (tmp_path / "model.safetensors").write_bytes(b"")
     with pytest.raises(ModelNotFoundError, match=missing.replace("*", r"\*")):
-        LLMEngine(EngineConfig(model=str(tmp_path), device="cpu"))
+        LLM(EngineConfig(model=str(tmp_path), device="cpu"))

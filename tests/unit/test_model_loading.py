@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from libs.engine import EngineConfig, LLMEngine, SamplingParams
+from libs.engine import EngineConfig, LLM, SamplingParams
 from libs.model import default_model_path, load_config, load_model
 from libs.model.attention import torch_backend
 from tests.models import CHAT_PROMPTS, RAW_PROMPTS, hf_gguf_tokenizer, hf_greedy
@@ -61,8 +61,8 @@ def make_checkpoint(name: str, folder: Path, tokenizer_dir: Path, *, seed: int =
     return model
 
 
-def engine_for(path, **overrides) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=str(path), device="cpu", dtype="float32", num_blocks=64, **overrides))
+def engine_for(path, **overrides) -> LLM:
+    return LLM(EngineConfig(model=str(path), device="cpu", dtype="float32", num_blocks=64, **overrides))
 
 
 @pytest.fixture(scope="module", params=list(CASES))
@@ -187,7 +187,7 @@ def test_fingerprint_changes_with_dtype_and_namespace_with_block_size(engine, bf
 
 
 def test_bf16_on_cpu_generates_sensible_text(bf16_gguf):
-    engine = LLMEngine(EngineConfig(device="cpu", dtype="bfloat16", num_blocks=64), loaded=bf16_gguf)
+    engine = LLM(EngineConfig(device="cpu", dtype="bfloat16", num_blocks=64), loaded=bf16_gguf)
     assert engine.layout.dtype == torch.bfloat16
     r = engine.generate(messages=CHAT_PROMPTS[0], params=SamplingParams(temperature=0, max_tokens=16))[0]
     assert "Paris" in r.text, r.text

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from libs.engine import EngineConfig, LLMEngine, SamplingParams
+from libs.engine import EngineConfig, LLM, SamplingParams
 from libs.model import default_model_path
 from libs.model.quantized import Int4Linear, Int8Linear, read_q4
 from tests.models import CHAT_PROMPTS, RAW_PROMPTS
@@ -63,7 +63,7 @@ def test_int8_head_is_close_and_exact_for_prompt_rows():
 @pytest.fixture(scope="module")
 def q4_engine():
     torch.set_num_threads(2)
-    return LLMEngine(EngineConfig(device="cpu", num_blocks=512, quantized_weights=True))
+    return LLM(EngineConfig(device="cpu", num_blocks=512, quantized_weights=True))
 
 
 def test_prompt_logits_are_the_exact_models(q4_engine, engine):
@@ -102,6 +102,6 @@ def test_quantized_weights_need_a_gguf_on_the_cpu(tmp_path):
     LlamaForCausalLM(cfg).save_pretrained(tmp_path)
     hf_gguf_tokenizer().save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="Hugging Face folder has no 4-bit weights"):
-        LLMEngine(EngineConfig(device="cpu", model=str(tmp_path), quantized_weights=True))
+        LLM(EngineConfig(device="cpu", model=str(tmp_path), quantized_weights=True))
     with pytest.raises(ValueError, match="CPU kernels"):
-        LLMEngine(EngineConfig(device="cuda", quantized_weights=True))
+        LLM(EngineConfig(device="cuda", quantized_weights=True))

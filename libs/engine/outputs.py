@@ -1,0 +1,51 @@
+"""What the engine hands back: per-step request outputs and finished offline results."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from libs.engine.sequence import TokenLogprob
+
+if TYPE_CHECKING:
+    from libs.engine.kv_export import ExportedKV
+
+
+@dataclass
+class CompletionOutput:
+    """What one sequence of a request produced since the last report."""
+
+    index: int
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprob]
+    finish_reason: str | None
+    num_output_tokens: int
+
+
+@dataclass
+class RequestOutput:
+    """One step's news about one request: new tokens of each sequence, and whether it ended.
+
+    ``exported_kv`` is set on the final output of a prefill-only (``export_kv``) request."""
+
+    request_id: str
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_imported_tokens: int = 0
+    exported_kv: "ExportedKV | None" = None
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class GenerationResult:
+    """A finished sequence from the offline API (``LLM.generate``)."""
+
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    logprobs: list[TokenLogprob]
+    num_cached_tokens: int
+    index: int = 0
