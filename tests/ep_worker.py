@@ -1,6 +1,7 @@
-"""One rank of the expert-parallel tests (tests/unit/test_moe_ep.py), run in its own
-process by ``torch.multiprocessing.spawn``: gloo on the CPU, one thread, results saved
-with ``torch.save`` for the parent to compare with EP=1."""
+"""One rank of the expert-parallel tests (tests/unit/test_moe_ep.py with gloo on the CPU,
+tests/gpu/test_moe_gpu.py with NCCL, one GPU per rank), run in its own process by
+``torch.multiprocessing.spawn``; results are saved on the CPU with ``torch.save`` for the
+parent to compare with EP=1."""
 
 from __future__ import annotations
 
@@ -39,13 +40,13 @@ def layer_tokens(case: str, rank: int, seed: int = 0) -> tuple[torch.Tensor, Rou
     return x, Routing(torch.rand(n, 3, generator=g), ids)
 
 
-def full_block(strategy: str) -> SparseMoeBlock:
+def full_block(strategy: str, device: torch.device | str = "cpu") -> SparseMoeBlock:
     torch.manual_seed(0)
     block = SparseMoeBlock(LAYER, MoEOptions(strategy=strategy))
     with torch.no_grad():
         for p in block.parameters():
             p.normal_(0, 0.2)
-    return block
+    return block.to(device)
 
 
 def ep_block(full: SparseMoeBlock, strategy: str, group) -> SparseMoeBlock:
@@ -55,30 +56,38 @@ def ep_block(full: SparseMoeBlock, strategy: str, group) -> SparseMoeBlock:
         block.gate.weight.copy_(full.gate.weight)
         block.w13.copy_(full.w13[first:first + local])
         block.w2.copy_(full.w2[first:first + local])
-    return block
+    return block.to(full.w13.device)
 
 
-def run(rank: int, port: int, model_folder: str, prompts: list[list[int]], n_greedy: int, out_dir: str) -> None:
+def run(
+    rank: int, port: int, model_folder: str, prompts: list[list[int]], n_greedy: int, out_dir: str,
+    device_type: str = "cpu", strategies: tuple[str, ...] = ("loop", "contiguous", "masked"),
+) -> None:
     os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
     torch.set_num_threads(1)
-    groups = init_parallel(ParallelLayout(world_size=WORLD, ep_size=WORLD), rank=rank, init_method=f"tcp://127.0.0.1:{port}")
+    device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    groups = init_parallel(ParallelLayout(world_size=WORLD, ep_size=WORLD), rank=rank, init_method=f"tcp://127.0.0.1:{port}", device=device)
     try:
         results: dict = {"ep_rank": groups.ep.rank, "ep_size": groups.ep.size}
-        for strategy in ("loop", "contiguous", "masked"):
-            block = ep_block(full_block(strategy), strategy, groups.ep)
+        for strategy in strategies:
+            block = ep_block(full_block(strategy, device), strategy, groups.ep)
             results[f"local_experts_{strategy}"] = (block.dispatch.first_expert, block.w13.shape[0])
             for case, *_ in LAYER_CASES:
                 x, routing = layer_tokens(case, rank)
                 with torch.no_grad():
-                    results[f"layer/{strategy}/{case}"] = block.dispatch(x, routing, block.run_experts)
+                    out = block.dispatch(x.to(device), Routing(*(t.to(device) for t in routing)), block.run_experts)
+                results[f"layer/{strategy}/{case}"] = out.cpu()
         from libs.engine import EngineConfig, LLM, SamplingParams
         from libs.model import load_model
         from libs.model.attention import torch_backend
 
-        loaded = load_model(model_folder, dtype=torch.float32, device=torch.device("cpu"), backend=torch_backend(), moe=MoEOptions(ep=groups.ep))
-        engine = LLM(EngineConfig(device="cpu", dtype="float32", num_blocks=96), loaded=loaded)
+        loaded = load_model(model_folder, dtype=torch.float32, device=device, backend=torch_backend(), moe=MoEOptions(ep=groups.ep))
+        # EP reads split sizes on the host at every layer: not capturable in a CUDA graph.
+        engine = LLM(EngineConfig(device=str(device), dtype="float32", num_blocks=96, cuda_graphs=False), loaded=loaded)
         results["experts_stored"] = sum(layer.mlp.w13.shape[0] for layer in loaded.model.layers if hasattr(layer.mlp, "w13"))
-        results["logits"] = [engine.first_step_logits(ids) for ids in prompts]
+        results["logits"] = [engine.first_step_logits(ids).cpu() for ids in prompts]
         outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=n_greedy, ignore_eos=True))
         results["tokens"] = [o.token_ids for o in outs]
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")

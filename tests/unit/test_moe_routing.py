@@ -82,3 +82,16 @@ def test_fake_balance_is_deterministic_and_ignores_the_router():
     assert a.ids[0].tolist() == [5, 6, 7, 8]  # pair p -> (offset + p) mod E
     with pytest.raises(ValueError, match="distinct"):
         FakeBalanceExpert(3)(Routing(torch.rand(2, 4), torch.zeros(2, 4, dtype=torch.int32)))
+
+
+@pytest.mark.parametrize("pairs", [1, 2, 3, 6, 7, 8, 13, 64, 100])
+@pytest.mark.parametrize("num_experts,ranks", [(8, 2), (128, 2), (12, 4)])
+def test_fake_balance_offsets_of_ep_ranks_keep_the_global_load_balanced(pairs, num_experts, ranks):
+    """Each EP rank starts on its own experts (offset r * E / W): with equal batches the
+    load over all experts stays within one pair."""
+    counts = torch.zeros(num_experts, dtype=torch.long)
+    for r in range(ranks):
+        op = FakeBalanceExpert(num_experts, offset=r * num_experts // ranks)
+        ids = op(Routing(torch.rand(pairs, 1), torch.zeros(pairs, 1, dtype=torch.int32))).ids
+        counts += torch.bincount(ids.flatten().long(), minlength=num_experts)
+    assert int(counts.max() - counts.min()) <= 1, counts.tolist()

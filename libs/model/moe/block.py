@@ -55,7 +55,9 @@ class SparseMoeBlock(nn.Module):
         self.w2 = nn.Parameter(torch.empty(local, cfg.hidden_size, moe.intermediate_size))
         self.shared_expert = shared_expert
         self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False) if shared_expert is not None else None
-        self.fake_balance = FakeBalanceExpert(moe.num_experts, offset=0) if options.fake_balance else None
+        # Under EP each rank starts on its own experts: equal runs, evenly spaced, keep the
+        # global load balanced too (within one pair per expert for equal batches).
+        self.fake_balance = FakeBalanceExpert(moe.num_experts, offset=self.dispatch.first_expert) if options.fake_balance else None
         self.selection: Selection | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

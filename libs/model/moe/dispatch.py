@@ -25,7 +25,7 @@ as EP=1; only a GEMM's blocking over a different batch of rows can differ in the
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -59,23 +59,42 @@ class ExpertParallelDispatch:
         local = ids - self.first_expert
         return torch.where((local >= 0) & (local < self.num_local_experts), local, -1).to(ids.dtype)
 
-    def __call__(self, x: torch.Tensor, routing: Routing, run_experts: RunExperts) -> torch.Tensor:
+    def dispatch(self, x: torch.Tensor, routing: Routing) -> "Dispatched":
+        """Steps 1-2: this rank's pairs to their experts' ranks; what the others send here."""
         num_tokens, top_k = routing.ids.shape
         flat = routing.ids.reshape(-1).long()
         owner = torch.div(flat, self.num_local_experts, rounding_mode="floor")
         order = torch.argsort(owner, stable=True)
         send_counts = torch.bincount(owner, minlength=self.group.size)
-        recv_counts = self.group.exchange_counts(send_counts)
-        send, recv = send_counts.tolist(), recv_counts.tolist()
+        send, recv = send_counts.tolist(), self.group.exchange_counts(send_counts).tolist()
         rows = self.group.all_to_all(x[torch.div(order, top_k, rounding_mode="floor")], send, recv)
         local_ids = self.group.all_to_all((flat - owner * self.num_local_experts)[order].to(torch.int32), send, recv)
         ones = torch.ones((rows.shape[0], 1), dtype=torch.float32, device=x.device)
-        y = run_experts(rows, Routing(ones, local_ids.view(-1, 1)))
-        back = self.group.all_to_all(y, recv, send)
+        return Dispatched(rows, Routing(ones, local_ids.view(-1, 1)), order, send, recv, num_tokens, top_k)
+
+    def combine(self, y: torch.Tensor, d: "Dispatched", weights: torch.Tensor) -> torch.Tensor:
+        """Step 4: the experts' outputs back to their pairs, summed per token with ``weights``."""
+        back = self.group.all_to_all(y, d.recv, d.send)
         pairs = torch.empty_like(back)
-        pairs[order] = back
-        dst = torch.arange(num_tokens * top_k, dtype=torch.int32, device=x.device).view(num_tokens, top_k)
-        return moe_ops_for(x.device).combine(pairs, dst, routing.weights)
+        pairs[d.order] = back
+        dst = torch.arange(d.num_tokens * d.top_k, dtype=torch.int32, device=y.device).view(d.num_tokens, d.top_k)
+        return moe_ops_for(y.device).combine(pairs, dst, weights)
+
+    def __call__(self, x: torch.Tensor, routing: Routing, run_experts: RunExperts) -> torch.Tensor:
+        d = self.dispatch(x, routing)
+        return self.combine(run_experts(d.rows, d.routing), d, routing.weights)
+
+
+class Dispatched(NamedTuple):
+    """What a rank received (``rows`` with their local ``routing``), and how to send back."""
+
+    rows: torch.Tensor
+    routing: Routing
+    order: torch.Tensor  # this rank's pairs, sorted by owning rank
+    send: list[int]  # pairs sent to each member
+    recv: list[int]  # rows received from each member
+    num_tokens: int
+    top_k: int
 
 
 def make_dispatch(group: Group | None, num_experts: int) -> LocalDispatch | ExpertParallelDispatch:
