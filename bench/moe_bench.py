@@ -16,9 +16,10 @@ Each candidate's output is checked against the loop's before it is timed. Report
 row: ms, TFLOP/s, the hybrid's speed relative to the best other candidate (goal >= 1) and
 to the dense rate (goal >= 0.6 at prefill sizes).
 
-``--write-thresholds`` first times masked against contiguous on a finer token grid and
-writes the crossover (the largest count where masked is not slower) per GPU and layer
-shape into libs/model/moe/hybrid_thresholds.json, which the hybrid then uses.
+``--write-thresholds`` first times masked against contiguous on a finer token grid, and
+contiguous against ``torch._grouped_mm`` at 4096 and 16384 tokens, and writes the crossover
+(the largest count where masked is not slower) and the faster large-batch executor per GPU
+and layer shape into libs/model/moe/hybrid_thresholds.json, which the hybrid then uses.
 
 GPU: ``python -m bench.moe_bench --out bench/results/moe_bench_h100.json``.
 CPU check of the script (toy shapes, torch reference kernels): ``python -m bench.moe_bench --toy``.
@@ -58,6 +59,7 @@ TOY_SHAPES = {
 TOKENS = [1, 8, 64, 256, 4096, 16384]
 TOY_TOKENS = [1, 8, 64, 256]
 THRESHOLD_TOKENS = [1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024]
+LARGE_TOKENS = [4096, 16384]  # where the large-batch executor is chosen
 OURS = ("contiguous", "masked", "hybrid")
 
 
@@ -119,7 +121,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-9)).item()
 
 
-def measure_thresholds(shapes: dict[str, LayerShape], device: torch.device, time_ms, tokens: list[int]) -> dict:
+def measure_thresholds(shapes: dict[str, LayerShape], device: torch.device, time_ms, tokens: list[int], large_tokens: list[int]) -> dict:
     """Masked vs contiguous on a fine grid; the crossover per shape, and the timings."""
     out = {}
     for name, shape in shapes.items():
@@ -134,8 +136,17 @@ def measure_thresholds(shapes: dict[str, LayerShape], device: torch.device, time
             masked_wins = masked_wins and masked <= contiguous  # the crossover ends the masked range
             if masked_wins:
                 crossover = t
-        out[shape.key()] = {"name": name, "max_masked_tokens": crossover, "ms_masked_contiguous": rows}
-        print(f"threshold {name}: masked up to {crossover} tokens", flush=True)
+        large = {}  # contiguous against torch._grouped_mm on large batches, where it runs
+        if cand["torch._grouped_mm"] is not None:
+            for t in large_tokens:
+                x, r = layer.inputs(t, "topk")
+                large[t] = (time_ms(lambda: cand["contiguous"](x, r, layer.w13, layer.w2)), time_ms(lambda: cand["torch._grouped_mm"](x, r, layer.w13, layer.w2)))
+        wins = bool(large) and sum(g for _, g in large.values()) < sum(c for c, _ in large.values())
+        out[shape.key()] = {
+            "name": name, "max_masked_tokens": crossover, "ms_masked_contiguous": rows,
+            "large": "grouped_mm" if wins else "contiguous", "ms_contiguous_grouped_mm": large,
+        }
+        print(f"threshold {name}: masked up to {crossover} tokens, {out[shape.key()]['large']} above", flush=True)
     return out
 
 
@@ -144,9 +155,10 @@ def write_thresholds(measured: dict, device: torch.device, commit: str, path: Pa
     entries = table_.setdefault(device_name(device), {})
     for key, m in measured.items():
         entries[key] = {
-            "max_masked_tokens": m["max_masked_tokens"], "provisional": False,
+            "max_masked_tokens": m["max_masked_tokens"], "large": m["large"], "provisional": False,
             "source": f"bench/moe_bench.py --write-thresholds, {datetime.date.today()}, commit {commit}, topk routing",
             "ms_masked_contiguous": {str(t): [round(a, 4), round(b, 4)] for t, (a, b) in m["ms_masked_contiguous"].items()},
+            "ms_contiguous_grouped_mm": {str(t): [round(a, 4), round(b, 4)] for t, (a, b) in m["ms_contiguous_grouped_mm"].items()},
         }
     path.write_text(json.dumps(table_, indent=2) + "\n")
     strategy._thresholds.cache_clear()
@@ -171,8 +183,7 @@ def run(shapes: dict[str, LayerShape], tokens: list[int], routings: list[str], d
                         raise AssertionError(f"{cname} differs from the loop by {err:.3g} ({name}, {routing}, T={t})")
                     row[cname] = time_ms(lambda: executor(x, r, layer.w13, layer.w2))
                 row["dense matmul"] = time_ms(layer.dense(t))
-                if isinstance(cand["hybrid"], ex.HybridExecutor):
-                    row["hybrid took"] = cand["hybrid"].pick(t).name
+                row["hybrid took"] = cand["hybrid"].for_tokens(t).name
                 results.append(row)
                 print(json.dumps(row), flush=True)
                 if device.type == "cuda":
@@ -221,8 +232,8 @@ def main(argv: list[str] | None = None) -> int:
         if device.type != "cuda" and args.thresholds_path == strategy.THRESHOLDS_PATH:
             print("the shipped thresholds are a GPU's crossover: on the CPU, write elsewhere (--thresholds-path)", file=sys.stderr)
             return 2
-        grid = TOY_TOKENS if args.toy else THRESHOLD_TOKENS
-        write_thresholds(measure_thresholds(shapes, device, time_ms, grid), device, commit, args.thresholds_path)
+        grids = (TOY_TOKENS, TOY_TOKENS[-1:]) if args.toy else (THRESHOLD_TOKENS, LARGE_TOKENS)
+        write_thresholds(measure_thresholds(shapes, device, time_ms, *grids), device, commit, args.thresholds_path)
     results = run(shapes, tokens, args.routing.split(","), device, time_ms)
     md = markdown(results)
     print(md)

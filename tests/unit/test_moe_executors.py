@@ -95,8 +95,9 @@ def test_grouped_mm_equals_loop_in_bf16(num_tokens, kind):
 def test_hybrid_picks_by_token_count():
     masked, contiguous = ex.MaskedExecutor(reference_moe_ops()), ex.ContiguousExecutor(reference_moe_ops())
     hybrid = ex.HybridExecutor(masked, contiguous, max_masked_tokens=8)
-    assert [hybrid.pick(t) for t in (1, 8, 9, 4096)] == [masked, masked, contiguous, contiguous]
+    assert [hybrid.for_tokens(t) for t in (1, 8, 9, 4096)] == [masked, masked, contiguous, contiguous]
     assert hybrid.graph_safe and not ex.LoopExecutor.graph_safe and not ex.GroupedMMExecutor.graph_safe
+    assert contiguous.for_tokens(1) is contiguous
 
 
 # -- selection --------------------------------------------------------------------------------
@@ -116,7 +117,7 @@ def test_auto_on_a_machine_without_a_gpu_is_the_loop(device):
 def test_explicit_grouped_strategies_use_reference_kernels_off_cuda(name):
     sel = select_executor(name, CPU, torch.float32, SHAPE)
     assert sel.executor.name == name and "torch reference kernels" in sel.reason
-    inner = sel.executor.masked if name == "hybrid" else sel.executor
+    inner = sel.executor.small if name == "hybrid" else sel.executor
     assert inner.ops is reference_moe_ops()
 
 
@@ -172,7 +173,28 @@ def test_hybrid_threshold_is_data(tmp_path):
     assert strategy.hybrid_threshold(torch.device("cuda"), SHAPE, path)[0] == 64
 
 
-def test_graph_capture_refuses_a_non_capturable_executor(monkeypatch):
+def _thresholds_file(tmp_path, monkeypatch, entry: dict):
+    path = tmp_path / "thresholds.json"
+    path.write_text(json.dumps({"default": {"default": entry}}))
+    monkeypatch.setattr(strategy, "THRESHOLDS_PATH", path)
+    return path
+
+
+@pytest.mark.skipif(not strategy.grouped_mm_usable(CPU, torch.bfloat16, SHAPE), reason="this torch has no CPU _grouped_mm")
+def test_grouped_mm_competes_in_the_hybrid_as_measured_data(tmp_path, monkeypatch):
+    """Where the benchmark found torch._grouped_mm faster on large batches ("large"), the
+    hybrid runs it there, if it can run here; small batches stay masked (capturable)."""
+    _thresholds_file(tmp_path, monkeypatch, {"max_masked_tokens": 4, "large": "grouped_mm"})
+    sel = select_executor("hybrid", CPU, torch.bfloat16, SHAPE)
+    assert sel.executor.for_tokens(4).name == "masked" and sel.executor.for_tokens(5).name == "grouped_mm"
+    assert "grouped_mm above" in sel.reason
+    x, routing, w13, w2 = problem(13, "skewed", seed=1, dtype=torch.bfloat16)
+    torch.testing.assert_close(sel.executor(x, routing, w13, w2).float(), ex.LoopExecutor()(x, routing, w13, w2).float(), atol=2e-2, rtol=2e-2)
+    fp32 = select_executor("hybrid", CPU, torch.float32, SHAPE)  # grouped_mm cannot run fp32: contiguous
+    assert fp32.executor.for_tokens(5).name == "contiguous"
+
+
+def test_graph_capture_refuses_a_non_capturable_executor(monkeypatch, tmp_path):
     from libs.model.config import ModelConfig, MoEConfig
     from libs.model.moe import MoEOptions
     from libs.model.moe import block as block_module
@@ -191,3 +213,11 @@ def test_graph_capture_refuses_a_non_capturable_executor(monkeypatch):
         moe_block(x)
     moe_block.strategy, moe_block.selection = "contiguous", None
     assert moe_block(x).shape == (3, H)
+    # A hybrid is judged by what it picks for the batch: masked decode captures even when
+    # large batches would go to a non-capturable executor.
+    moe_block.selection = block_module.Selection(
+        ex.HybridExecutor(ex.MaskedExecutor(reference_moe_ops()), ex.LoopExecutor(), max_masked_tokens=3), "hybrid", "test",
+    )
+    assert moe_block(x).shape == (3, H)
+    with pytest.raises(RuntimeError, match="'loop'"):
+        moe_block(torch.randn(4, H))

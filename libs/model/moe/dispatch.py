@@ -54,11 +54,6 @@ class ExpertParallelDispatch:
         self.num_local_experts = num_experts // group.size
         self.first_expert = group.rank * self.num_local_experts
 
-    def to_local(self, ids: torch.Tensor) -> torch.Tensor:
-        """Global expert ids to this rank's local ids; ``-1`` for experts owned elsewhere."""
-        local = ids - self.first_expert
-        return torch.where((local >= 0) & (local < self.num_local_experts), local, -1).to(ids.dtype)
-
     def dispatch(self, x: torch.Tensor, routing: Routing) -> "Dispatched":
         """Steps 1-2: this rank's pairs to their experts' ranks; what the others send here."""
         num_tokens, top_k = routing.ids.shape

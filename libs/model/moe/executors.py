@@ -13,8 +13,9 @@ and contribute nothing. They differ in how the rows reach the GEMMs:
   GEMMs (SwiGLU fused into the first), combine. Work scales with ``T * k``: for prefill.
 - ``MaskedExecutor``: ep_scatter into ``[E, T, H]``, two masked grouped GEMMs, combine.
   No padding to a tile per expert beyond the first, and a fixed grid: for decode.
-- ``HybridExecutor``: masked up to a token count, contiguous above it. The threshold is
-  data measured by bench/moe_bench.py (libs/model/moe/hybrid_thresholds.json).
+- ``HybridExecutor``: masked up to a token count, contiguous (or ``grouped_mm``, where the
+  benchmark found it faster for large batches) above it. Both choices are data measured by
+  bench/moe_bench.py (libs/model/moe/hybrid_thresholds.json).
 - ``GroupedMMExecutor``: ``torch._grouped_mm`` on the contiguous layout (CUTLASS on SM90).
 
 The kernels come from ``kernels/moe`` through an ops namespace (``moe_ops_for``): Triton on
@@ -49,6 +50,10 @@ class ExpertExecutor(ABC):
     @abstractmethod
     def run(self, x: torch.Tensor, routing: Routing, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
         """The experts' weighted sum for a non-empty batch."""
+
+    def for_tokens(self, num_tokens: int) -> "ExpertExecutor":
+        """The executor that actually runs a batch of this size (the hybrid delegates)."""
+        return self
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name})"
@@ -106,16 +111,20 @@ class MaskedExecutor(ExpertExecutor):
 
 
 class HybridExecutor(ExpertExecutor):
-    """Masked for ``num_tokens <= max_masked_tokens``, contiguous above."""
+    """``small`` (masked) for ``num_tokens <= max_masked_tokens``, ``large`` above. Whether a
+    batch can be captured in a CUDA graph is the chosen executor's: ``for_tokens(n).graph_safe``."""
 
     name = "hybrid"
 
-    def __init__(self, masked: ExpertExecutor, contiguous: ExpertExecutor, max_masked_tokens: int):
-        self.masked, self.contiguous, self.max_masked_tokens = masked, contiguous, max_masked_tokens
-        self.graph_safe = masked.graph_safe and contiguous.graph_safe
+    def __init__(self, small: ExpertExecutor, large: ExpertExecutor, max_masked_tokens: int):
+        self.small, self.large, self.max_masked_tokens = small, large, max_masked_tokens
+        self.graph_safe = small.graph_safe and large.graph_safe
 
     def pick(self, num_tokens: int) -> ExpertExecutor:
-        return self.masked if num_tokens <= self.max_masked_tokens else self.contiguous
+        return self.small if num_tokens <= self.max_masked_tokens else self.large
+
+    def for_tokens(self, num_tokens: int) -> ExpertExecutor:
+        return self.pick(num_tokens)
 
     def run(self, x, routing, w13, w2):
         return self.pick(x.shape[0]).run(x, routing, w13, w2)

@@ -20,10 +20,14 @@ optional is imported or probed at module import: the first call does it, and cac
 
 **CUDA graphs.** The grouped executors are capturable; ``loop`` and ``grouped_mm`` are not
 (yet). The MoE block asks ``capturing_graph`` at each call and refuses, with the strategy's
-name, to run a non-capturable executor inside a capture.
+name, to run a non-capturable executor inside a capture (for the hybrid: the one it picks
+for the batch, so a hybrid whose large batches go to ``grouped_mm`` still captures decode).
 
 **Hybrid threshold.** Data, not code: hybrid_thresholds.json beside this module, keyed by
-GPU name and layer shape, written by ``bench/moe_bench.py --write-thresholds``.
+GPU name and layer shape, written by ``bench/moe_bench.py --write-thresholds``: the token
+count up to which masked wins, and (``"large"``) whether our contiguous executor or
+``torch._grouped_mm`` was faster on large batches. That is how ``grouped_mm`` competes in
+automatic selection: as a measured candidate, used only where it runs.
 """
 
 from __future__ import annotations
@@ -158,9 +162,10 @@ def device_name(device: torch.device) -> str:
         return device.type
 
 
-def hybrid_threshold(device: torch.device, shape: LayerShape, path: Path = THRESHOLDS_PATH) -> tuple[int, dict]:
+def hybrid_threshold(device: torch.device, shape: LayerShape, path: Path | None = None) -> tuple[int, dict]:
     """``(max_masked_tokens, its entry)`` for this GPU and layer shape: the most specific
     entry of the data file (device+shape, device default, default+shape, default)."""
+    path = path or THRESHOLDS_PATH
     table = _thresholds(path)
     for dev in (device_name(device), "default"):
         by_shape = table.get(dev)
@@ -182,16 +187,19 @@ def _kernels(device: torch.device) -> tuple[SimpleNamespace, str]:
     return reference_moe_ops(), "torch reference kernels (Triton needs a CUDA GPU)"
 
 
-def _hybrid(device: torch.device, shape: LayerShape) -> tuple[ExpertExecutor, str]:
+def _hybrid(device: torch.device, dtype: torch.dtype, shape: LayerShape) -> tuple[ExpertExecutor, str]:
     ops, which = _kernels(device)
     threshold, entry = hybrid_threshold(device, shape)
     note = " (provisional threshold, not yet measured)" if entry.get("provisional") else ""
-    return HybridExecutor(MaskedExecutor(ops), ContiguousExecutor(ops), threshold), f"{which}, masked up to {threshold} tokens{note}"
+    large: ExpertExecutor = ContiguousExecutor(ops)
+    if entry.get("large") == "grouped_mm" and grouped_mm_usable(device, dtype, shape):
+        large = GroupedMMExecutor(ops)
+    return HybridExecutor(MaskedExecutor(ops), large, threshold), f"{which}, masked up to {threshold} tokens, {large.name} above{note}"
 
 
-def _auto(device: torch.device, shape: LayerShape) -> tuple[ExpertExecutor, str]:
+def _auto(device: torch.device, dtype: torch.dtype, shape: LayerShape) -> tuple[ExpertExecutor, str]:
     if triton_usable(device):
-        executor, why = _hybrid(device, shape)
+        executor, why = _hybrid(device, dtype, shape)
         return executor, f"auto: hybrid with {why}"
     return LoopExecutor(), f"auto: per-expert loop (no Triton-capable GPU: {device})"
 
@@ -202,11 +210,11 @@ def select_executor(strategy: str, device: torch.device, dtype: torch.dtype, sha
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown moe_strategy {strategy!r}; use one of {', '.join(STRATEGIES)}")
     if strategy == "auto":
-        executor, reason = _auto(device, shape)
+        executor, reason = _auto(device, dtype, shape)
     elif strategy == "loop":
         executor, reason = LoopExecutor(), "loop: per-expert torch matmuls"
     elif strategy == "hybrid":
-        executor, why = _hybrid(device, shape)
+        executor, why = _hybrid(device, dtype, shape)
         reason = f"hybrid: {why}"
     elif strategy in ("contiguous", "masked"):
         ops, which = _kernels(device)
@@ -216,6 +224,6 @@ def select_executor(strategy: str, device: torch.device, dtype: torch.dtype, sha
         ops, _ = _kernels(device)
         executor, reason = GroupedMMExecutor(ops), "grouped_mm: torch._grouped_mm"
     else:
-        executor, why = _auto(device, shape)
+        executor, why = _auto(device, dtype, shape)
         reason = f"grouped_mm unavailable (needs torch._grouped_mm, bf16, an SM90+ GPU or the CPU build, 16-byte rows); {why}"
     return Selection(executor, strategy, reason)
