@@ -92,6 +92,9 @@ class ModelConfig:
         arch = model_type if model_type in SUPPORTED_ARCHITECTURES else None
         if arch is None:
             raise ValueError(f"unsupported model_type {model_type!r} in config.json")
+        act = cfg.get("hidden_act", "silu")
+        if act not in ("silu", "swish"):  # every MLP and expert here is SwiGLU
+            raise ValueError(f"unsupported hidden_act {act!r} in config.json (SwiGLU models only)")
         heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
         # transformers >= 5 writes rope_theta and the scaling into one ``rope_parameters``

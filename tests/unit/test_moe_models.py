@@ -98,6 +98,19 @@ def test_config_is_read_like_transformers(checkpoint):
     assert sparse == [i not in CASES[name][2].get("mlp_only_layers", []) for i in range(len(layers))]
 
 
+def test_configs_the_model_cannot_run_are_refused(folders):
+    import json
+
+    from libs.model.config import ModelConfig
+
+    cfg = json.loads((folders["qwen3_moe"][0] / "config.json").read_text())
+    ModelConfig.from_hf(cfg)
+    with pytest.raises(ValueError, match="hidden_act 'gelu'"):
+        ModelConfig.from_hf({**cfg, "hidden_act": "gelu"})
+    with pytest.raises(ValueError, match="num_experts_per_tok"):
+        ModelConfig.from_hf({**cfg, "num_experts_per_tok": cfg.get("num_experts", cfg.get("num_local_experts")) + 1})
+
+
 def test_first_step_logits_match_transformers(checkpoint, prompts):
     _, model, _, engine = checkpoint
     assert_logits_match(model, engine, prompts)
