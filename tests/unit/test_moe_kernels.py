@@ -175,18 +175,19 @@ def test_grouped_gemm_contiguous_triton_equals_reference(num_tokens, kind, fuse)
         torch.testing.assert_close(ref[r], want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("block_m", [None, 16], ids=["tile_from_max_m", "tile_16"])
 @pytest.mark.parametrize("fuse", [False, True], ids=["plain", "fused_silu"])
 @pytest.mark.parametrize("kind", ["uniform", "skewed", "balanced"])
 @pytest.mark.parametrize("num_tokens", TOKENS)
-def test_grouped_gemm_masked_triton_equals_reference(num_tokens, kind, fuse):
+def test_grouped_gemm_masked_triton_equals_reference(num_tokens, kind, fuse, block_m):
     x, ids = inputs(num_tokens, kind, seed=17 * num_tokens + len(kind))
     layout = scatter_ref.scatter_masked(x, ids, E)
     a = layout.x.clone()
     for e, c in enumerate(layout.counts.tolist()):
         a[e, c:] = float("nan")  # rows past the count are undefined
     w = _weights(2 * N if fuse else N, H, seed=num_tokens + 1)
-    ref = gemm_ref.grouped_gemm_masked(a, w, layout.counts, fuse)
-    tri = gemm_tri.grouped_gemm_masked(a, w, layout.counts, fuse)
+    ref = gemm_ref.grouped_gemm_masked(a, w, layout.counts, fuse, block_m)
+    tri = gemm_tri.grouped_gemm_masked(a, w, layout.counts, fuse, block_m)  # 16: several tiles an expert
     assert tri.shape == ref.shape == (E, num_tokens, N)
     for e, c in enumerate(layout.counts.tolist()):
         assert not tri[e, :c].isnan().any()

@@ -6,8 +6,9 @@ Expert weights are stacked ``nn.Linear`` weights, ``w [E, N, K]``: expert ``e`` 
 - ``grouped_gemm_contiguous(a [M, K], w, m_indices [M], block_m) -> c [M, N]``: row ``r``
   uses expert ``m_indices[r]``; rows marked ``-1`` (padding) are not computed and their
   output is undefined (zero here).
-- ``grouped_gemm_masked(a [E, max_m, K], w, counts [E]) -> c [E, max_m, N]``: the first
-  ``counts[e]`` rows of each expert; the rest undefined (zero here).
+- ``grouped_gemm_masked(a [E, max_m, K], w, counts [E], block_m=None) -> c [E, max_m, N]``:
+  the first ``counts[e]`` rows of each expert; the rest undefined (zero here). ``block_m``
+  is the kernel's M tile (a hint: the rows an expert typically has; no effect here).
 
 ``fuse_silu_and_mul=True`` applies SwiGLU to the product: ``w`` is ``[E, 2N, K]`` (gate
 rows, then up rows, as the fused ``gate_up`` projection) and the result is
@@ -65,7 +66,9 @@ def grouped_gemm_contiguous(
     return c
 
 
-def grouped_gemm_masked(a: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, fuse_silu_and_mul: bool = False) -> torch.Tensor:
+def grouped_gemm_masked(
+    a: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, fuse_silu_and_mul: bool = False, block_m: int | None = None
+) -> torch.Tensor:
     n = check_gemm_inputs(a, w, fuse_silu_and_mul)
     check_masked(a, w, counts)
     c = torch.zeros((a.shape[0], a.shape[1], n), dtype=a.dtype, device=a.device)

@@ -141,14 +141,19 @@ def grouped_gemm_contiguous(
     return c
 
 
-def grouped_gemm_masked(a: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, fuse_silu_and_mul: bool = False) -> torch.Tensor:
+def grouped_gemm_masked(
+    a: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, fuse_silu_and_mul: bool = False, block_m: int | None = None
+) -> torch.Tensor:
+    """``block_m``: M tile, a power of two in [16, 64] (default from ``max_m``). Pass the rows an
+    expert typically gets: a tile past an expert's count exits at once, a half-empty one
+    still multiplies every row."""
     n = check_gemm_inputs(a, w, fuse_silu_and_mul)
     check_masked(a, w, counts)
     num_experts, max_m, _ = a.shape
     c = torch.empty((num_experts, max_m, n), dtype=a.dtype, device=a.device)
     if max_m == 0 or n == 0:
         return c
-    block_m = min(64, max(16, triton.next_power_of_2(max_m)))
+    block_m = min(64, max(16, triton.next_power_of_2(block_m or max_m)))
     cfg = gemm_config(block_m, n, w.shape[2], fuse_silu_and_mul, a.dtype)
     a2d = a.reshape(num_experts * max_m, a.shape[2])
     _launch(a2d, w, c.view(num_experts * max_m, n), counts, counts.to(torch.int32), num_experts * triton.cdiv(max_m, block_m), max_m, n, True, fuse_silu_and_mul, cfg)

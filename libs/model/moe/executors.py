@@ -104,9 +104,12 @@ class MaskedExecutor(ExpertExecutor):
         self.ops = ops
 
     def run(self, x, routing, w13, w2):
-        layout = self.ops.scatter_masked(x, routing.ids, w13.shape[0])
-        act = self.ops.grouped_gemm_masked(layout.x, w13, layout.counts, fuse_silu_and_mul=True)
-        y = self.ops.grouped_gemm_masked(act, w2, layout.counts)
+        num_experts = w13.shape[0]
+        layout = self.ops.scatter_masked(x, routing.ids, num_experts)
+        # M tile: the rows an expert gets on average (busier experts take more tiles).
+        block_m = -(-x.shape[0] * routing.ids.shape[1] // num_experts)
+        act = self.ops.grouped_gemm_masked(layout.x, w13, layout.counts, fuse_silu_and_mul=True, block_m=block_m)
+        y = self.ops.grouped_gemm_masked(act, w2, layout.counts, block_m=block_m)
         return self.ops.combine(y.view(-1, y.shape[2]), layout.dst, routing.weights)
 
 
