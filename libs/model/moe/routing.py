@@ -17,9 +17,11 @@ selection into a deterministic, perfectly balanced one, for load and kernel benc
 (real routing is skewed and varies with the prompt, which makes kernel timings noisy and
 hides the balanced-load ceiling). Pair ``p = t * k + j`` goes to expert
 ``(offset + p) mod E``: every expert gets ``floor`` or ``ceil`` of ``T * k / E`` pairs,
-a token's ``k`` experts are distinct (``k <= E``), and the router's weights are kept. It
-changes the model's output, so it is a setting (``moe_fake_balance``) that is never on by
-default, and the KV it produces is fingerprinted apart from real routing's.
+a token's ``k`` experts are distinct (``k <= E``), and the router's weights are kept. The
+assignment is a function of the batch's shape alone (the same batch routes the same way
+every time), so a token's experts depend on its place in the step's batch, not on its
+content. It changes the model's output, so it is a setting (``moe_fake_balance``) that is
+never on by default, and the KV it produces is fingerprinted apart from real routing's.
 """
 
 from __future__ import annotations
