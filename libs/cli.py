@@ -18,6 +18,7 @@ from typing import Sequence
 
 from libs.engine import EngineConfig, InvalidRequestError, LLM, SamplingParams
 from libs.model import IncrementalDetokenizer, ModelNotFoundError
+from libs.model.moe.options import STRATEGIES
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -35,6 +36,8 @@ def _build_parser() -> argparse.ArgumentParser:
     g.add_argument("--device", default="auto", help="cpu, cuda or auto (default)")
     g.add_argument("--dtype", default="auto", help="float32, bfloat16 or auto (default: float32 on CPU, bfloat16 on CUDA)")
     g.add_argument("--quantized", action="store_true", help="CPU + GGUF: decode with the file's 4-bit weights (faster, approximate)")
+    g.add_argument("--moe-strategy", default="auto", choices=STRATEGIES, help="MoE models: how experts run (default auto)")
+    g.add_argument("--moe-fake-balance", action="store_true", help="MoE models: FakeBalanceExpert routing (load benchmarks only; changes the output)")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     return parser
 
@@ -44,7 +47,10 @@ def _generate(args: argparse.Namespace) -> int:
     params = SamplingParams(
         temperature=args.temperature, top_p=args.top_p, seed=args.seed, max_tokens=args.max_tokens
     )
-    engine = LLM(EngineConfig(model=args.model, device=args.device, dtype=args.dtype, quantized_weights=args.quantized))
+    engine = LLM(EngineConfig(
+        model=args.model, device=args.device, dtype=args.dtype, quantized_weights=args.quantized,
+        moe_strategy=args.moe_strategy, moe_fake_balance=args.moe_fake_balance,
+    ))
     tok = engine.tokenizer
     if args.chat is not None:
         prompt_ids = tok.encode_chat([{"role": "user", "content": args.chat}])

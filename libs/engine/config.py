@@ -39,6 +39,10 @@ class EngineConfig:
     # CPU + GGUF only: run the file's 4-bit (Q4_0/Q4_1) linear weights natively instead of
     # dequantizing them (libs/model/quantized.py): ~4x less memory traffic per decode step.
     quantized_weights: bool = False
+    # Mixture-of-experts models (libs/model/moe): how experts run (auto, loop, contiguous,
+    # masked, hybrid, grouped_mm), and FakeBalanceExpert routing for load benchmarks only.
+    moe_strategy: str = "auto"
+    moe_fake_balance: bool = False
     # CUDA only: decode steps replay captured graphs (batch sizes up to graph_max_batch);
     # async_prepare builds the next step's inputs while the device runs this one.
     cuda_graphs: bool = True

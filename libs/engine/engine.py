@@ -30,7 +30,7 @@ from libs.engine.params import SamplingParams
 from libs.engine.scheduler import Scheduler, SchedulerConfig
 from libs.engine.sequence import KVImport, Sequence
 from libs.kvpool.layout import KVLayout
-from libs.model import LoadedModel, load_model, make_backend
+from libs.model import LoadedModel, MoEOptions, load_model, make_backend
 
 
 class LLMEngine:
@@ -43,6 +43,7 @@ class LLMEngine:
             loaded = load_model(
                 config.model, dtype=dtype, device=device, backend=make_backend(config.attention_backend, device),
                 quantized_weights=config.quantized_weights,
+                moe=MoEOptions(strategy=config.moe_strategy, fake_balance=config.moe_fake_balance),
             )
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer

@@ -17,6 +17,7 @@ _EXPORTS = {
     "LoadedModel": "libs.model.loader",
     "ModelFingerprint": "libs.model.loader",
     "load_model": "libs.model.loader",
+    "MoEOptions": "libs.model.moe",
     "DEFAULT_MODEL_NAME": "libs.model.source",
     "ModelNotFoundError": "libs.model.source",
     "default_model_path": "libs.model.source",

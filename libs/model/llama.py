@@ -1,6 +1,8 @@
 """A Llama-family decoder over a paged KV cache, readable top to bottom (after gpt-fast).
 
-Covers Llama 1-3, SmolLM, Mistral (within its sliding window) and Qwen2 (qkv bias).
+Covers Llama 1-3, SmolLM, Mistral (within its sliding window) and Qwen2 (qkv bias), and the
+mixture-of-experts families Mixtral, Qwen2-MoE and Qwen3-MoE (per-head q/k norm), whose
+sparse layers swap the MLP for a ``SparseMoeBlock`` (libs/model/moe).
 Tokens of all sequences in a step are flattened into one ``[T]`` batch; everything
 per-sequence (which cache blocks, which positions attend to which) is in the
 ``AttentionMetadata`` and handled by the attention backend.
@@ -22,6 +24,8 @@ from kernels.rope import reference as rope_reference
 from kernels.select import ops_for
 from libs.model.attention import AttentionMetadata, PagedAttention
 from libs.model.config import ModelConfig
+from libs.model.moe import MoEOptions
+from libs.model.moe.block import SparseMoeBlock
 from libs.model.quantized import Int4Linear, Int4Weight, Int8Linear
 
 
@@ -94,6 +98,9 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
         self.backend = backend
+        # Qwen3: each head's q and k are RMS-normalised before rotary.
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_cache: torch.Tensor | None = None  # [num_blocks, block_size, kv_heads, head_dim] views
         self.v_cache: torch.Tensor | None = None
 
@@ -102,32 +109,53 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x)
         if qkv.device.type == "cpu":  # q and k are adjacent: rotate their heads in one go
             qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
-            q, k = rotary.rotate_heads(positions, qk.view(T, -1, self.head_dim)).split([self.num_heads, self.num_kv_heads], dim=1)
+            qk = qk.view(T, -1, self.head_dim)
+            if self.q_norm is not None:
+                qk = torch.cat(self.norm_heads(*qk.split([self.num_heads, self.num_kv_heads], dim=1)), dim=1)
+            q, k = rotary.rotate_heads(positions, qk).split([self.num_heads, self.num_kv_heads], dim=1)
         else:
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q, k = rotary(positions, q.view(T, self.num_heads, self.head_dim), k.view(T, self.num_kv_heads, self.head_dim))
+            q, k = q.view(T, self.num_heads, self.head_dim), k.view(T, self.num_kv_heads, self.head_dim)
+            if self.q_norm is not None:
+                q, k = self.norm_heads(q, k)
+            q, k = rotary(positions, q, k)
         v = v.view(T, self.num_kv_heads, self.head_dim)
         o = self.backend(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
         return self.o_proj(o.reshape(T, self.q_size))
 
+    def norm_heads(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Qwen3's q/k norm: RMSNorm over each head (``[T, heads, head_dim]``)."""
+        d = self.head_dim
+        return self.q_norm(q.reshape(-1, d)).view(q.shape), self.k_norm(k.reshape(-1, d)).view(k.shape)
+
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None):
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        intermediate_size = intermediate_size or cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(ops_for(x.device).silu_and_mul(self.gate_up_proj(x)))
 
 
+def feed_forward(cfg: ModelConfig, layer: int, moe: MoEOptions) -> nn.Module:
+    """Layer ``layer``'s MLP: a sparse MoE block where the config makes the layer sparse
+    (with Qwen2-MoE's shared expert, a dense MLP of its own size), else the dense MLP."""
+    if cfg.moe is None or not cfg.moe.is_sparse(layer):
+        return MLP(cfg)
+    shared = cfg.moe.shared_expert_intermediate_size
+    return SparseMoeBlock(cfg, moe, shared_expert=MLP(cfg, shared) if shared else None)
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: PagedAttention):
+    def __init__(self, cfg: ModelConfig, backend: PagedAttention, layer: int = 0, moe: MoEOptions = MoEOptions()):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, backend)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = feed_forward(cfg, layer, moe)
 
     def forward(
         self, h: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor, rotary: RotaryEmbedding, meta: AttentionMetadata
@@ -144,12 +172,12 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: PagedAttention):
+    def __init__(self, cfg: ModelConfig, backend: PagedAttention, moe: MoEOptions = MoEOptions()):
         super().__init__()
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.rotary = RotaryEmbedding(cfg)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, backend) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, i, moe) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.quantized_head: Int8Linear | None = None  # quantized-weights mode (CPU)
@@ -235,6 +263,12 @@ class LlamaModel(nn.Module):
                 put(p + "self_attn.qkv_proj.bias", torch.cat([take(a + f"{x}_proj.bias") for x in "qkv"]))
             put(p + "self_attn.qkv_proj.weight", _cat([take(a + f"{x}_proj.weight") for x in "qkv"]))
             put(p + "self_attn.o_proj.weight", take(a + "o_proj.weight"))
+            if self.config.qk_norm:
+                put(p + "self_attn.q_norm.weight", take(a + "q_norm.weight"))
+                put(p + "self_attn.k_norm.weight", take(a + "k_norm.weight"))
+            if isinstance(self.layers[i].mlp, SparseMoeBlock):
+                self.layers[i].mlp.load_hf_state(take, m)
+                continue
             put(p + "mlp.gate_up_proj.weight", _cat([take(m + "mlp.gate_proj.weight"), take(m + "mlp.up_proj.weight")]))
             put(p + "mlp.down_proj.weight", take(m + "mlp.down_proj.weight"))
         unused = set(state) - used - {"lm_head.weight"}

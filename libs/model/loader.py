@@ -12,6 +12,7 @@ from libs.kvpool.layout import LAYOUT_VERSION
 from libs.model.attention import PagedAttention
 from libs.model.config import ModelConfig
 from libs.model.llama import LlamaModel
+from libs.model.moe import MoEOptions
 from libs.model.tokenizer import Tokenizer
 from libs.model.source import model_name, resolve_model_path, weights_digest
 from libs.model.weights import read_gguf, read_hf_folder
@@ -47,11 +48,13 @@ def load_model(
     device: torch.device,
     backend: PagedAttention,
     quantized_weights: bool = False,
+    moe: MoEOptions = MoEOptions(),
 ) -> LoadedModel:
     """Read weights and tokenizer from the same source, build the model on ``device``.
 
     ``quantized_weights``: keep a GGUF's Q4_0/Q4_1 linear weights 4-bit and run them with
-    torch's int4 CPU kernel (libs/model/quantized.py): CPU only, GGUF only."""
+    torch's int4 CPU kernel (libs/model/quantized.py): CPU only, GGUF only.
+    ``moe``: how MoE layers run (strategy, FakeBalanceExpert, EP group); dense models ignore it."""
     if quantized_weights and device.type != "cpu":
         raise ValueError("quantized_weights needs a GGUF model on the CPU (the int4 kernels are CPU kernels)")
     p = resolve_model_path(path)
@@ -64,7 +67,7 @@ def load_model(
         cfg, state = read_hf_folder(p)
         tokenizer = Tokenizer.from_hf_folder(p)
     with torch.device("meta"):
-        model = LlamaModel(cfg, backend)
+        model = LlamaModel(cfg, backend, moe)
     model = model.to_empty(device="cpu").float()
     model.rotary.__init__(cfg)  # buffers are not in the checkpoint: recompute after to_empty
     model.load_hf_state(state)
@@ -75,6 +78,8 @@ def load_model(
     model.eval().requires_grad_(False)
     if quantized_weights:
         model.quantize_head()
-    # 4-bit weights give different KV than dequantized ones: never share blocks across modes.
-    fp = ModelFingerprint(weights_digest(p), str(dtype).removeprefix("torch.") + ("+q4" if quantized_weights else ""))
+    # 4-bit weights give different KV than dequantized ones, and FakeBalanceExpert's routing
+    # different KV than the router's: never share blocks across modes.
+    modes = ("+q4" if quantized_weights else "") + ("+fakebalance" if moe.fake_balance and cfg.moe else "")
+    fp = ModelFingerprint(weights_digest(p), str(dtype).removeprefix("torch.") + modes)
     return LoadedModel(model_name(p), p, cfg, model, tokenizer, fp, dtype, device)

@@ -105,6 +105,8 @@ class WorkerRuntime:
             enable_prefix_caching=settings.enable_prefix_caching,
             attention_backend=settings.attention_backend,
             quantized_weights=settings.quantized_weights,
+            moe_strategy=settings.moe_strategy,
+            moe_fake_balance=settings.moe_fake_balance,
             num_threads=settings.threads,
             swap_buffers=settings.swap_buffers,
             swap_max_blocks=settings.swap_max_blocks,

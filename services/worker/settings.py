@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from libs.model.moe.options import STRATEGIES
 from services.common import BaseSettings, setting
 
 
@@ -25,6 +26,8 @@ class WorkerSettings(BaseSettings):
     enable_prefix_caching: bool = setting(True, help="reuse KV blocks of identical prefixes inside this instance")
     attention_backend: Literal["auto", "torch", "triton"] = setting("auto", help="attention kernels")
     quantized_weights: bool = setting(False, help="CPU + GGUF: decode with the file's 4-bit weights (approximate, ~2x faster decode)")
+    moe_strategy: Literal[STRATEGIES] = setting("auto", help="MoE models: how experts run (libs/model/moe/strategy.py)")
+    moe_fake_balance: bool = setting(False, help="MoE models: FakeBalanceExpert routing, for load benchmarks only (changes the output)")
     swap_buffers: int = setting(8, help="staging buffers for pool transfers (bounds concurrent handoffs)")
     swap_max_blocks: int = setting(64, help="blocks per staging buffer")
     redis_url: str = setting("redis://127.0.0.1:6379/0", help="the pool's Redis")

@@ -9,6 +9,12 @@ import urllib.request
 from libs.engine import SamplingParams
 
 TRACE = {"tidepool": {"trace": True}}
+# Long enough that the router sends them through prefill (short prompts skip it).
+CHAT = [{"role": "user", "content": "Write two short sentences about the sea and the wind at night."}]
+PROMPT = (
+    "The lighthouse keeper climbed the spiral stairs every evening to light the great lamp. The ships "
+    "passing the rocks below trusted that light with their lives, and on the last night of the year he"
+)
 
 
 def metrics(url: str) -> dict[str, float]:
@@ -51,3 +57,12 @@ def wait_until(cond, timeout: float = 30.0, what: str = "condition") -> None:
 def trace_of(resp) -> dict:
     extra = resp.model_extra or {}
     return extra["tidepool"]["trace"]
+
+
+def assert_went_through_pd(trace: dict) -> None:
+    p = trace["prompts"][0]
+    assert p["prefill"]["decision"] == "prefill", p["prefill"]
+    totals = trace["totals"]
+    assert totals["bytes_written"] > 0 and totals["blocks_written"] > 0  # prefill wrote the prompt's blocks
+    assert totals["blocks_hit"] >= totals["blocks_written"]  # decode loaded them from the pool
+    assert totals["bytes_read"] > 0 and not totals["blocks_missed"]

@@ -3,31 +3,15 @@ separate processes handing the KV off through Redis, on the real model."""
 
 import pytest
 
-from tests.integration.pd_helpers import TRACE, engine_tokens, trace_of
+from tests.integration.pd_helpers import CHAT, PROMPT, TRACE, assert_went_through_pd, engine_tokens, trace_of
 
 pytestmark = pytest.mark.integration
-
-CHAT = [{"role": "user", "content": "Write two short sentences about the sea and the wind at night."}]
-PROMPT = (
-    "The lighthouse keeper climbed the spiral stairs every evening to light the great lamp. The ships "
-    "passing the rocks below trusted that light with their lives, and on the last night of the year he"
-)
-
 
 @pytest.fixture(scope="module")
 def model(client):
     models = client.models.list().data
     assert len(models) == 1
     return models[0].id
-
-
-def assert_went_through_pd(trace: dict) -> None:
-    p = trace["prompts"][0]
-    assert p["prefill"]["decision"] == "prefill", p["prefill"]
-    totals = trace["totals"]
-    assert totals["bytes_written"] > 0 and totals["blocks_written"] > 0  # prefill wrote the prompt's blocks
-    assert totals["blocks_hit"] >= totals["blocks_written"]  # decode loaded them from the pool
-    assert totals["bytes_read"] > 0 and not totals["blocks_missed"]
 
 
 def test_chat_greedy_equals_the_engine(client, model, reference_engine):

@@ -1,11 +1,7 @@
 """Model loading: tiny random Hugging Face checkpoints of every supported family against
 transformers, the embedded GGUF's config, fingerprints and namespaces, bf16 on the CPU.
 
-The HF checkpoints are written by transformers itself (``save_pretrained`` with
-safetensors), with the SmolLM2 tokenizer saved alongside, so the files are exactly what
-a user downloads. Their weights are re-drawn large enough that the logits are far from
-uniform: a wrong rope theta, a dropped bias or a wrong tie shows up as a logits error of
-order 1, against a tolerance of 1e-4.
+The HF checkpoints are written by transformers itself (tests/checkpoints.py).
 """
 
 from __future__ import annotations
@@ -18,7 +14,8 @@ import torch
 from libs.engine import EngineConfig, LLM, SamplingParams
 from libs.model import default_model_path, load_config, load_model
 from libs.model.attention import torch_backend
-from tests.models import CHAT_PROMPTS, RAW_PROMPTS, hf_gguf_tokenizer, hf_greedy
+from tests.checkpoints import assert_greedy_matches, assert_logits_match, save_tokenizer, write_checkpoint
+from tests.models import CHAT_PROMPTS, RAW_PROMPTS, hf_gguf_tokenizer
 
 transformers = pytest.importorskip("transformers")
 
@@ -37,28 +34,13 @@ CUSTOM_TEMPLATE = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% end
 
 @pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory) -> Path:
-    """The SmolLM2 tokenizer as transformers saves it (tokenizer.json, config, template)."""
-    d = tmp_path_factory.mktemp("tokenizer")
-    hf_gguf_tokenizer().save_pretrained(str(d))
-    return d
+    return save_tokenizer(tmp_path_factory.mktemp("tokenizer"))
 
 
 def make_checkpoint(name: str, folder: Path, tokenizer_dir: Path, *, seed: int = 0):
     """Write a tiny random checkpoint of family ``name`` into ``folder``; return the HF model."""
     cfg_cls, model_cls, overrides = CASES[name]
-    cfg = getattr(transformers, cfg_cls)(vocab_size=len(hf_gguf_tokenizer()), **SMALL, **overrides)
-    torch.manual_seed(seed)
-    model = getattr(transformers, model_cls)(cfg).eval()
-    with torch.no_grad():
-        for pname, p in model.named_parameters():
-            if "norm" in pname:
-                p.copy_(1 + 0.1 * torch.randn_like(p))
-            else:  # biases too: transformers initialises them to zero, which would hide a dropped bias
-                p.normal_(0, 0.3 if ("embed" in pname or "lm_head" in pname) else 0.15)
-    model.save_pretrained(str(folder), safe_serialization=True)
-    for f in tokenizer_dir.iterdir():
-        (folder / f.name).write_bytes(f.read_bytes())
-    return model
+    return write_checkpoint(cfg_cls, model_cls, {**SMALL, **overrides}, folder, tokenizer_dir, seed=seed)
 
 
 def engine_for(path, **overrides) -> LLM:
@@ -103,23 +85,12 @@ def test_config_is_read_like_transformers(checkpoint):
 
 def test_first_step_logits_match_transformers(checkpoint, prompts):
     _, model, _, engine = checkpoint
-    for ids in prompts:
-        with torch.no_grad():
-            ref = model(torch.tensor([ids])).logits[0, -1].float()
-        assert ref.std() > 1.0, "random weights too small: the comparison would prove little"
-        ours = engine.first_step_logits(ids)
-        assert ours.shape == ref.shape
-        err = (ours - ref).abs().max().item()
-        assert err < 1e-4, f"max |Δlogit| {err:.3g} for a {len(ids)}-token prompt"
+    assert_logits_match(model, engine, prompts)
 
 
 def test_greedy_tokens_match_transformers(checkpoint, prompts):
     _, model, _, engine = checkpoint
-    ours = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=N_GREEDY, ignore_eos=True))
-    for ids, r in zip(prompts, ours):
-        ref, _ = hf_greedy(model, ids, N_GREEDY)
-        assert r.token_ids == ref
-    assert not engine.has_unfinished_requests()
+    assert_greedy_matches(model, engine, prompts, N_GREEDY)
 
 
 def test_tokenizer_and_template_come_from_the_checkpoint(tmp_path, tokenizer_dir):

@@ -1,0 +1,152 @@
+"""Expert executors: routed tokens in, the weighted sum of their experts' outputs out.
+
+Every executor computes, for each token ``t``, ``sum_j w[t, j] * expert_{ids[t, j]}(x[t])``
+with ``expert_e(x) = w2[e] @ silu_and_mul(w13[e] @ x)`` (SwiGLU; ``w13 [E, 2I, H]`` is the
+fused gate/up weight, ``w2 [E, H, I]`` the down weight), summing the ``k`` terms in fp32 in
+choice order. Ids outside ``[0, E)`` are experts that live elsewhere (expert parallelism)
+and contribute nothing. They differ in how the rows reach the GEMMs:
+
+- ``LoopExecutor``: a loop of torch matmuls over the experts that got tokens. The CPU path,
+  the reference the others are tested against, and the benchmark's per-expert peer.
+  Reads the busy experts on the host, so it cannot be captured in a CUDA graph.
+- ``ContiguousExecutor``: ep_scatter into tile-aligned segments, two contiguous grouped
+  GEMMs (SwiGLU fused into the first), combine. Work scales with ``T * k``: for prefill.
+- ``MaskedExecutor``: ep_scatter into ``[E, T, H]``, two masked grouped GEMMs, combine.
+  No padding to a tile per expert beyond the first, and a fixed grid: for decode.
+- ``HybridExecutor``: masked up to a token count, contiguous (or ``grouped_mm``, where the
+  benchmark found it faster for large batches) above it. Both choices are data measured by
+  bench/moe_bench.py (libs/model/moe/hybrid_thresholds.json).
+- ``GroupedMMExecutor``: ``torch._grouped_mm`` on the contiguous layout (CUTLASS on SM90).
+
+The kernels come from ``kernels/moe`` through an ops namespace (``moe_ops_for``): Triton on
+CUDA, the torch references on the CPU, so every executor runs everywhere and tests can run
+the Triton kernels in the interpreter. An empty batch returns ``[0, H]`` without launching.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from types import SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+
+from kernels.moe.select import reference_moe_ops
+from kernels.select import ops_for
+from libs.model.moe.routing import Routing
+
+
+class ExpertExecutor(ABC):
+    """One way of running the experts. ``graph_safe``: can be captured in a CUDA graph."""
+
+    name: str = ""
+    graph_safe: bool = True
+
+    def __call__(self, x: torch.Tensor, routing: Routing, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] == 0:
+            return x.new_zeros((0, x.shape[1]))
+        return self.run(x, routing, w13, w2)
+
+    @abstractmethod
+    def run(self, x: torch.Tensor, routing: Routing, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+        """The experts' weighted sum for a non-empty batch."""
+
+    def for_tokens(self, num_tokens: int) -> "ExpertExecutor":
+        """The executor that actually runs a batch of this size (the hybrid delegates)."""
+        return self
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name})"
+
+
+class LoopExecutor(ExpertExecutor):
+    name = "loop"
+    graph_safe = False
+
+    def run(self, x, routing, w13, w2):
+        num_tokens, top_k = routing.ids.shape
+        flat = routing.ids.reshape(-1).long()
+        valid = (flat >= 0) & (flat < w13.shape[0])
+        silu_and_mul = ops_for(x.device).silu_and_mul
+        rows = x.new_zeros((num_tokens * top_k, x.shape[1]))
+        for e in torch.unique(flat[valid]).tolist():
+            pairs = torch.nonzero(flat == e).squeeze(1)
+            rows[pairs] = F.linear(silu_and_mul(F.linear(x[torch.div(pairs, top_k, rounding_mode="floor")], w13[e])), w2[e])
+        dst = torch.where(valid, torch.arange(flat.numel(), device=x.device), -1).view(num_tokens, top_k)
+        return reference_moe_ops().combine(rows, dst, routing.weights)
+
+
+def contiguous_block_m(num_tokens: int, top_k: int, num_experts: int) -> int:
+    """M tile of the contiguous path: 128 when experts average a full tile of rows, else 64
+    (each expert's segment pads to a tile, so small batches want small tiles)."""
+    return 128 if num_tokens * top_k >= 128 * num_experts else 64
+
+
+class ContiguousExecutor(ExpertExecutor):
+    name = "contiguous"
+
+    def __init__(self, ops: SimpleNamespace, block_m: int | None = None):
+        self.ops, self.block_m = ops, block_m
+
+    def run(self, x, routing, w13, w2):
+        num_experts = w13.shape[0]
+        block_m = self.block_m or contiguous_block_m(x.shape[0], routing.ids.shape[1], num_experts)
+        layout = self.ops.scatter_contiguous(x, routing.ids, num_experts, block_m)
+        act = self.ops.grouped_gemm_contiguous(layout.x, w13, layout.m_indices, block_m, fuse_silu_and_mul=True)
+        y = self.ops.grouped_gemm_contiguous(act, w2, layout.m_indices, block_m)
+        return self.ops.combine(y, layout.dst, routing.weights)
+
+
+class MaskedExecutor(ExpertExecutor):
+    name = "masked"
+
+    def __init__(self, ops: SimpleNamespace):
+        self.ops = ops
+
+    def run(self, x, routing, w13, w2):
+        num_experts = w13.shape[0]
+        layout = self.ops.scatter_masked(x, routing.ids, num_experts)
+        # M tile: the rows an expert gets on average (busier experts take more tiles).
+        block_m = -(-x.shape[0] * routing.ids.shape[1] // num_experts)
+        act = self.ops.grouped_gemm_masked(layout.x, w13, layout.counts, fuse_silu_and_mul=True, block_m=block_m)
+        y = self.ops.grouped_gemm_masked(act, w2, layout.counts, block_m=block_m)
+        return self.ops.combine(y.view(-1, y.shape[2]), layout.dst, routing.weights)
+
+
+class HybridExecutor(ExpertExecutor):
+    """``small`` (masked) for ``num_tokens <= max_masked_tokens``, ``large`` above. Whether a
+    batch can be captured in a CUDA graph is the chosen executor's: ``for_tokens(n).graph_safe``."""
+
+    name = "hybrid"
+
+    def __init__(self, small: ExpertExecutor, large: ExpertExecutor, max_masked_tokens: int):
+        self.small, self.large, self.max_masked_tokens = small, large, max_masked_tokens
+        self.graph_safe = small.graph_safe and large.graph_safe
+
+    def pick(self, num_tokens: int) -> ExpertExecutor:
+        return self.small if num_tokens <= self.max_masked_tokens else self.large
+
+    def for_tokens(self, num_tokens: int) -> ExpertExecutor:
+        return self.pick(num_tokens)
+
+    def run(self, x, routing, w13, w2):
+        return self.pick(x.shape[0]).run(x, routing, w13, w2)
+
+
+class GroupedMMExecutor(ExpertExecutor):
+    """``torch._grouped_mm`` (2-D rows x 3-D weights, group ends in ``offs``) on the
+    contiguous layout, with 16-row segments (its alignment). Not yet verified under CUDA
+    graph capture, so not offered there."""
+
+    name = "grouped_mm"
+    graph_safe = False
+    BLOCK_M = 16
+
+    def __init__(self, ops: SimpleNamespace):
+        self.ops = ops
+
+    def run(self, x, routing, w13, w2):
+        layout = self.ops.scatter_contiguous(x, routing.ids, w13.shape[0], self.BLOCK_M)
+        h = torch._grouped_mm(layout.x, w13.transpose(1, 2), offs=layout.seg_ends)
+        y = torch._grouped_mm(ops_for(x.device).silu_and_mul(h), w2.transpose(1, 2), offs=layout.seg_ends)
+        return self.ops.combine(y, layout.dst, routing.weights)
