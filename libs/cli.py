@@ -2,9 +2,14 @@
 
     tidepool generate --prompt "Once upon a time" --max-tokens 64
     tidepool generate --chat "What is the capital of France?" --temperature 0 --json
+    tidepool generate --chat "..." --speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'
+    tidepool spec-vocab --size 8192 --corpus notes.txt --out vocab.safetensors
 
 ``generate`` streams the completion to the terminal as it is produced; with ``--json``
-it prints one JSON object with ``prompt_token_ids``, ``token_ids`` and ``text`` instead.
+it prints one JSON object with ``prompt_token_ids``, ``token_ids`` and ``text`` instead
+(and, with ``--speculative-config``, a ``spec_decode`` object: ``num_drafts``,
+``num_draft_tokens``, ``num_accepted_tokens``). ``spec-vocab`` builds a pruned draft
+vocabulary (libs/engine/spec/vocab.py).
 Bad input (unknown model path, prompt too long, invalid sampling values) exits with
 status 2 and a one-line error, before the model does any work.
 """
@@ -17,6 +22,7 @@ import sys
 from typing import Sequence
 
 from libs.engine import EngineConfig, InvalidRequestError, LLM, SamplingParams
+from libs.engine.spec import parse_speculative_config
 from libs.model import IncrementalDetokenizer, ModelNotFoundError
 from libs.model.moe.options import STRATEGIES
 
@@ -39,6 +45,11 @@ def _build_parser() -> argparse.ArgumentParser:
     g.add_argument("--moe-strategy", default="auto", choices=STRATEGIES, help="MoE models: how experts run (default auto)")
     g.add_argument("--moe-fake-balance", action="store_true", help="MoE models: FakeBalanceExpert routing (load benchmarks only; changes the output)")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    g.add_argument(
+        "--speculative-config", default=None, metavar="JSON",
+        help='speculative decoding, vLLM\'s JSON shape, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' (default: off)',
+    )
+    sub.add_parser("spec-vocab", help="build a pruned draft vocabulary for speculative decoding", add_help=False)
     return parser
 
 
@@ -47,9 +58,11 @@ def _generate(args: argparse.Namespace) -> int:
     params = SamplingParams(
         temperature=args.temperature, top_p=args.top_p, seed=args.seed, max_tokens=args.max_tokens
     )
+    parse_speculative_config(args.speculative_config)  # a bad config fails before loading
     engine = LLM(EngineConfig(
         model=args.model, device=args.device, dtype=args.dtype, quantized_weights=args.quantized,
         moe_strategy=args.moe_strategy, moe_fake_balance=args.moe_fake_balance,
+        speculative_config=args.speculative_config,
     ))
     tok = engine.tokenizer
     if args.chat is not None:
@@ -67,13 +80,22 @@ def _generate(args: argparse.Namespace) -> int:
             sys.stdout.flush()
     tail = detok.flush()
     if args.json:
-        print(json.dumps({"prompt_token_ids": prompt_ids, "token_ids": token_ids, "text": tok.decode(token_ids)}))
+        result = {"prompt_token_ids": prompt_ids, "token_ids": token_ids, "text": tok.decode(token_ids)}
+        if engine.spec is not None:
+            m = engine.spec.metrics
+            result["spec_decode"] = {"num_drafts": m.num_drafts, "num_draft_tokens": m.num_draft_tokens, "num_accepted_tokens": m.num_accepted_tokens}
+        print(json.dumps(result))
     else:
         sys.stdout.write(tail + "\n")
     return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["spec-vocab"]:
+        from libs.engine.spec.vocab import main as spec_vocab
+
+        return spec_vocab(argv[1:], prog="tidepool spec-vocab")
     args = _build_parser().parse_args(argv)
     try:
         return _generate(args)

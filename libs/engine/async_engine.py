@@ -46,6 +46,7 @@ class EngineSnapshot:
     prefix_queried_blocks: int = 0
     preemptions: int = 0
     busy_s: float = 0.0  # wall time spent inside engine.step()
+    spec_decode: dict | None = None  # speculative decoding counters (libs/engine/spec/metrics.py)
 
 
 class _Aborted:
@@ -167,6 +168,10 @@ class AsyncEngine:
                 if out.exported_kv is not None:
                     out.exported_kv.release()
                 continue
+            if out.error is not None:  # the engine failed this request alone
+                self._streams.pop(out.request_id, None)
+                stream._put(EngineStepError(f"engine failed the request: {out.error}"))
+                continue
             stream._put(out)
             if out.finished:
                 self._streams.pop(out.request_id, None)
@@ -260,6 +265,7 @@ class AsyncEngine:
             prefix_queried_blocks=bm.prefix_queried_blocks,
             preemptions=eng.scheduler.num_preemptions,
             busy_s=s.busy_s + busy,
+            spec_decode=eng.spec.metrics.snapshot() if eng.spec is not None else None,
         )
         if self._on_step is not None and busy:
             self._on_step(busy, eng.num_running)

@@ -167,14 +167,16 @@ class BlockManager:
     def free(self, seq: Sequence) -> None:
         """Release ``seq``'s blocks, tail first."""
         for b in reversed(seq.block_table):
-            self.ref_counts[b] -= 1
-            assert self.ref_counts[b] >= 0, f"block {b} freed twice"
-            if self.ref_counts[b] == 0:
-                self._free[b] = None
-                if self.block_key[b] is None:
-                    self._free.move_to_end(b, last=False)  # nothing cached: reuse first
+            self._release(b)
         seq.block_table = []
         seq.num_committed_blocks = 0
+
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Release ``seq``'s trailing blocks beyond those holding its first ``num_tokens``
+        tokens: slots a speculative step allocated for drafts that were rejected."""
+        keep = max(-(-num_tokens // self.block_size), seq.num_committed_blocks)
+        while len(seq.block_table) > keep:
+            self._release(seq.block_table.pop())
 
     def reset_prefix_cache(self) -> None:
         for key, b in list(self.key_to_block.items()):
@@ -194,6 +196,14 @@ class BlockManager:
             self.block_key[b] = None
         self.ref_counts[b] = 1
         return b
+
+    def _release(self, b: int) -> None:
+        self.ref_counts[b] -= 1
+        assert self.ref_counts[b] >= 0, f"block {b} freed twice"
+        if self.ref_counts[b] == 0:
+            self._free[b] = None
+            if self.block_key[b] is None:
+                self._free.move_to_end(b, last=False)  # nothing cached: reuse first
 
     def _ref(self, b: int) -> None:
         if self.ref_counts[b] == 0:

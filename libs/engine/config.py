@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from libs.engine.spec.config import SpeculativeConfig
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 
@@ -48,6 +52,9 @@ class EngineConfig:
     cuda_graphs: bool = True
     graph_max_batch: int = 128
     async_prepare: str = "auto"  # auto (on CUDA), on, off
+    # Speculative decoding (libs/engine/spec): vLLM-shaped JSON (or a dict / a parsed
+    # SpeculativeConfig); None is off.
+    speculative_config: "str | dict | SpeculativeConfig | None" = None
     # PD handoff staging: buffers of swap_max_blocks blocks each (pinned on CUDA).
     swap_max_blocks: int = 64
     swap_buffers: int = 4

@@ -48,6 +48,9 @@ class DecodeGraphs:
         self.pool = None
         self.replays = 0
 
+    def _num_tokens(self, bs: int) -> int:
+        return bs  # one query token per sequence (VerifyGraphs: k + 1)
+
     def _meta(self, bs: int) -> AttentionMetadata:
         return AttentionMetadata(
             slot_mapping=self.slot_mapping[:bs],
@@ -66,12 +69,12 @@ class DecodeGraphs:
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for bs in reversed(self.sizes):
-                meta = self._meta(bs)
+                meta, t = self._meta(bs), self._num_tokens(bs)
                 for _ in range(2):  # warm-up: compiles Triton kernels, settles allocations
-                    self.model.compute_logits(self.model(self.input_ids[:bs], self.positions[:bs], meta))
+                    self.model.compute_logits(self.model(self.input_ids[:t], self.positions[:t], meta))
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self.pool, stream=stream):
-                    hidden = self.model(self.input_ids[:bs], self.positions[:bs], meta)
+                    hidden = self.model(self.input_ids[:t], self.positions[:t], meta)
                     self.logits[bs] = self.model.compute_logits(hidden)
                 if self.pool is None:
                     self.pool = graph.pool()

@@ -29,6 +29,7 @@ from libs.engine.step_timer import StepTimer
 from libs.engine.params import SamplingParams
 from libs.engine.scheduler import Scheduler, SchedulerConfig
 from libs.engine.sequence import KVImport, Sequence
+from libs.engine.spec import create_spec_decoder, parse_speculative_config
 from libs.kvpool.layout import KVLayout
 from libs.model import LoadedModel, MoEOptions, load_model, make_backend
 
@@ -52,7 +53,16 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         self.layout = KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim, config.block_size, dtype)
         self.namespace = loaded.fingerprint.namespace(config.block_size)
-        num_blocks = self._num_blocks(device)
+        # Speculative decoding (libs/engine/spec): a draft checkpoint is loaded before the
+        # cache is sized, and its own cache (same block ids) is budgeted with the target's.
+        self.spec_config = spec_cfg = parse_speculative_config(config.speculative_config)
+        draft = draft_block_nbytes = None
+        if spec_cfg is not None and spec_cfg.method == "draft_model":
+            from libs.engine.spec.draft_model import draft_layout, load_draft
+
+            draft = load_draft(spec_cfg.model, loaded, make_backend(config.attention_backend, device))
+            draft_block_nbytes = draft_layout(draft, config.block_size).block_nbytes
+        num_blocks = self._num_blocks(device, draft_block_nbytes or 0)
         cache = self.layout.allocate(num_blocks, device)
         self.block_manager = BlockManager(num_blocks, config.block_size, self.namespace, enable_prefix_caching=config.enable_prefix_caching)
         self.scheduler = Scheduler(
@@ -66,6 +76,11 @@ class LLMEngine:
         # Staging for PD handoff: exports (prefill) and imports (decode) move through here.
         self.swapper = BlockSwapper(cache, max_blocks=config.swap_max_blocks, num_buffers=config.swap_buffers)
         self.runner = ModelRunner(loaded.model, cache, config.block_size, mc.vocab_size, device, self.swapper)
+        self.spec = None if spec_cfg is None else create_spec_decoder(
+            spec_cfg, loaded=loaded, draft=draft, block_manager=self.block_manager, sampler=self.runner.sampler,
+            bind_target=self.runner._bind, max_model_len=self.max_model_len,
+            max_num_batched_tokens=self.scheduler.config.max_num_batched_tokens, device=device,
+        )
         self.exports = ExportQueue(self.block_manager, config.block_size, self.runner.export_blocks)
         self.forks = Forks(self.scheduler, self.block_manager, self.runner.copy_blocks, config.block_size)
         if device.type == "cuda" and config.cuda_graphs and loaded.model.layers[0].self_attn.backend.name == "triton":
@@ -73,6 +88,11 @@ class LLMEngine:
                 max_batch=min(config.max_num_seqs, config.graph_max_batch),
                 max_blocks_per_seq=-(-self.max_model_len // config.block_size),
             )
+            if self.spec is not None:
+                from libs.engine.spec.verify_graphs import enable_spec_graphs
+
+                enable_spec_graphs(self.runner, self.spec, max_batch=min(config.max_num_seqs, config.graph_max_batch),
+                                   max_blocks_per_seq=-(-self.max_model_len // config.block_size))
         self._prepare = AsyncRunner("prepare-inputs") if config.resolve_async_prepare(device) else None
         self._ahead: tuple[StepPlan, StepInputs, torch.Tensor] | None = None
         self.timer = StepTimer(device)
@@ -89,7 +109,7 @@ class LLMEngine:
         self.num_generated_tokens = 0
         self.num_prompt_tokens_computed = 0
 
-    def _num_blocks(self, device: torch.device) -> int:
+    def _num_blocks(self, device: torch.device, extra_block_nbytes: int = 0) -> int:
         cfg = self.config
         if cfg.num_blocks is not None:
             return cfg.num_blocks
@@ -100,7 +120,7 @@ class LLMEngine:
             budget = free * cfg.gpu_memory_utilization
         else:
             budget = 2**30
-        return max(16, int(budget // self.layout.block_nbytes))
+        return max(16, int(budget // (self.layout.block_nbytes + extra_block_nbytes)))
 
     # -- requests -----------------------------------------------------------------------
 
@@ -194,8 +214,27 @@ class LLMEngine:
         self.scheduler.abort(request_id)
         for seq in self._requests[request_id]:
             self.exports.discard(seq)
+            if self.spec is not None:
+                self.spec.forget(seq)
         self._aborted.append(request_id)
         return True
+
+    def _fail_request(self, request_id: str, error: BaseException) -> RequestOutput | None:
+        """End one request with an error (its blocks are freed now); the engine goes on."""
+        family = self._requests.get(request_id)
+        if family is None:
+            return None
+        self.scheduler.abort(request_id)
+        for seq in family:
+            self.exports.discard(seq)
+            seq.finish_reason = "error"
+            if self.spec is not None:
+                self.spec.forget(seq)
+        out = self._aborted_output(request_id)
+        for c in out.outputs:
+            c.finish_reason = "error"
+        out.error = f"{type(error).__name__}: {error}"
+        return out
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
@@ -227,6 +266,11 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if out.is_empty:
             return outputs
+        spec = self.spec.propose(out) if self.spec is not None else None
+        if spec is not None:
+            outputs.extend(o for rid, e in spec.take_failed() if (o := self._fail_request(rid, e)) is not None)
+            if out.is_empty:
+                return outputs
         now = time.monotonic()
         sample_seqs: list[Sequence] = []
         forks: list[tuple[Sequence, Sequence]] = []
@@ -244,11 +288,18 @@ class LLMEngine:
                 s.seq.pending_forks = 0
 
         self._import(out.imports)
-        plan = StepPlan.from_schedule(out, counts, self.config.block_size)
+        plan = StepPlan.from_schedule(out, counts, self.config.block_size, spec.drafts if spec is not None else None)
+        verifying = spec is not None and spec.verifying
+        if verifying:
+            self.spec.prepare(spec, self._prepare)  # on the prepare thread while the device runs
         inputs, input_ids = self._inputs_for(plan)
         self.timer.start()
         logits = self.runner.forward(inputs, input_ids)
-        samples = self.runner.sample(logits, sample_seqs) if sample_seqs else None
+        samples = self.runner.sample(logits, sample_seqs) if sample_seqs and not verifying else None
+        emitted = None
+        if verifying:
+            self.spec.collect(spec, self._prepare)
+            emitted = self.spec.sample(spec, logits, plan, sample_seqs, lambda lg, ss: self.runner.sampler.collect(self.runner.sample(lg, ss)))
         self.timer.stop()
         predicted = plan.next_decode() if self._prepare is not None and samples is not None else None
         if predicted is not None:
@@ -256,6 +307,8 @@ class LLMEngine:
             self._prepare.submit(build_inputs, predicted, self.device)
         try:
             sampled = self.runner.sampler.collect(samples) if samples is not None else None
+            if sampled is not None:
+                emitted = [[pair] for pair in zip(sampled.token_ids, sampled.logprobs)]
             self.num_steps += 1
             for row, seq in enumerate(sample_seqs):
                 if seq.capture_logits and seq.captured_logits is None:
@@ -266,6 +319,8 @@ class LLMEngine:
         self.timer.account()
 
         for s in out.scheduled:
+            if verifying and s.seq.seq_id in spec.drafts:
+                continue  # computed tokens are known after acceptance: spec.settle
             s.seq.num_computed_tokens += s.num_tokens
             self.block_manager.commit(s.seq)
             if s.seq.num_computed_tokens <= s.seq.num_prompt_tokens:
@@ -273,19 +328,27 @@ class LLMEngine:
         for parent, child in forks:
             self.forks.attach(parent, child)
         touched: dict[str, None] = {}
-        if sampled is not None:
+        if emitted is not None:
             now = time.monotonic()
-            for seq, tok, lp in zip(sample_seqs, sampled.token_ids, sampled.logprobs):
-                if seq.is_finished:  # a child that could not be attached
+            for seq, pairs in zip(sample_seqs, emitted):
+                if seq.is_finished or pairs is None:  # a child that could not be attached; a failed request
                     continue
-                seq.append_token(tok, lp)
-                self.num_generated_tokens += 1
+                reason = None
+                for tok, lp in pairs:  # one token, or a speculative burst cut at its first stop
+                    seq.append_token(tok, lp)
+                    self.num_generated_tokens += 1
+                    reason = seq.check_stop(self.max_model_len)
+                    if reason is not None:
+                        break
                 if seq.first_token_time is None:
                     seq.first_token_time = now
-                reason = seq.check_stop(self.max_model_len)
+                if verifying:
+                    self.spec.settle(spec, seq)
                 if reason is not None:
                     self._finish(seq, reason)
                 touched[seq.request_id] = None
+        if spec is not None:
+            outputs.extend(o for rid, e in spec.take_failed() if (o := self._fail_request(rid, e)) is not None)
         for seq in out.preempted:
             touched.setdefault(seq.request_id, None)
         outputs.extend(self._request_output(rid) for rid in touched if rid in self._requests)
@@ -317,6 +380,8 @@ class LLMEngine:
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq, reason)
+        if self.spec is not None:
+            self.spec.forget(seq)
         if seq.export_kv and seq.index == 0:
             self.exports.add(seq)  # the request finishes once its prompt's KV is gathered
             return

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from libs.engine.scheduler import SchedulerOutput
+from libs.model.attention import AttentionMetadata
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,7 @@ class SeqPlan:
     num_tokens: int
     block_table: tuple[int, ...]
     num_samples: int
+    verify: bool = False  # speculative verification: logits at every fed position
 
 
 @dataclass(frozen=True)
@@ -39,10 +41,18 @@ class StepPlan:
     block_size: int
 
     @classmethod
-    def from_schedule(cls, out: SchedulerOutput, sample_counts: list[int], block_size: int) -> "StepPlan":
+    def from_schedule(
+        cls, out: SchedulerOutput, sample_counts: list[int], block_size: int, drafts: dict[int, list[int]] | None = None
+    ) -> "StepPlan":
+        """``drafts``: speculating sequences (by seq id) feed their last token and their
+        drafts, and get logits at each (libs/engine/spec/verify.py)."""
         seqs = []
         for s, k in zip(out.scheduled, sample_counts):
             seq, start = s.seq, s.seq.num_computed_tokens
+            d = drafts.get(seq.seq_id) if drafts else None
+            if d is not None:
+                seqs.append(SeqPlan(seq.seq_id, (seq.token_ids[start], *d), start, 1 + len(d), tuple(seq.block_table), k, verify=True))
+                continue
             seqs.append(SeqPlan(seq.seq_id, tuple(seq.token_ids[start : start + s.num_tokens]), start, s.num_tokens, tuple(seq.block_table), k))
         return cls(tuple(seqs), out.num_decodes, block_size)
 
@@ -91,6 +101,19 @@ class StepInputs:
     num_prefill_tokens: int
     max_seq_len: int
     max_blocks: int  # host copy of block_tables.shape[1]
+    num_verify_tokens: int = 0  # tokens of speculative verification (logits at each)
+
+    def metadata(self) -> AttentionMetadata:
+        """What every layer's attention reads."""
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping,
+            block_tables=self.block_tables,
+            seq_lens=self.seq_lens,
+            query_start_loc=self.query_start_loc,
+            num_decodes=self.num_decodes,
+            num_prefill_tokens=self.num_prefill_tokens,
+            max_seq_len=self.max_seq_len,
+        )
 
 
 def build_inputs(plan: StepPlan, device: torch.device) -> StepInputs:
@@ -104,7 +127,7 @@ def build_inputs(plan: StepPlan, device: torch.device) -> StepInputs:
     seq_lens = np.empty(n, dtype=np.int32)
     qsl = [0]
     logits_indices: list[int] = []
-    t = 0
+    t = verify_tokens = 0
     for i, s in enumerate(plan.seqs):
         pos = np.arange(s.start, s.start + s.num_tokens, dtype=np.int64)
         table = np.asarray(s.block_table, dtype=np.int64)
@@ -116,7 +139,11 @@ def build_inputs(plan: StepPlan, device: torch.device) -> StepInputs:
         if i >= plan.num_decodes:
             qsl.append(qsl[-1] + s.num_tokens)
         t += s.num_tokens
-        logits_indices.extend([t - 1] * s.num_samples)
+        if s.verify:
+            logits_indices.extend(range(t - s.num_tokens, t))
+            verify_tokens += s.num_tokens
+        else:
+            logits_indices.extend([t - 1] * s.num_samples)
     cat = np.concatenate if pos_chunks else (lambda _: np.zeros(0, dtype=np.int64))
     move = _mover(device)
     return StepInputs(
@@ -131,6 +158,7 @@ def build_inputs(plan: StepPlan, device: torch.device) -> StepInputs:
         num_prefill_tokens=t - plan.num_decodes,
         max_seq_len=int(seq_lens.max()) if n else 0,
         max_blocks=max_blocks,
+        num_verify_tokens=verify_tokens,
     )
 
 

@@ -89,6 +89,8 @@ class LLM(LLMEngine):
             while rid in self._requests:
                 for o in self.step():
                     if o.request_id == rid:
+                        if o.error is not None:
+                            raise RuntimeError(f"the engine failed the request: {o.error}")
                         for c in o.outputs:
                             if c.new_token_ids:
                                 yield c.new_token_ids

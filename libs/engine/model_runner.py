@@ -16,7 +16,6 @@ from libs.engine.cuda_graphs import DecodeGraphs
 from libs.engine.inputs import StepInputs
 from libs.engine.sampler import DeviceSamples, Sampler, SamplingBatch
 from libs.engine.sequence import KVImport, Sequence
-from libs.model.attention import AttentionMetadata
 from libs.model.llama import LlamaModel
 
 
@@ -31,6 +30,7 @@ class ModelRunner:
         self.device = device
         self.sampler = Sampler(vocab_size, device)
         self.graphs: DecodeGraphs | None = None
+        self.verify_graphs = None  # speculative verify step (libs/engine/spec/verify_graphs.py)
 
     def _bind(self) -> None:
         # Several engines may share one loaded model (tests, benchmarks); the model's layers
@@ -93,16 +93,9 @@ class ModelRunner:
         self._bind()
         if self.graphs is not None and self.graphs.can_run(inputs):
             return self.graphs.run(inputs, input_ids)
-        meta = AttentionMetadata(
-            slot_mapping=inputs.slot_mapping,
-            block_tables=inputs.block_tables,
-            seq_lens=inputs.seq_lens,
-            query_start_loc=inputs.query_start_loc,
-            num_decodes=inputs.num_decodes,
-            num_prefill_tokens=inputs.num_prefill_tokens,
-            max_seq_len=inputs.max_seq_len,
-        )
-        hidden = self.model(input_ids, inputs.positions, meta)
+        if self.verify_graphs is not None and self.verify_graphs.can_run(inputs):
+            return self.verify_graphs.run(inputs, input_ids)
+        hidden = self.model(input_ids, inputs.positions, inputs.metadata())
         return self.model.compute_logits(hidden[inputs.logits_indices])
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> DeviceSamples:

@@ -36,6 +36,7 @@ class RequestOutput:
     num_imported_tokens: int = 0
     exported_kv: "ExportedKV | None" = None
     metrics: dict[str, float] = field(default_factory=dict)
+    error: str | None = None  # the request failed in the engine (finish reason "error")
 
 
 @dataclass

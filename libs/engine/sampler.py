@@ -43,6 +43,19 @@ class DeviceSamples:
     want: list[int | None]
 
 
+def exponential_noise(generators: list[torch.Generator | None], width: int, device: torch.device) -> torch.Tensor:
+    """``[rows, width]`` Exp(1) draws, each seeded row from its own generator (so a seeded
+    request's draws do not depend on its batch), the rest from the global one."""
+    noise = torch.empty((len(generators), width), device=device)
+    unseeded = [i for i, g in enumerate(generators) if g is None]
+    if unseeded:
+        noise[unseeded] = torch.empty((len(unseeded), width), device=device).exponential_()
+    for i, g in enumerate(generators):
+        if g is not None:
+            noise[i].exponential_(generator=g)
+    return noise
+
+
 class Sampler:
     def __init__(self, vocab_size: int, device: torch.device):
         self.vocab_size = vocab_size
@@ -58,11 +71,7 @@ class Sampler:
         params = batch.params
         want_logprobs = [p.logprobs for p in params]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(k is not None for k in want_logprobs) else None
-
-        if any(p.has_penalties for p in params):
-            logits = self._apply_penalties(logits.clone(), batch)
-        if batch.banned_ids is not None and any(batch.banned_ids):
-            logits = self._ban(logits, batch.banned_ids)
+        logits = self.process(logits, batch)
 
         greedy = [i for i, p in enumerate(params) if p.greedy]
         random = [i for i, p in enumerate(params) if not p.greedy]
@@ -77,6 +86,22 @@ class Sampler:
             tokens[g_idx] = logits[g_idx].argmax(dim=-1)
             tokens[r_idx] = self._sample(logits[r_idx], [params[i] for i in random], [batch.generators[i] for i in random])
         return DeviceSamples(tokens, self._logprob_tensors(raw_logprobs, tokens, want_logprobs), want_logprobs)
+
+    def process(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """Penalties and ``min_tokens`` bans: the logits greedy rows take the argmax of.
+        Speculative verification (libs/engine/spec) processes each position through here
+        too, so its target distribution is exactly this one."""
+        logits = logits[:, : self.vocab_size]
+        if any(p.has_penalties for p in batch.params):
+            logits = self._apply_penalties(logits.clone(), batch)
+        if batch.banned_ids is not None and any(batch.banned_ids):
+            logits = self._ban(logits, batch.banned_ids)
+        return logits
+
+    def probs(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        """What a sampled row draws from: temperature, then top-k / top-p / min-p, softmax."""
+        temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=logits.device)
+        return torch.softmax(self._filter(logits / temps.unsqueeze(1), params), dim=-1)
 
     def collect(self, ds: DeviceSamples) -> SamplerOutput:
         """Read the samples back: the one host sync of a step."""
@@ -115,18 +140,8 @@ class Sampler:
         return logits
 
     def _sample(self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> torch.Tensor:
-        temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=logits.device)
-        logits = logits / temps.unsqueeze(1)
-        logits = self._filter(logits, params)
-        probs = torch.softmax(logits, dim=-1)
-        noise = torch.empty_like(probs)
-        unseeded = [i for i, g in enumerate(generators) if g is None]
-        if unseeded:
-            noise[unseeded] = torch.empty((len(unseeded), probs.shape[1]), device=probs.device).exponential_()
-        for i, g in enumerate(generators):
-            if g is not None:
-                noise[i].exponential_(generator=g)
-        return (probs / noise).argmax(dim=-1)
+        probs = self.probs(logits, params)
+        return (probs / exponential_noise(generators, probs.shape[1], probs.device)).argmax(dim=-1)
 
     def _filter(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         """Mask tokens outside top-k, outside the top-p nucleus and below min-p to -inf.

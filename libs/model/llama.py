@@ -192,12 +192,14 @@ class LlamaModel(nn.Module):
             layer.self_attn.k_cache = cache[:, i, 0]
             layer.self_attn.v_cache = cache[:, i, 1]
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Final hidden states ``[T, hidden]`` for the flattened tokens of a step."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, num_layers: int | None = None) -> torch.Tensor:
+        """Final hidden states ``[T, hidden]`` for the flattened tokens of a step.
+        ``num_layers``: stop after that many layers, then the final norm (an early exit:
+        speculative decoding's ``self_draft``)."""
         for m in self._quantized_modules:  # decode rows take the 4-bit path (libs/model/quantized.py)
             m.decode_rows = meta.num_decodes
         h, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
+        for layer in self.layers if num_layers is None else self.layers[:num_layers]:
             h, residual = layer(h, residual, positions, self.rotary, meta)
         return self.norm.add_and_norm(h, residual)[0]
 

@@ -70,6 +70,8 @@ class WorkerMetrics:
         Gauge("tidepool_generated_tokens", "tokens generated (cumulative)", registry=registry).set_function(snap("generated_tokens"))
         Gauge("tidepool_prompt_tokens_computed", "prompt tokens computed (cumulative)", registry=registry).set_function(snap("prompt_tokens_computed"))
         Gauge("tidepool_preemptions", "sequences preempted (cumulative)", registry=registry).set_function(snap("preemptions"))
+        if runtime.role == "decode":
+            registry.register(SpecDecodeCollector(runtime))
         return cls(
             requests=Counter("tidepool_worker_requests", "requests handled, by outcome", ["outcome"], registry=registry),
             request_seconds=Histogram("tidepool_worker_request_seconds", "request latency inside this instance", buckets=_LATENCY_BUCKETS, registry=registry),
@@ -84,6 +86,33 @@ class WorkerMetrics:
             ttft_seconds=Histogram("tidepool_worker_ttft_seconds", "arrival to first token produced here", buckets=_LATENCY_BUCKETS, registry=registry),
             tpot_seconds=Histogram("tidepool_worker_tpot_seconds", "time per output token after the first", buckets=_LATENCY_BUCKETS, registry=registry),
         )
+
+
+class SpecDecodeCollector:
+    """Speculative decoding counters under vLLM's names (``*_total`` as counters), read from
+    the engine's snapshot at scrape time; zeros on a decode instance that does not speculate."""
+
+    def __init__(self, runtime: "WorkerRuntime"):
+        self._runtime = runtime
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        s = self._runtime.engine.snapshot.spec_decode or {}
+        for name, help_ in (
+            ("num_drafts", "speculative rounds with at least one draft token"),
+            ("num_draft_tokens", "draft tokens verified"),
+            ("num_accepted_tokens", "draft tokens accepted"),
+        ):
+            yield CounterMetricFamily(f"tidepool_spec_decode_{name}", help_, value=s.get(name, 0))
+        per_pos = CounterMetricFamily("tidepool_spec_decode_num_accepted_tokens_per_pos", "accepted draft tokens by position", labels=["position"])
+        for i, n in enumerate(s.get("num_accepted_tokens_per_pos", [])):
+            per_pos.add_metric([str(i)], n)
+        yield per_pos
+        yield GaugeMetricFamily("tidepool_spec_decode_mean_acceptance_length", "1 + accepted / drafts", value=s.get("mean_acceptance_length", 0.0))
 
 
 class WorkerRuntime:
@@ -110,6 +139,8 @@ class WorkerRuntime:
             num_threads=settings.threads,
             swap_buffers=settings.swap_buffers,
             swap_max_blocks=settings.swap_max_blocks,
+            # Decode speculates; prefill computes prompts and samples one token: unchanged.
+            speculative_config=settings.speculative_config if role == "decode" else None,
         )
         llm = LLMEngine(cfg)
         self.llm = llm

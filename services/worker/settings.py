@@ -39,6 +39,12 @@ class WorkerSettings(BaseSettings):
     instance_id: str | None = setting(None, help="stable id for this instance; default: random")
     heartbeat_s: float = setting(1.0, help="seconds between heartbeats to the router")
     load_timeout_s: float = setting(10.0, help="longest wait for pool reads or staging before recomputing instead")
+    speculative_config: str | None = setting(
+        None,
+        help='decode only: speculative decoding as vLLM-shaped JSON, e.g. {"method": "ngram", "num_speculative_tokens": 4} '
+        "(methods ngram, draft_model, self_draft; see README); off by default. Prefill ignores it.",
+        metavar="JSON",
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -46,3 +52,6 @@ class WorkerSettings(BaseSettings):
             raise ValueError("threads must be >= 1")
         if self.heartbeat_s <= 0 or self.load_timeout_s <= 0:
             raise ValueError("heartbeat_s and load_timeout_s must be > 0")
+        from libs.engine.spec.config import parse_speculative_config
+
+        parse_speculative_config(self.speculative_config)  # a bad JSON ends start-up with status 2

@@ -1,0 +1,181 @@
+"""Drafting with a network: ``k`` autoregressive steps of a small model (or the target's
+first layers), batched over every speculating sequence.
+
+``DraftNetwork`` is the draft's forward, embeddings → layers → final norm → LM head: its
+own checkpoint's model (``draft_model``) or the target's first layers (``self_draft``). Its head may be pruned to a draft vocabulary (libs/engine/spec/vocab.py);
+its embeddings always take *target* ids, so each draft token is mapped to its target id
+before it is fed back and before it is returned.
+
+Where the draft's KV lives:
+
+- ``self_draft`` shares the target's cache: its layers *are* the target's first layers, so
+  their KV for every token the target has computed is already there; the draft writes its
+  own positions (the slots the verify step will overwrite with the same layers' values).
+- ``draft_model`` has its own cache, indexed by the target's block ids (one block table
+  serves both models). A sequence's draft KV is valid for the leading tokens it has fed
+  that the sequence still has; the rest (the prompt on first use, imported or prefix-cached
+  blocks, tokens emitted by plain decode steps) is caught up in the first draft step, which
+  is then a chunked prefill of the draft.
+
+Each step is built with the engine's own ``build_inputs`` from an immutable ``StepPlan``
+and runs through the same attention backend. Decode-shaped steps replay CUDA graphs when
+the engine captures them. Draft tokens stay on the device between steps; one host sync
+reads all of them at the end.
+
+Sampling: a greedy request's drafts are the draft's argmax (``q`` unused); a sampled
+request's drafts are drawn from ``q = softmax(logits / T)`` with the request's own
+generator, and ``q`` (mapped into the target vocabulary) goes to the rejection sampler.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from libs.engine.inputs import SeqPlan, StepInputs, StepPlan, build_inputs
+from libs.engine.sampler import exponential_noise
+from libs.engine.spec.proposer import DraftRequest, Drafts
+from libs.engine.spec.vocab import DraftVocab
+from libs.model.attention import AttentionMetadata
+from libs.model.llama import LlamaModel
+
+
+class DraftNetwork(nn.Module):
+    """A ``LlamaModel``'s first ``num_layers`` layers, its final norm, and an LM head that
+    may be pruned to a draft vocabulary (then it outputs draft ids)."""
+
+    def __init__(self, model: LlamaModel, num_layers: int, head_weight: torch.Tensor):
+        super().__init__()
+        self.model = model
+        self.num_layers = num_layers
+        self.head_weight = head_weight  # [N or V, hidden]: pruned rows, or the model's head itself
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, meta, num_layers=self.num_layers)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.head_weight).float()
+
+
+class ModelProposer:
+    def __init__(
+        self,
+        name: str,
+        network: DraftNetwork,
+        *,
+        vocab: DraftVocab | None,
+        block_size: int,
+        device: torch.device,
+        shares_target_cache: bool,
+        bind=None,
+    ):
+        self.name = name
+        self.network = network
+        self.vocab = vocab.to(device) if vocab is not None else None
+        self.block_size = block_size
+        self.device = device
+        self.shares_target_cache = shares_target_cache
+        self._bind = bind or (lambda: None)  # points the network's layers at its cache
+        self.graphs = None  # DecodeGraphs over the network (CUDA), set by the engine
+        # Own-cache drafts: (first position, target ids fed from there) per sequence.
+        self._fed: dict[int, tuple[int, list[int]]] = {}
+        self.num_forwards = 0
+        self.num_catch_up_tokens = 0  # draft tokens computed beyond the one new token
+
+    def forget(self, seq_id: int) -> None:
+        self._fed.pop(seq_id, None)
+
+    def draft_computed(self, seq) -> int:
+        """Leading tokens of ``seq`` whose draft KV is valid."""
+        if self.shares_target_cache:
+            return seq.num_computed_tokens
+        rec = self._fed.get(seq.seq_id)
+        if rec is None:
+            return 0
+        base, fed = rec
+        toks, valid = seq.token_ids, base
+        for i, t in enumerate(fed):
+            if base + i >= len(toks) or toks[base + i] != t:
+                break
+            valid = base + i + 1
+        return min(valid, seq.num_computed_tokens)
+
+    @torch.inference_mode()
+    def propose(self, requests: list[DraftRequest]) -> Drafts:
+        if not requests:
+            return Drafts([])
+        self._bind()
+        B, K = len(requests), max(r.max_drafts for r in requests)
+        seqs = [r.seq for r in requests]
+        generators = [s.generator for s in seqs]
+        greedy = [s.params.greedy for s in seqs]
+        temps = torch.tensor([max(s.params.temperature, 1e-5) for s in seqs], device=self.device).unsqueeze(1)
+        tokens = torch.zeros((B, K), dtype=torch.long, device=self.device)  # target ids
+        probs: torch.Tensor | None = None if all(greedy) else torch.zeros((B, K, self._width), device=self.device)
+
+        # Step 0: whatever the draft has not computed yet, ending with the last token.
+        firsts = []
+        for s in seqs:
+            start = self.draft_computed(s)
+            firsts.append((start, s.token_ids[start:]))
+            self.num_catch_up_tokens += s.num_tokens - start - 1
+        order = sorted(range(B), key=lambda i: len(firsts[i][1]) != 1)  # decode-shaped first
+        plan = StepPlan(
+            tuple(SeqPlan(seqs[i].seq_id, tuple(firsts[i][1]), firsts[i][0], len(firsts[i][1]), tuple(seqs[i].block_table), 1) for i in order),
+            sum(1 for i in order if len(firsts[i][1]) == 1),
+            self.block_size,
+        )
+        inputs = build_inputs(plan, self.device)
+        logits = torch.empty((B, self._draft_width), device=self.device)
+        logits[torch.tensor(order, device=self.device)] = self._run(inputs, inputs.input_ids)
+        active = list(range(B))
+        for j in range(K):
+            draft_ids, q = self._sample(logits, [generators[i] for i in active], [greedy[i] for i in active], temps[active])
+            target_ids = self.vocab.to_target_ids(draft_ids) if self.vocab is not None else draft_ids
+            idx = torch.tensor(active, device=self.device)
+            tokens[idx, j] = target_ids
+            if probs is not None:
+                probs[idx, j] = self.vocab.to_target_probs(q) if self.vocab is not None else q
+            active_next = [i for i in active if requests[i].max_drafts > j + 1]
+            if not active_next:
+                break
+            keep = torch.tensor([active.index(i) for i in active_next], device=self.device)
+            plan = StepPlan(
+                tuple(SeqPlan(seqs[i].seq_id, (), seqs[i].num_tokens + j, 1, tuple(seqs[i].block_table), 1) for i in active_next),
+                len(active_next),
+                self.block_size,
+            )
+            inputs = build_inputs(plan, self.device)
+            logits = self._run(inputs, target_ids[keep])
+            active = active_next
+
+        drafts = [row[: r.max_drafts] for row, r in zip(tokens.tolist(), requests)]  # the host sync
+        if not self.shares_target_cache:
+            for (start, first), d, s in zip(firsts, drafts, seqs):
+                self._fed[s.seq_id] = (start, [*first, *d[:-1]])
+        return Drafts(drafts, probs)
+
+    @property
+    def _draft_width(self) -> int:
+        return self.network.head_weight.shape[0]
+
+    @property
+    def _width(self) -> int:
+        return self.vocab.target_vocab_size if self.vocab is not None else self._draft_width
+
+    def _run(self, inputs: StepInputs, input_ids: torch.Tensor) -> torch.Tensor:
+        self.num_forwards += 1
+        if self.graphs is not None and self.graphs.can_run(inputs):
+            return self.graphs.run(inputs, input_ids)
+        hidden = self.network(input_ids, inputs.positions, inputs.metadata())
+        return self.network.compute_logits(hidden[inputs.logits_indices])
+
+    def _sample(self, logits: torch.Tensor, generators, greedy: list[bool], temps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Draft ids (draft vocabulary) and, for sampled rows, ``q`` over the draft vocabulary."""
+        if all(greedy):
+            return logits.argmax(dim=-1), None
+        q = torch.softmax(logits / temps, dim=-1)
+        sampled = (q / exponential_noise(generators, q.shape[1], q.device)).argmax(dim=-1)
+        g = torch.tensor(greedy, device=logits.device)
+        return torch.where(g, logits.argmax(dim=-1), sampled), q
