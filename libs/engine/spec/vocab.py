@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
 
+import numpy as np
 import torch
 
 
@@ -91,9 +92,9 @@ class DraftVocab:
         if not 1 <= size <= V:
             raise ValueError(f"size must be in [1, {V}], got {size}")
         keep = set(int(t) for t in always if 0 <= int(t) < V)
-        # Stable order: by count, ties by id, so the same counts always give the same vocab.
-        order = sorted(range(V), key=lambda t: (-int(counts[t]), t))
-        for t in order:
+        # By count, ties by id (a stable sort), so the same counts always give the same vocab.
+        order = np.argsort(-counts.cpu().numpy().astype(np.int64), kind="stable")
+        for t in order[: size + len(keep)].tolist():
             if len(keep) >= size:
                 break
             keep.add(t)
@@ -147,6 +148,24 @@ def count_generations(llm, prompts: Sequence[str], *, max_tokens: int, temperatu
     return counts
 
 
+def _tokenizer_and_vocab_size(model: str | None):
+    """The target's tokenizer and its model's vocabulary size (what the maps index),
+    reading a GGUF's metadata once (the reader is the slow part)."""
+    from libs.model import load_config, load_tokenizer
+    from libs.model.source import resolve_model_path
+
+    path = resolve_model_path(model)
+    if not path.is_file():
+        return load_tokenizer(path), load_config(path).vocab_size
+    import gguf
+
+    from libs.model.gguf_meta import gguf_config, gguf_metadata
+    from libs.model.tokenizer import Tokenizer
+
+    meta = gguf_metadata(gguf.GGUFReader(str(path)))
+    return Tokenizer.from_gguf_fields(meta), gguf_config(meta).vocab_size
+
+
 def build_parser(prog: str = "python -m libs.engine.spec.vocab") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description="Build a pruned draft vocabulary (d2t/t2d) from token frequencies.")
     src = p.add_mutually_exclusive_group(required=True)
@@ -164,13 +183,10 @@ def build_parser(prog: str = "python -m libs.engine.spec.vocab") -> argparse.Arg
 
 def main(argv: Sequence[str] | None = None, prog: str = "python -m libs.engine.spec.vocab") -> int:
     args = build_parser(prog).parse_args(argv)
-    from libs.model import load_config, load_tokenizer
-
     try:
-        tok = load_tokenizer(args.model)
-        vocab_size = load_config(args.model).vocab_size  # the model's, which the maps index
+        texts = [Path(f).read_text(encoding="utf-8", errors="replace") for f in args.corpus or ()]
+        tok, vocab_size = _tokenizer_and_vocab_size(args.model)
         if args.corpus:
-            texts = [Path(f).read_text(encoding="utf-8", errors="replace") for f in args.corpus]
             counts = count_tokens(texts, lambda t: tok.encode(t, add_special_tokens=False), vocab_size)
         else:
             from libs.engine import LLM, EngineConfig
