@@ -15,6 +15,7 @@ burst (drafts + 1) never passes ``max_tokens``. Outputs must run to ``max_tokens
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import numpy as np
 
@@ -22,7 +23,7 @@ from libs.engine.spec.ngram import ngram_lookup
 
 
 def _counts(k: int) -> dict:
-    return {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0, "num_accepted_tokens_per_pos": [0] * k, "rounds": 0}
+    return {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0, "num_accepted_tokens_per_pos": [0] * k, "rounds": 0, "plain_steps": 0}
 
 
 def _observe(c: dict, n: int, a: int) -> None:
@@ -50,20 +51,25 @@ def expected_ngram(prompt: list[int], output: list[int], *, k: int, min_n: int, 
     return c
 
 
-def expected_forced(max_tokens: int, *, k: int, rate: float) -> dict:
-    """Every step after the first drafts (a model-based proposer always has drafts)."""
+def expected_rounds(max_tokens: int, *, k: int, accepts: Callable[[int], int]) -> dict:
+    """A proposer that always drafts (model-based), with ``accepts(k_i)`` accepted a round."""
     c = _counts(k)
     n_out = 1
     while n_out < max_tokens:
         k_i = min(k, max_tokens - n_out - 1)
-        if k_i < 1:
+        if k_i < 1:  # no room for a draft: a plain step
+            c["plain_steps"] += 1
             n_out += 1
             continue
-        a = min(k_i, int(math.floor(rate * k_i + 0.5)))
+        a = accepts(k_i)
         _observe(c, k_i, a)
         c["rounds"] += 1
         n_out += a + 1
     return c
+
+
+def expected_forced(max_tokens: int, *, k: int, rate: float) -> dict:
+    return expected_rounds(max_tokens, k=k, accepts=lambda n: min(n, int(math.floor(rate * n + 0.5))))
 
 
 def metrics_match(snapshot: dict, expected: dict) -> bool:

@@ -266,6 +266,7 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if out.is_empty:
             return outputs
+        self._import(out.imports)  # before drafting: a self-draft reads the imported KV
         spec = self.spec.propose(out) if self.spec is not None else None
         if spec is not None:
             outputs.extend(o for rid, e in spec.take_failed() if (o := self._fail_request(rid, e)) is not None)
@@ -287,7 +288,6 @@ class LLMEngine:
                     sample_seqs.append(child)
                 s.seq.pending_forks = 0
 
-        self._import(out.imports)
         plan = StepPlan.from_schedule(out, counts, self.config.block_size, spec.drafts if spec is not None else None)
         verifying = spec is not None and spec.verifying
         if verifying:

@@ -175,13 +175,16 @@ class RejectionSampler:
             flat[idx] = self.sampler.probs(processed[idx], [batch.sampling.params[i] for i in sampled_rows])
             target_probs = flat[batch.position_rows]  # [B, K + 1, V]
         q = None if draft_probs is None or target_probs is None else draft_probs[:, :K].float()
-        uniform = torch.empty((B, K), device=device)
+        # A seeded row draws exactly its own drafts' uniforms (not the batch's K): what it
+        # consumes from its generator must not depend on what it is batched with.
+        uniform = torch.zeros((B, K), device=device)
         unseeded = [b for b, g in enumerate(generators) if g is None]
         if unseeded and K:
             uniform[unseeded] = torch.rand((len(unseeded), K), device=device)
         for b, g in enumerate(generators):
-            if g is not None and K:
-                uniform[b] = torch.rand(K, generator=g, device=device)
+            n = batch.num_drafts_list[b]
+            if g is not None and n:
+                uniform[b, :n] = torch.rand(n, generator=g, device=device)
         noise = exponential_noise(generators, V, device)
 
         if self.forced_acceptance is not None:
