@@ -41,7 +41,7 @@ def decode(eng: LLM, batch: int, steps: int = DECODE_STEPS) -> dict:
         eng.step()
     torch.cuda.synchronize()
     eng.timer.reset()
-    hits0 = eng.prepared_ahead_hits
+    hits0, tokens0 = eng.prepared_ahead_hits, eng.num_generated_tokens
     t, n = time.perf_counter(), 0
     while eng.has_unfinished_requests():
         eng.step()
@@ -49,7 +49,7 @@ def decode(eng: LLM, batch: int, steps: int = DECODE_STEPS) -> dict:
     dt = time.perf_counter() - t
     return {
         "ms_per_step": dt / n * 1e3,
-        "tokens_per_s": batch * n / dt,
+        "tokens_per_s": (eng.num_generated_tokens - tokens0) / dt,  # several per step when speculating
         "gpu_idle_fraction": eng.timer.idle_fraction,
         "prepared_ahead": eng.prepared_ahead_hits - hits0,
         "steps": n,

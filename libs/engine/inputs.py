@@ -113,6 +113,7 @@ class StepInputs:
             num_decodes=self.num_decodes,
             num_prefill_tokens=self.num_prefill_tokens,
             max_seq_len=self.max_seq_len,
+            num_verify_tokens=self.num_verify_tokens,
         )
 
 

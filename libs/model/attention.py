@@ -33,6 +33,10 @@ class AttentionMetadata:
     num_decodes: int
     num_prefill_tokens: int
     max_seq_len: int = 0  # host-side bound, lets kernels size their grids without a sync
+    # Generated tokens right after the decodes, in multi-token chunks: speculative
+    # verification (libs/engine/spec). Attention treats them as prefill chunks; the 4-bit
+    # decode path (libs/model/quantized.py) as generated tokens.
+    num_verify_tokens: int = 0
 
     @property
     def num_decode_tokens(self) -> int:

@@ -196,8 +196,8 @@ class LlamaModel(nn.Module):
         """Final hidden states ``[T, hidden]`` for the flattened tokens of a step.
         ``num_layers``: stop after that many layers, then the final norm (an early exit:
         speculative decoding's ``self_draft``)."""
-        for m in self._quantized_modules:  # decode rows take the 4-bit path (libs/model/quantized.py)
-            m.decode_rows = meta.num_decodes
+        for m in self._quantized_modules:  # generated tokens take the 4-bit path (libs/model/quantized.py)
+            m.decode_rows = meta.num_decodes + meta.num_verify_tokens
         h, residual = self.embed_tokens(input_ids), None
         for layer in self.layers if num_layers is None else self.layers[:num_layers]:
             h, residual = layer(h, residual, positions, self.rotary, meta)

@@ -50,22 +50,29 @@ def pool_config(redis_server: RedisServer) -> PoolConfig:
 # -- the whole system, for the end-to-end tests (tests/integration/test_pd_*.py) -----------
 
 
+def cluster_config(log_dir, *, num_blocks: int = 768, **overrides):
+    """The test clusters' settings: CPU, one thread each, fast heartbeats."""
+    from services.launch.cluster import ClusterConfig
+    from services.launch.processes import free_port
+
+    return ClusterConfig(
+        router_port=free_port(),
+        device="cpu",
+        threads=1,
+        log_dir=log_dir,
+        worker_args=["--num-blocks", str(num_blocks), "--heartbeat-s", "0.2"],
+        router_args=["--heartbeat-timeout-s", "3", "--retry-wait-s", "10"],
+        **overrides,
+    )
+
+
 @pytest.fixture(scope="session")
 def cluster(tmp_path_factory: pytest.TempPathFactory):
     """Redis, cache_store, router, one prefill and one decode, as real processes, started
     the way ``make run`` starts them (services.launch.LocalCluster), on the real model."""
-    from services.launch.cluster import ClusterConfig, LocalCluster
-    from services.launch.processes import free_port
+    from services.launch.cluster import LocalCluster
 
-    cfg = ClusterConfig(
-        router_port=free_port(),
-        device="cpu",
-        threads=1,
-        log_dir=tmp_path_factory.mktemp("cluster-logs"),
-        worker_args=["--num-blocks", "768", "--heartbeat-s", "0.2"],
-        router_args=["--heartbeat-timeout-s", "3", "--retry-wait-s", "10"],
-    )
-    with LocalCluster(cfg) as c:
+    with LocalCluster(cluster_config(tmp_path_factory.mktemp("cluster-logs"))) as c:
         yield c
 
 

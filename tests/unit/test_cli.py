@@ -16,24 +16,30 @@ from pathlib import Path
 import pytest
 
 from libs.engine import SamplingParams
+from tests.spec_expectations import expected_ngram
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPT = "The capital of Japan is"
 CHAT = "Name three colors."
 MAX_TOKENS = 12
 SEED = 1234
+SPEC_CHAT = "List the days of the week, twice."  # runs past 24 tokens, repeating itself
+SPEC_MAX = 24
+SPEC_CONFIG = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3, "min_acceptance_length": 0}
 
 RUNS = {
     "json_greedy": ["--prompt", PROMPT, "--max-tokens", str(MAX_TOKENS), "--temperature", "0", "--json"],
     "json_chat_seeded": ["--chat", CHAT, "--max-tokens", str(MAX_TOKENS), "--temperature", "0.8", "--top-p", "0.9", "--seed", str(SEED), "--json"],
     "stream_greedy": ["--prompt", PROMPT, "--max-tokens", str(MAX_TOKENS), "--temperature", "0"],
     "too_long": ["--prompt", PROMPT, "--max-tokens", "100000"],
+    "json_spec": ["--chat", SPEC_CHAT, "--max-tokens", str(SPEC_MAX), "--temperature", "0", "--json", "--speculative-config", json.dumps(SPEC_CONFIG)],
 }
 BAD_ARGS = {  # rejected before the model is loaded
     "top_p": (["--prompt", "x", "--top-p", "2"], "top_p"),
     "temperature": (["--prompt", "x", "--temperature", "-1"], "temperature"),
     "model": (["--prompt", "x", "--model", "/nope"], "/nope"),
     "max_tokens": (["--prompt", "x", "--max-tokens", "0"], "max_tokens"),
+    "speculative_config": (["--prompt", "x", "--speculative-config", '{"method": "eagle", "num_speculative_tokens": 2}'], "eagle"),
 }
 
 
@@ -91,6 +97,17 @@ def test_streaming_prints_the_same_text(runs, engine):
     ref = engine.generate(PROMPT, SamplingParams(temperature=0, max_tokens=MAX_TOKENS))[0]
     assert out == ref.text + "\n"
     assert runs["stream_greedy"][2] == ""  # nothing on stderr
+
+
+def test_json_with_speculation_equals_no_speculation_and_reports_its_counts(runs, engine):
+    got = json.loads(ok(runs, "json_spec"))
+    ref = engine.generate(messages=[{"role": "user", "content": SPEC_CHAT}], params=SamplingParams(temperature=0, max_tokens=SPEC_MAX))[0]
+    assert got["token_ids"] == ref.token_ids and got["text"] == ref.text
+    assert len(ref.token_ids) == SPEC_MAX  # the replay below needs a run to max_tokens
+    exp = expected_ngram(got["prompt_token_ids"], ref.token_ids, k=3, min_n=1, max_n=3, max_tokens=SPEC_MAX)
+    assert got["spec_decode"] == {k: exp[k] for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
+    assert exp["num_accepted_tokens"] > 0
+    assert "spec_decode" not in json.loads(ok(runs, "json_greedy"))  # off by default
 
 
 @pytest.mark.parametrize("name", ["too_long", *BAD_ARGS])

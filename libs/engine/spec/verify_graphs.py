@@ -44,6 +44,7 @@ class VerifyGraphs(DecodeGraphs):
             num_decodes=0,
             num_prefill_tokens=bs * self.Q,
             max_seq_len=self.max_blocks * self.block_size,
+            num_verify_tokens=bs * self.Q,
         )
 
     def can_run(self, inputs: StepInputs) -> bool:

@@ -1,0 +1,220 @@
+"""CPU: speculative decoding against decoding without it, same engine, same run.
+
+Real SmolLM2-135M-Instruct, float32 (the exact mode), greedy; every speculative run's
+tokens are checked against the plain run's (speculation must not change greedy output).
+Decode tokens/s counts the tokens after each request's first (the prompt's step is not
+decode) over the wall time of those steps. Off and on alternate, ``--reps`` times, and
+each figure is the median.
+
+- ``ngram`` on a workload that copies from its prompt (code edits, extraction, quoting):
+  goal >= 1.8x decode tokens/s;
+- ``ngram`` on chat with little repetition: goal >= 0.95x (no loss);
+- a batch of four where one sequence never pays (three copy requests and one chat
+  request) against the same batch without speculation: the adaptive switch-off must keep
+  the bad sequence from slowing the batch;
+- ``self_draft`` (the target's first layers) with and without a pruned draft vocabulary
+  (built with the documented count over the model's own generations): mean acceptance
+  length, speedup, and the draft head's cost with and without pruning (ms per call).
+
+    python -m bench.spec_bench [--threads 2] [--max-tokens 128] [--reps 3] [--out bench/results/spec_cpu.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import time
+
+import torch
+
+from bench.common import table
+from libs.engine import EngineConfig, LLM, SamplingParams
+from libs.engine.spec.vocab import DraftVocab, count_generations
+
+CODE = '''def total_price(items, tax_rate):
+    subtotal = 0
+    for item in items:
+        subtotal += item.price * item.quantity
+    tax = subtotal * tax_rate
+    return subtotal + tax
+
+
+def cheapest(items):
+    best = None
+    for item in items:
+        if best is None or item.price < best.price:
+            best = item
+    return best
+'''
+TEXT = (
+    "The harbour of Saint-Malo is one of the busiest on the coast of Brittany. Ferries leave for "
+    "England and the Channel Islands several times a day, and in summer the quays are crowded with "
+    "travellers, fishermen and merchants. The old town, rebuilt after the war, is surrounded by "
+    "granite ramparts from which visitors can watch the tide, among the highest in Europe, rise by "
+    "more than twelve metres."
+)
+COPY = [
+    f"Rename the variable `items` to `products` in this code and show the full result:\n```python\n{CODE}```",
+    f"Add a docstring to each function in this code and show the full result:\n```python\n{CODE}```",
+    f"Copy the following paragraph exactly, then translate its first sentence into French:\n\n{TEXT}",
+    f"Quote the sentence about the ramparts from this text, then summarise it:\n\n{TEXT}",
+]
+CHAT = [
+    "Write a short story about a dragon who learns to paint.",
+    "Explain how photosynthesis works to a ten-year-old.",
+    "What are three good habits for staying healthy in winter?",
+    "Describe the city of Lisbon in a few sentences.",
+]
+VOCAB_PROMPTS = [  # the draft vocabulary is counted on other prompts than the measured ones
+    "Tell me about the history of the bicycle.", "How do I bake bread at home?", "Write a poem about autumn rain.",
+    "What is a prime number?", "Give me tips for learning a new language.", "Explain what a database index is.",
+    "Write a Python function that reverses a string.", "What causes the seasons on Earth?",
+    "Describe a day at the beach.", "How does a refrigerator work?", "Summarise the plot of a detective story.",
+    "What should I pack for a hiking trip?", "Explain recursion with an example.", "Write a letter to a friend.",
+    "What is the difference between weather and climate?", "List some uses of vinegar around the house.",
+]
+
+
+def engine(loaded, spec: dict | None, threads: int) -> LLM:
+    return LLM(
+        EngineConfig(device="cpu", dtype="float32", num_threads=threads, num_blocks=1024, enable_prefix_caching=False,
+                     speculative_config=json.dumps(spec) if spec else None),
+        loaded=loaded,
+    )
+
+
+def decode_run(eng: LLM, prompts: list[list[int]], max_tokens: int, batch: int) -> tuple[float, list[list[int]]]:
+    """Decode tokens/s over ``prompts`` run ``batch`` at a time; and the tokens."""
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    tokens: list[list[int]] = []
+    n_decode, seconds = 0, 0.0
+    for i in range(0, len(prompts), batch):
+        group = prompts[i : i + batch]
+        outs = {f"r{j}": [] for j in range(len(group))}
+        for j, p in enumerate(group):
+            eng.add_request(f"r{j}", p, params)
+        while not all(outs.values()):  # the prompt steps: each request's first token
+            for o in eng.step():
+                outs[o.request_id].extend(o.outputs[0].new_token_ids)
+        first = sum(len(v) for v in outs.values())
+        t = time.perf_counter()
+        while eng.has_unfinished_requests():
+            for o in eng.step():
+                outs[o.request_id].extend(o.outputs[0].new_token_ids)
+        seconds += time.perf_counter() - t
+        n_decode += sum(len(v) for v in outs.values()) - first
+        tokens.extend(outs[f"r{j}"] for j in range(len(group)))
+    return n_decode / seconds, tokens
+
+
+def compare(loaded, prompts, spec: dict, *, threads: int, max_tokens: int, batch: int, reps: int) -> dict:
+    off, on = engine(loaded, None, threads), engine(loaded, spec, threads)
+    decode_run(off, prompts[:1], 8, 1)  # warm-up
+    decode_run(on, prompts[:1], 8, 1)
+    off_tps, on_tps, ref = [], [], None
+    m0 = on.spec.metrics.snapshot()
+    for _ in range(reps):
+        tps, ref = decode_run(off, prompts, max_tokens, batch)
+        off_tps.append(tps)
+        tps, got = decode_run(on, prompts, max_tokens, batch)
+        on_tps.append(tps)
+        assert got == ref, "speculation changed greedy output"
+    m = on.spec.metrics.snapshot()
+    drafts = m["num_drafts"] - m0["num_drafts"]
+    accepted = m["num_accepted_tokens"] - m0["num_accepted_tokens"]
+    off_m, on_m = statistics.median(off_tps), statistics.median(on_tps)
+    out = {
+        "off_tok_s": round(off_m, 1), "on_tok_s": round(on_m, 1), "speedup": round(on_m / off_m, 3),
+        "mean_acceptance_length": round(1 + accepted / drafts, 3) if drafts else None,
+        "drafts": drafts, "draft_tokens": m["num_draft_tokens"] - m0["num_draft_tokens"], "accepted": accepted,
+        "paused_sequences": on.spec.adaptive.num_disabled,
+        "off_runs": [round(x, 1) for x in off_tps], "on_runs": [round(x, 1) for x in on_tps],
+    }
+    off.close()
+    on.close()
+    return out
+
+
+def head_cost(loaded, vocab: DraftVocab, threads: int, reps: int = 50) -> dict:
+    """ms per LM-head call of the draft at batch 1 and 8: full vocabulary vs pruned."""
+    torch.set_num_threads(threads)
+    model = loaded.model
+    full = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+    pruned = vocab.prune_head(full)
+    out = {}
+    for b in (1, 8):
+        h = torch.randn(b, full.shape[1])
+        for name, w in (("full", full), ("pruned", pruned)):
+            torch.nn.functional.linear(h, w)
+            t = time.perf_counter()
+            for _ in range(reps):
+                torch.nn.functional.linear(h, w).float()
+            out[f"{name}_b{b}_ms"] = round((time.perf_counter() - t) / reps * 1e3, 3)
+        out[f"saving_b{b}"] = round(out[f"full_b{b}_ms"] / out[f"pruned_b{b}_ms"], 2)
+    # For scale: one layer of the draft at batch 1.
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--vocab-size", type=int, default=8192)
+    ap.add_argument("--self-draft-layers", type=int, nargs="+", default=[8, 16])
+    ap.add_argument("--only", nargs="*", default=None, help="run only these cases (copy, chat, mixed, self_draft)")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    base = LLM(EngineConfig(device="cpu", dtype="float32", num_threads=args.threads, num_blocks=1024))
+    tok = base.tokenizer
+    enc = lambda msgs: [tok.encode_chat([{"role": "user", "content": m}]) for m in msgs]  # noqa: E731
+    copy, chat = enc(COPY), enc(CHAT)
+    ngram = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    want = set(args.only or ["copy", "chat", "mixed", "self_draft"])
+    results: dict = {
+        "device": platform.processor() or platform.machine(), "threads": args.threads, "max_tokens": args.max_tokens,
+        "reps": args.reps, "load_before": os.getloadavg()[0], "date": time.strftime("%Y-%m-%d %H:%M"),
+        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
+    }
+    kw = dict(threads=args.threads, max_tokens=args.max_tokens, reps=args.reps)
+    if "copy" in want:
+        results["ngram_copy"] = compare(base.loaded, copy, ngram, batch=1, **kw)
+    if "chat" in want:
+        results["ngram_chat"] = compare(base.loaded, chat, ngram, batch=1, **kw)
+    if "mixed" in want:
+        results["ngram_mixed_batch"] = compare(base.loaded, copy[:3] + chat[:1], ngram, batch=4, **kw)
+        results["ngram_chat_batch"] = compare(base.loaded, chat, ngram, batch=4, **kw)
+    if "self_draft" in want:
+        t = time.perf_counter()
+        counts = count_generations(base, VOCAB_PROMPTS, max_tokens=96, temperature=1.0, seed=0)
+        vocab = DraftVocab.from_counts(counts, args.vocab_size, always=tok.eos_token_ids)
+        path = "/tmp/tidepool-spec-bench-vocab.safetensors"
+        vocab.save(path)
+        covered = float(counts[vocab.target_ids].sum()) / float(counts.sum())
+        results["vocab"] = {"size": vocab.size, "counted_tokens": int(counts.sum()), "coverage_of_counted": round(covered, 4), "build_s": round(time.perf_counter() - t, 1)}
+        results["draft_head_cost"] = head_cost(base.loaded, vocab, args.threads)
+        for layers in args.self_draft_layers:
+            for pruned in (False, True):
+                spec = {"method": "self_draft", "num_draft_layers": layers, "num_speculative_tokens": 3, "min_acceptance_length": 0}
+                if pruned:
+                    spec["draft_vocab"] = path
+                name = f"self_draft_L{layers}" + ("_pruned" if pruned else "")
+                results[name] = compare(base.loaded, chat[:2] + copy[:2], spec, batch=1, **{**kw, "reps": max(1, args.reps - 1)})
+    results["load_after"] = os.getloadavg()[0]
+    rows = [[k, v["off_tok_s"], v["on_tok_s"], f"{v['speedup']}x", v["mean_acceptance_length"]] for k, v in results.items() if isinstance(v, dict) and "speedup" in v]
+    print(table(["case", "off tok/s", "on tok/s", "speedup", "mean acceptance length"], rows))
+    if "draft_head_cost" in results:
+        print(json.dumps({"vocab": results["vocab"], "draft_head_cost": results["draft_head_cost"]}))
+    print(f"load average before/after: {results['load_before']:.2f} / {results['load_after']:.2f}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
