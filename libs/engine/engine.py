@@ -310,7 +310,8 @@ class LLMEngine:
             if sampled is not None:
                 emitted = [[pair] for pair in zip(sampled.token_ids, sampled.logprobs)]
             self.num_steps += 1
-            for row, seq in enumerate(sample_seqs):
+            rows = self.spec.sample_rows(plan) if verifying else range(len(sample_seqs))
+            for row, seq in zip(rows, sample_seqs):
                 if seq.capture_logits and seq.captured_logits is None:
                     seq.captured_logits = logits[row].float().cpu()
         finally:

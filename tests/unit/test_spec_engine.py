@@ -451,3 +451,16 @@ def test_the_async_engine_reports_a_failed_request_and_serves_the_rest(plain, pr
 
     assert asyncio.run(main()) == want
     assert_no_leaks(eng)
+
+
+def test_a_prompt_beside_verifying_sequences_gets_its_own_logits_row(plain, prompts):
+    """Rows of a verify step are not one per sequence: a prompt computed in the same step
+    must still read its own row (first_step_logits captures it)."""
+    eng = with_oracle(spec_engine())
+    eng.add_request("busy", prompts[0], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    eng.step()  # the prompt's step; from the next one on it verifies
+    got = eng.first_step_logits(prompts[2])
+    assert eng.spec.metrics.num_drafts > 0
+    assert torch.allclose(got, plain.first_step_logits(prompts[2]), atol=1e-4, rtol=0)
+    eng.abort_request("busy")
+    eng.step()

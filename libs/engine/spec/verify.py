@@ -243,20 +243,13 @@ class SpecDecoder:
         plain_rows: list[int] = []
         plain_seqs: list[Sequence] = []
         spec_rows: list[int] = []
-        row = 0
-        cursor = 0
-        for sp in plan.seqs:
+        for sp, row, seq in zip(self._sampled_plans(plan), self.sample_rows(plan), sample_seqs):
             if sp.verify:
-                assert sample_seqs[cursor].seq_id == sp.seq_id
+                assert seq.seq_id == sp.seq_id
                 spec_rows.extend(range(row, row + sp.num_tokens))
-                row += sp.num_tokens
-                cursor += 1
-                continue
-            for _ in range(sp.num_samples):
+            else:
                 plain_rows.append(row)
-                plain_seqs.append(sample_seqs[cursor])
-                cursor += 1
-            row += sp.num_samples
+                plain_seqs.append(seq)
         emitted: dict[int, Emitted | None] = {}
         if plain_seqs:
             rows = torch.tensor(plain_rows, device=logits.device)
@@ -272,6 +265,25 @@ class SpecDecoder:
         for seq in step.seqs:
             emitted.setdefault(id(seq), None)
         return [emitted[id(s)] for s in sample_seqs]
+
+    @staticmethod
+    def _sampled_plans(plan: StepPlan) -> list:
+        """The plan entry of each sampled sequence (a parent's once per fork)."""
+        return [sp for sp in plan.seqs for _ in range(1 if sp.verify else sp.num_samples)]
+
+    @staticmethod
+    def sample_rows(plan: StepPlan) -> list[int]:
+        """The logits row of each sampled sequence (a verifying one's first row): a verifying
+        sequence has a row per fed token, the others one per sample."""
+        rows, row = [], 0
+        for sp in plan.seqs:
+            if sp.verify:
+                rows.append(row)
+                row += sp.num_tokens
+            else:
+                rows.extend(range(row, row + sp.num_samples))
+                row += sp.num_samples
+        return rows
 
     # -- 4. settle ------------------------------------------------------------------------------
 
