@@ -4,7 +4,7 @@ A verify batch where every sequence feeds its last token and ``k`` drafts is ``B
 of exactly ``Q = k + 1`` query tokens with logits at every position: a fixed shape per
 batch size, so ``VerifyGraphs`` captures it once per size as ``DecodeGraphs`` does a
 decode step (the Triton prefill kernel lays out its query tiles without a host sync, so it
-captures). Padding rows feed nothing (slot -1, context length 0). Steps of another shape
+captures). Padding rows write nothing (slot -1). Steps of another shape
 (plain decodes in the same batch, a sequence with fewer drafts, prefill chunks) run
 eagerly. With the model-based proposers every speculating sequence has ``k`` drafts except
 near ``max_tokens``, so this is the steady state of a decode instance.
@@ -31,6 +31,10 @@ class VerifyGraphs(DecodeGraphs):
         self.positions = torch.zeros(T, dtype=torch.long, device=device)
         self.slot_mapping = torch.full((T,), -1, dtype=torch.long, device=device)
         self.query_start_loc = torch.arange(self.max_batch + 1, dtype=torch.int32, device=device) * self.Q
+        # Padding rows: Q queries over Q keys of whatever blocks their table rows name (valid
+        # ids, finite values), writing nothing; a length of 0 would make them 0/0 in the
+        # prefill kernel (harmless to real rows, but NaN has no business in a graph).
+        self.seq_lens.fill_(self.Q)
 
     def _num_tokens(self, bs: int) -> int:
         return bs * self.Q
@@ -67,7 +71,7 @@ class VerifyGraphs(DecodeGraphs):
         self.block_tables[:n, : inputs.max_blocks].copy_(inputs.block_tables, non_blocking=True)
         if bs > n:
             self.slot_mapping[t : bs * self.Q].fill_(-1)
-            self.seq_lens[n:bs].fill_(0)
+            self.seq_lens[n:bs].fill_(self.Q)
         self.graphs[bs].replay()
         self.replays += 1
         return self.logits[bs][:t]
