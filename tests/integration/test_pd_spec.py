@@ -65,14 +65,15 @@ def test_decode_metrics_and_stats_report_the_known_acceptance(spec_cluster, spec
     tok = reference_engine.tokenizer
     model = spec_client.models.list().data[0].id
     M = 32
-    prompt = tok.encode(REPEATING)
+    text = "Again. " + REPEATING  # not in the pool yet: it goes through prefill
+    prompt = tok.encode(text)
     ref = reference_engine.generate([prompt], SamplingParams(temperature=0, max_tokens=M, ignore_eos=True))[0].token_ids
     # The decode instance continues after prefill's first token: the same rounds as in-process.
     exp = expected_ngram(prompt, ref, k=K, min_n=LO, max_n=HI, max_tokens=M)
     dec, pre = spec_cluster.decodes[0].url, spec_cluster.prefills[0].url
     before, before_pre = metrics(dec), metrics(pre)
     stats_before = spec_cluster.get_json(dec + "/stats")["engine"]["spec_decode"]
-    resp = spec_client.completions.create(model=model, prompt=REPEATING, temperature=0, max_tokens=M, extra_body={"ignore_eos": True, **TRACE})
+    resp = spec_client.completions.create(model=model, prompt=text, temperature=0, max_tokens=M, extra_body={"ignore_eos": True, **TRACE})
     assert resp.choices[0].text == tok.decode(ref)
     assert_went_through_pd(trace_of(resp))
     after = metrics(dec)

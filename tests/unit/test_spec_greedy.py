@@ -51,7 +51,7 @@ def reference(engine, prompts) -> list[list[int]]:
 
 
 def spec_llm(engine, cfg: dict) -> LLM:
-    config = EngineConfig(device="cpu", dtype="float32", num_blocks=384, max_num_seqs=32, speculative_config=json.dumps(cfg))
+    config = EngineConfig(device="cpu", dtype="float32", num_blocks=256, max_num_seqs=32, speculative_config=json.dumps(cfg))
     return LLM(config, loaded=engine.loaded)
 
 
