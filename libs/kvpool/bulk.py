@@ -452,11 +452,20 @@ async def _in_thread(executor: ThreadPoolExecutor, conn: _BlockingConnection, fn
         return await asyncio.shield(fut)
     except asyncio.CancelledError:
         conn.abort()
-        while not fut.done():
-            try:
-                await asyncio.wait({fut})
-            except asyncio.CancelledError:
-                continue
-        if not fut.cancelled():
-            fut.exception()  # retrieved: the cancellation is what the caller gets
+        await settle(fut)
         raise
+
+
+async def settle(fut: "asyncio.Future[Any]") -> None:
+    """Wait until ``fut`` is done, through any number of cancellations of the caller.
+
+    For code that must not return while an operation still touches memory it is about to
+    give back (staging). The outcome is left in ``fut`` (retrieved, so it never warns).
+    """
+    while not fut.done():
+        try:
+            await asyncio.wait({fut})
+        except asyncio.CancelledError:
+            continue
+    if not fut.cancelled():
+        fut.exception()
