@@ -250,8 +250,10 @@ class ReplyParser:
         if self._end == len(self._buf):
             if len(self._buf) >= MAX_GENERIC:
                 raise ProtocolError(f"a reply larger than {MAX_GENERIC} bytes without a sink")
-            self._buf.extend(bytes(len(self._buf)))
-            self._mv = memoryview(self._buf)
+            # A new buffer: the old one may still be exported (memoryviews handed out).
+            bigger = bytearray(2 * len(self._buf))
+            bigger[: self._end] = self._buf[: self._end]
+            self._buf, self._mv = bigger, memoryview(bigger)
 
     def _advance_target(self, n: int) -> None:
         self._remaining -= n
