@@ -119,6 +119,13 @@ class Partition:
         self.stats, self.pins, self.leases = f"{base}:stats", f"{base}:pins", f"{base}:leases"
 
 
+def data_key(key_prefix: str, block_id: str, *, cluster: bool) -> str:
+    """The Redis key holding a block's value (for tools and tests that look at Redis directly)."""
+    n = CLUSTER_PARTITIONS if cluster else 1
+    p = partition_of(block_id, n)
+    return Partition(key_prefix, p, partition_tags(n)[p] if cluster else None).kv + block_id
+
+
 @dataclass
 class _Retry:
     """A block to send again: after a transport failure, or a redirect (``moved``: refresh the map)."""
