@@ -152,8 +152,8 @@ class _BlockingConnection:
                     self._connect()
                 except TransportError:
                     raise
-                except (OSError, ConnectionClosed) as exc:
-                    raise TransportError("connect", f"{self.endpoint.node}: {type(exc).__name__}: {exc}") from exc
+                except (OSError, ConnectionClosed, TimeoutError) as exc:
+                    raise _connect_error(exc, self.endpoint.node) from exc
             self.parser.expect_many(sinks)
             self._send(iov)
             return self._receive()
@@ -310,7 +310,7 @@ class _ProtocolConnection(asyncio.BufferedProtocol):
                 except TransportError:
                     raise
                 except (OSError, ConnectionClosed, TimeoutError) as exc:
-                    raise TransportError("connect", f"{self.endpoint.node}: {type(exc).__name__}: {exc}") from exc
+                    raise _connect_error(exc, self.endpoint.node) from exc
             return await self._roundtrip(iov, sinks)
         except TransportError as exc:
             exc.replies = exc.replies or self.parser.take()
@@ -328,6 +328,12 @@ class _ProtocolConnection(asyncio.BufferedProtocol):
         if self.transport is not None:
             self.transport.abort()
         self.parser.reset()
+
+
+def _connect_error(exc: BaseException, node: Node) -> TransportError:
+    """A failed connect or handshake: ``timeout`` if the server went silent, else ``connect``."""
+    reason = "timeout" if isinstance(exc, (TimeoutError, socket.timeout)) else "connect"
+    return TransportError(reason, f"{node}: connecting: {type(exc).__name__}: {exc}")
 
 
 def _classify(exc: BaseException, node: Node, replies: list[Any]) -> TransportError:
