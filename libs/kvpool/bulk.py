@@ -374,6 +374,13 @@ class _NodeSockets:
             self.idle.append(conn)
         self._gate.release()
 
+    def drop_idle(self) -> None:
+        """Close the idle sockets: after one failed, the others are suspect too (a restarted
+        or killed server takes all of them), and a retry should not spend itself on them."""
+        idle, self.idle = self.idle, []
+        for conn in idle:
+            conn.close()
+
     def close(self) -> None:
         for conn in self.idle + list(self.busy):
             conn.close()
@@ -438,6 +445,7 @@ class BulkClient:
             return await _in_thread(self._executor, conn, lambda: conn.exchange(iov, sinks))
         except TransportError:
             self.counters["failures"] += 1
+            pool.drop_idle()
             raise
         finally:
             pool.release(conn)

@@ -384,3 +384,19 @@ async def test_a_cluster_node_killed_mid_transfer_costs_its_blocks_only(own_clus
         with pytest.raises(PoolUnavailable):
             await blocks.put(pool)
         assert pool.bulk.open_sockets <= 3 * cfg.max_parallel
+
+
+async def test_after_every_connection_was_killed_the_next_read_still_lands(redis_server: RedisServer) -> None:
+    """A restarted or killed server takes every pooled socket: the retry must not spend
+    itself on the other dead ones."""
+    many, few = Blocks(SMALL, 64), Blocks(SMALL, 2)
+    cfg = PoolConfig(url=redis_server.url, key_prefix=unique_prefix(), retries=1, pipeline_blocks=16, max_parallel=4)
+    async with RedisPool(cfg) as pool:
+        await many.put(pool)
+        await few.put(pool)
+        assert await many.get(pool) == [None] * 64  # four pipelines at once: four pooled sockets
+        assert pool.bulk.open_sockets == 4
+        with redis.Redis(port=redis_server.port) as r:
+            assert r.client_kill_filter(_type="normal", skipme=True) >= 4
+        assert await few.get(pool) == [None, None]
+        few.verify(1)
