@@ -24,6 +24,12 @@ Redirections. ``MOVED`` refreshes the map and resends the command; ``ASK``, ``TR
 After ``retries`` of either, the reply stands (callers turn it into an error). Transport
 failures are retried per node (every command the pool sends here is idempotent) and end
 as :class:`~libs.kvpool.pool.PoolUnavailable`.
+
+Lost nodes. With ``partial=True`` a node that cannot be reached does not fail the call:
+its commands get the :class:`PoolUnavailable` as their reply, and the caller works with
+the nodes that answered (the pool is a cache: a lost node costs its share of the blocks,
+and the policy keeps running on the others). Only when no node answers does the call
+raise, which is also what a standalone Redis that is down does.
 """
 
 from __future__ import annotations
@@ -215,12 +221,21 @@ class ControlPlane:
 
     # -- routed commands ----------------------------------------------------------------------
 
-    async def run(self, calls: Sequence[tuple[str | None, Command]]) -> list[Any]:
+    async def _node_run(self, node: Node, commands: list[Command], partial: bool) -> list[Any]:
+        try:
+            return await self.roundtrip(node, commands)
+        except PoolUnavailable as exc:
+            if not partial:
+                raise
+            return [exc] * len(commands)
+
+    async def run(self, calls: Sequence[tuple[str | None, Command]], *, partial: bool = False) -> list[Any]:
         """Run ``(routing key, command)`` pairs; each goes to the node serving its key.
 
         Commands for one node are pipelined on one connection, nodes in parallel; replies
         come back in call order. Redirects are followed (module docstring); a reply that
-        still is an error after that is returned as the ``ResponseError`` value.
+        still is an error after that is returned as the ``ResponseError`` value. With
+        ``partial``, an unreachable node's replies are its :class:`PoolUnavailable`.
         """
         replies: list[Any] = [None] * len(calls)
         todo = list(range(len(calls)))
@@ -231,9 +246,15 @@ class ControlPlane:
                 key = calls[i][0]
                 node = slots.node_for(key) if key is not None else self.seed
                 if node is None:
-                    raise PoolUnavailable(f"no node serves the slot of {key!r} (cluster being set up?)")
+                    lost = PoolUnavailable(f"no node serves the slot of {key!r}")
+                    if not partial:
+                        raise lost
+                    replies[i] = lost
+                    continue
                 by_node[node].append(i)
-            results = await gather_all([self.roundtrip(node, [calls[i][1] for i in idx]) for node, idx in by_node.items()])
+            results = await gather_all(
+                [self._node_run(node, [calls[i][1] for i in idx], partial) for node, idx in by_node.items()]
+            )
             moved = False
             again = []
             for idx, got in zip(by_node.values(), results):
@@ -250,12 +271,18 @@ class ControlPlane:
                 await self.refresh()
             else:
                 await asyncio.sleep(self.config.retry_backoff_s * 2**attempt)
+        if replies and all(isinstance(r, PoolUnavailable) for r in replies):
+            raise replies[0]
         return replies
 
-    async def scripts(self, calls: Sequence[tuple[str, Sequence[Any], Sequence[Any]]]) -> list[Any]:
-        """Run ``(script, keys, args)`` with EVALSHA, each routed by its first key; load and retry on NOSCRIPT."""
+    async def scripts(self, calls: Sequence[tuple[str, Sequence[Any], Sequence[Any]]], *, partial: bool = False) -> list[Any]:
+        """Run ``(script, keys, args)`` with EVALSHA, each routed by its first key; load and retry on NOSCRIPT.
+
+        A script error raises :class:`PoolError`; with ``partial`` an unreachable node's
+        calls get its :class:`PoolUnavailable` as their reply (see ``run``).
+        """
         routed = [(keys[0] if keys else None, ("EVALSHA", SHA[s], len(keys), *keys, *args)) for s, keys, args in calls]
-        replies = await self.run(routed)
+        replies = await self.run(routed, partial=partial)
         missing = [i for i, r in enumerate(replies) if isinstance(r, NoScriptError)]
         if missing:
             # Redis restarted or flushed its script cache. Every script here is idempotent
@@ -263,7 +290,7 @@ class ControlPlane:
             slots = await self.topology()
             for node in {slots.node_for(routed[i][0]) if routed[i][0] else self.seed for i in missing}:
                 await self.roundtrip(node, [("SCRIPT", "LOAD", s) for s in {calls[i][0] for i in missing}])  # type: ignore[arg-type]
-            again = await self.run([routed[i] for i in missing])
+            again = await self.run([routed[i] for i in missing], partial=partial)
             for i, r in zip(missing, again):
                 replies[i] = r
         for r in replies:
@@ -271,11 +298,15 @@ class ControlPlane:
                 raise PoolError(f"redis script failed: {r}") from r
         return replies
 
-    async def ping_all(self) -> None:
+    async def ping(self) -> list[Node]:
+        """PING every node; the nodes that did not answer. Raises if none answered."""
         slots = await self.topology()
-        for node, (reply,) in zip(slots.nodes, await gather_all([self.roundtrip(n, [("PING",)]) for n in slots.nodes])):
-            if isinstance(reply, ResponseError):
-                raise PoolUnavailable(f"redis PING failed on {node}: {reply}") from reply
+        replies = await gather_all([self._node_run(n, [("PING",)], True) for n in slots.nodes])
+        down = [node for node, (reply,) in zip(slots.nodes, replies) if isinstance(reply, (PoolUnavailable, ResponseError))]
+        if len(down) == len(slots.nodes):
+            first = replies[0][0]
+            raise first if isinstance(first, PoolUnavailable) else PoolUnavailable(f"redis PING failed: {first}")
+        return down
 
     async def close(self) -> None:
         pools, self._pools = list(self._pools.values()), {}

@@ -67,8 +67,11 @@ it evicts). Script flags (``#!lua flags=...``) need Redis >= 7.0.
 
 A node lost mid-transfer (cluster or not) turns its blocks into misses with a reason for
 reads, and into :class:`PoolUnavailable` for the writes that could not be confirmed;
-the other nodes' blocks are unaffected. A ``MOVED`` reply refreshes the slot map and
-the block is sent again to the right node.
+the other nodes' blocks are unaffected. While a cluster node is lost, the control plane
+works with the nodes that answer (libs/kvpool/control.py, "Lost nodes"): existence
+checks see its blocks as absent, and leases, statistics, eviction to the budget and
+reaping cover the rest of the pool; only when no node answers do calls raise. A
+``MOVED`` reply refreshes the slot map and the block is sent again to the right node.
 """
 
 from __future__ import annotations
@@ -360,7 +363,10 @@ class RedisPool(BlockPool):
             if r is not None:
                 errors[f"write_errors:{r.reason}"] = errors.get(f"write_errors:{r.reason}", 0) + 1
         if errors:
-            await self._count(errors)
+            try:
+                await self._count(errors)
+            except PoolUnavailable:
+                pass  # accounting only: the writes' outcomes stand
         return results
 
     # -- the control plane ---------------------------------------------------------------------
@@ -368,11 +374,11 @@ class RedisPool(BlockPool):
     async def _exists_blocks(self, ids: list[str]) -> list[bool]:
         _, parts = await self.layout()
         keys = [parts[partition_of(bid, len(parts))].kv + bid for bid in ids]
-        replies = await self.control.run([(k, ("EXISTS", k)) for k in keys])
+        replies = await self.control.run([(k, ("EXISTS", k)) for k in keys], partial=True)
         for r in replies:
-            if isinstance(r, Exception):
+            if isinstance(r, Exception) and not isinstance(r, PoolUnavailable):
                 raise PoolError(f"redis EXISTS failed: {r}") from r
-        return [bool(r) for r in replies]
+        return [isinstance(r, int) and r > 0 for r in replies]  # a lost node's blocks: absent
 
     async def _exists_prefix(self, ids: list[str]) -> int:
         exists = await self._exists_blocks(ids)
@@ -385,17 +391,19 @@ class RedisPool(BlockPool):
             part = parts[p]
             chunk = [ids[i] for i in items]
             calls.append((DELETE_LUA, [part.lru, part.size, part.bytes, *(part.kv + b for b in chunk)], chunk))
-        return sum(int(r) for r in await self.control.scripts(calls))
+        return sum(int(r) for r in await self.control.scripts(calls, partial=True) if not isinstance(r, PoolUnavailable))
 
     async def _create_lease(self, lease_id: str, ids: list[str], ttl_s: float) -> None:
         _, parts = await self.layout()
         groups = await self._grouped(ids)
         ttl_ms = max(1, round(ttl_s * 1000))
+        # A lost node's partitions get no lease entry: its blocks can be neither written
+        # nor read until it is back, and the lease expires there like anywhere.
         await self.control.scripts([
             (CREATE_LEASE_LUA, [part.leases, part.lease_prefix + lease_id, part.pins],
              [lease_id, ttl_ms, *(ids[i] for i in groups.get(part.index, []))])
             for part in parts
-        ])
+        ], partial=True)
 
     async def _release(self, lease_ids: dict[int, list[str]] | list[str]) -> set[str]:
         """Release ``lease_ids`` (all partitions, or per partition index); the ids that were live somewhere."""
@@ -408,8 +416,9 @@ class RedisPool(BlockPool):
                 calls.append((RELEASE_LUA, [part.leases, part.pins, *(part.lease_prefix + lid for lid in lids)], lids))
                 order.append(lids)
         released: set[str] = set()
-        for lids, flags in zip(order, await self.control.scripts(calls)):
-            released.update(lid for lid, gone in zip(lids, flags) if int(gone))
+        for lids, flags in zip(order, await self.control.scripts(calls, partial=True)):
+            if not isinstance(flags, PoolUnavailable):
+                released.update(lid for lid, gone in zip(lids, flags) if int(gone))
         return released
 
     async def _release_lease(self, lease_id: str) -> bool:
@@ -417,8 +426,8 @@ class RedisPool(BlockPool):
 
     async def reap_leases(self, max_leases: int = 1000) -> int:
         _, parts = await self.layout()
-        due = await self.control.scripts([(DUE_LEASES_LUA, [p.leases], [max_leases]) for p in parts])
-        per_part = {p.index: [lid.decode() for lid in lids] for p, lids in zip(parts, due)}
+        due = await self.control.scripts([(DUE_LEASES_LUA, [p.leases], [max_leases]) for p in parts], partial=True)
+        per_part = {p.index: [lid.decode() for lid in lids] for p, lids in zip(parts, due) if not isinstance(lids, PoolUnavailable)}
         return len(await self._release(per_part)) if any(per_part.values()) else 0
 
     async def _count(self, counters: dict[str, int]) -> None:
@@ -434,13 +443,15 @@ class RedisPool(BlockPool):
                 (p.size, ("HLEN", p.size)), (p.bytes, ("GET", p.bytes)), (p.leases, ("ZCARD", p.leases)),
                 (p.pins, ("HLEN", p.pins)), (p.stats, ("HGETALL", p.stats)),
             ]
-        replies = await self.control.run(calls)
+        replies = await self.control.run(calls, partial=True)
         for r in replies:
-            if isinstance(r, Exception):
+            if isinstance(r, Exception) and not isinstance(r, PoolUnavailable):
                 raise PoolError(f"redis stats query failed: {r}") from r
         blocks = nbytes = leases = pinned = 0
         counters: dict[str, int] = {}
         for k in range(0, len(replies), 5):
+            if any(isinstance(r, PoolUnavailable) for r in replies[k : k + 5]):
+                continue  # a lost node: the pool is what the others hold
             n_blocks, n_bytes, n_leases, n_pinned, raw = replies[k : k + 5]
             blocks += int(n_blocks)
             nbytes += int(n_bytes or 0)
@@ -462,11 +473,14 @@ class RedisPool(BlockPool):
         while evicted < max_blocks:
             want = max_blocks - evicted
             replies = await self.control.scripts(
-                [(EVICT_CANDIDATES_LUA, [p.lru, p.pins, p.size, p.bytes], [want, want + _CANDIDATE_SCAN]) for p in parts]
+                [(EVICT_CANDIDATES_LUA, [p.lru, p.pins, p.size, p.bytes], [want, want + _CANDIDATE_SCAN]) for p in parts],
+                partial=True,
             )
             lists = []
             horizon = float("inf")
             for p, reply in zip(parts, replies):
+                if isinstance(reply, PoolUnavailable):
+                    continue  # a lost node: the budget applies to what the others hold
                 part_bytes[p.index] = int(reply[1])
                 entries = [(float(reply[i + 1]), reply[i].decode(), int(reply[i + 2]), p.index) for i in range(2, len(reply), 3)]
                 lists.append(entries)
@@ -489,9 +503,13 @@ class RedisPool(BlockPool):
                 (EVICT_LUA, [parts[p].lru, parts[p].size, parts[p].bytes, parts[p].stats, parts[p].pins,
                              *(parts[p].kv + bid for bid in args[::2])], args)
                 for p, args in chosen.items()
-            ])
+            ], partial=True)
             round_evicted = 0
-            for p, (n, nfreed, after) in zip(chosen, results):
+            for p, result in zip(chosen, results):
+                if isinstance(result, PoolUnavailable):
+                    part_bytes.pop(p, None)
+                    continue
+                n, nfreed, after = result
                 round_evicted += int(n)
                 freed += int(nfreed)
                 part_bytes[p] = int(after)
@@ -503,7 +521,8 @@ class RedisPool(BlockPool):
     # -- lifecycle ------------------------------------------------------------------------------
 
     async def ping(self) -> None:
-        await self.control.ping_all()
+        """Raises unless some node answers; a cluster with a lost node still serves the rest."""
+        await self.control.ping()
 
     async def close(self) -> None:
         await self.bulk.close()

@@ -384,6 +384,17 @@ async def test_a_cluster_node_killed_mid_transfer_costs_its_blocks_only(own_clus
         with pytest.raises(PoolUnavailable):
             await blocks.put(pool)
         assert pool.bulk.open_sockets <= 3 * cfg.max_parallel
+        # The policy keeps working on the survivors: one budget over what they hold.
+        await pool.ping()
+        assert await pool.exists_blocks(NS, blocks.keys) == [i not in on_victim for i in range(len(blocks.keys))]
+        stats = await pool.stats()
+        assert stats.blocks == len(others)
+        lease = await pool.create_lease(NS, blocks.keys[:4], ttl_s=60)
+        pinned = [i for i in range(4) if i not in on_victim]
+        result = await pool.evict(budget_bytes=0, max_blocks=1000)
+        assert result.evicted == len(others) - len(pinned) and result.bytes_after == len(pinned) * blocks.codec.value_nbytes(16)
+        assert await pool.release_lease(lease)
+        assert (await pool.stats()).pinned_blocks == 0
 
 
 async def test_after_every_connection_was_killed_the_next_read_still_lands(redis_server: RedisServer) -> None:
