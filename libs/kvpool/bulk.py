@@ -103,7 +103,8 @@ class Endpoint:
         self.hello_replies = hello.commands
 
     def check_hello(self, replies: list[Any]) -> None:
-        for r in replies:
+        # The last reply is CLIENT SETNAME's: a name is a courtesy (an ACL may forbid it).
+        for r in replies[:-1]:
             if isinstance(r, ReplyError):
                 # Never echo the command: it holds the password.
                 raise TransportError("auth", f"{self.node} refused the connection handshake: {r.code}")

@@ -190,8 +190,11 @@ class ControlPlane:
             fut.set_result(slots)
             return slots
         except BaseException as exc:
-            fut.set_exception(exc)
-            fut.exception()  # retrieved: a refresh nobody else awaited must not warn
+            if isinstance(exc, asyncio.CancelledError):
+                fut.cancel()
+            else:
+                fut.set_exception(exc)
+                fut.exception()  # retrieved: a refresh nobody else awaited must not warn
             raise
         finally:
             self._refreshing = None

@@ -78,7 +78,7 @@ async def load_blocks(rt: WorkerRuntime, keys: list[BlockKey], start: int, *, ma
     buffers = await _acquire_staging(rt, len(wanted), misses)
     try:
         rows = sum(b.n for b in buffers)
-        slots = [b.host[j] for b in buffers for j in range(b.n)]
+        slots = [row for b in buffers for row in b.host]  # .host waits for copies once per buffer
         headers = np.empty((rows, HEADER_NBYTES), dtype=np.uint8)
         dests = [rt.codec.value_views(memoryview(headers[i]), slots[i], wanted[i].num_tokens) for i in range(rows)]
         try:

@@ -411,3 +411,26 @@ async def test_after_every_connection_was_killed_the_next_read_still_lands(redis
             assert r.client_kill_filter(_type="normal", skipme=True) >= 4
         assert await few.get(pool) == [None, None]
         few.verify(1)
+
+
+@pytest.mark.parametrize("model", ["threads", "asyncio"])
+async def test_a_unix_socket_url(tmp_path: Path, model: str) -> None:
+    sock = tmp_path / "redis.sock"
+    proc = subprocess.Popen(
+        ["redis-server", "--port", "0", "--unixsocket", str(sock), "--save", "", "--appendonly", "no", "--dir", str(tmp_path)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 10
+        while not sock.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "redis-server did not start"
+            time.sleep(0.02)
+        blocks = Blocks(SMALL, 3)
+        async with RedisPool(PoolConfig(url=f"unix://{sock}?db=2", key_prefix=unique_prefix(), bulk_model=model)) as pool:
+            await blocks.put(pool)
+            assert await blocks.get(pool) == [None] * 3
+            blocks.verify(2)
+            assert (await pool.stats()).blocks == 3
+    finally:
+        proc.kill()
+        proc.wait()
