@@ -222,10 +222,10 @@ class ReplyParser:
         elif self._end == len(self._buf):
             self._compact()
         room = len(self._buf) - self._end
-        if self._filling and self._remaining and self._targets:
-            room = min(room, self._head_read)  # a small view first: read a little, copy it
-        elif not self._filling and self._expect and self._expect[0] is not None:
-            # A bulk reply with a sink comes next: read its header line, not its payload.
+        discarding = self._filling and self._remaining and not self._targets
+        if not discarding and (self._filling or (self._expect and self._expect[0] is not None)):
+            # Around a sink's payload (its header line, a small first view, the CRLF after
+            # it, the next reply's header) read a little: what lands here is copied.
             room = min(room, self._head_read)
         return self._mv[self._end : self._end + room]
 

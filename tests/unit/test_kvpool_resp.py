@@ -206,3 +206,25 @@ def test_a_sink_giving_the_wrong_amount_of_memory_is_a_bug() -> None:
     parser.expect(lambda n: [memoryview(bytearray(n - 1))])
     with pytest.raises(ValueError):
         feed(parser, b"$10\r\n0123456789\r\n", [100])
+
+
+def test_pipelined_values_are_copied_at_most_a_header_read_each() -> None:
+    """With the kernel always holding more than asked (the worst case), at most ``head_read``
+    bytes of each value pass through the parser's own buffer; the rest is received in place."""
+    values = [np.random.default_rng(i).integers(0, 255, 368_664, dtype=np.uint8).tobytes() for i in range(8)]
+    stream = b"".join(b"$%d\r\n" % len(v) + v + b"\r\n" for v in values) + b":8\r\n"
+    dests = [np.zeros(len(v), dtype=np.uint8) for v in values]
+    parser = ReplyParser(head_read=4096)
+    parser.expect_many([lambda n, d=d: [memoryview(d)] for d in dests] + [None])
+    pos = copied = 0
+    while parser.pending:
+        buf = parser.get_buffer()
+        n = min(len(buf), len(stream) - pos)
+        buf[:n] = stream[pos : pos + n]
+        if not any(np.shares_memory(np.frombuffer(buf, dtype=np.uint8), d) for d in dests):
+            copied += n
+        parser.feed(n)
+        pos += n
+    assert parser.take() == [len(v) for v in values] + [8]
+    assert [d.tobytes() for d in dests] == values
+    assert copied <= 8 * 4096 + 64, f"{copied} bytes went through the parser's buffer"
