@@ -19,8 +19,10 @@ one code path serves both: per node a redis-py ``BlockingConnectionPool`` (redis
 does the protocol, AUTH, TLS and reconnection), and commands are grouped by the node that
 serves their routing key, pipelined per node, the nodes in parallel.
 
-Redirections. ``MOVED`` refreshes the map and resends the command; ``ASK``, ``TRYAGAIN``
-(a slot being migrated), ``CLUSTERDOWN`` and ``LOADING`` are resent after a backoff.
+Redirections. ``MOVED`` refreshes the map and resends the command; ``ASK`` (a slot being
+migrated, the key already moved) resends it to the named node behind ``ASKING``;
+``TRYAGAIN`` (a multi-key command during a migration), ``CLUSTERDOWN`` and ``LOADING``
+are resent after a backoff.
 After ``retries`` of either, the reply stands (callers turn it into an error). Transport
 failures are retried per node (every command the pool sends here is idempotent) and end
 as :class:`~libs.kvpool.pool.PoolUnavailable`.
@@ -66,6 +68,13 @@ def error_code(reply: Any) -> str | None:
                 return code
         return str(reply).split(" ", 1)[0]
     return None
+
+
+def ask_target(reply: Any) -> Node:
+    """The node an ``ASK <slot> <host:port>`` error names (a redis-py AskError or raw text)."""
+    text = reply.message if hasattr(reply, "message") and isinstance(reply.message, str) else str(reply)
+    host, _, port = text.split()[-1].rpartition(":")
+    return Node(host, int(port))
 
 
 def _known_errors() -> dict[str, type]:
@@ -242,12 +251,13 @@ class ControlPlane:
         """
         replies: list[Any] = [None] * len(calls)
         todo = list(range(len(calls)))
+        asking: dict[int, Node] = {}  # call -> the node an ASK sent it to
         for attempt in range(self.config.retries + 2):
             slots = await self.topology()
             by_node: dict[Node, list[int]] = defaultdict(list)
             for i in todo:
                 key = calls[i][0]
-                node = slots.node_for(key) if key is not None else self.seed
+                node = asking.get(i) or (slots.node_for(key) if key is not None else self.seed)
                 if node is None:
                     lost = PoolUnavailable(f"no node serves the slot of {key!r}")
                     if not partial:
@@ -255,24 +265,33 @@ class ControlPlane:
                     replies[i] = lost
                     continue
                 by_node[node].append(i)
-            results = await gather_all(
-                [self._node_run(node, [calls[i][1] for i in idx], partial) for node, idx in by_node.items()]
-            )
-            moved = False
+            results = await gather_all([
+                self._node_run(node, [c for i in idx for c in ((("ASKING",),) if i in asking else ()) + (calls[i][1],)], partial)
+                for node, idx in by_node.items()
+            ])
+            moved = wait = False
             again = []
             for idx, got in zip(by_node.values(), results):
-                for i, reply in zip(idx, got):
-                    replies[i] = reply
+                pos = 0
+                for i in idx:
+                    pos += i in asking  # skip the ASKING reply
+                    reply = replies[i] = got[pos]
+                    pos += 1
                     code = error_code(reply)
                     if code in RETRY_CODES:
                         again.append(i)
                         moved |= code == "MOVED"
+                        wait |= code not in ("MOVED", "ASK")
+                        if code == "ASK":
+                            asking[i] = ask_target(reply)
+                        else:
+                            asking.pop(i, None)
             if not again or attempt > self.config.retries:
                 break
             todo = again
             if moved:
                 await self.refresh()
-            else:
+            if wait:
                 await asyncio.sleep(self.config.retry_backoff_s * 2**attempt)
         if replies and all(isinstance(r, PoolUnavailable) for r in replies):
             raise replies[0]

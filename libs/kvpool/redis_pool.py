@@ -86,7 +86,7 @@ import numpy as np
 
 from libs.kvpool.bulk import BulkClient, Endpoint, TransportError
 from libs.kvpool.config import PoolConfig
-from libs.kvpool.control import RETRY_CODES, ControlPlane, gather_all
+from libs.kvpool.control import RETRY_CODES, ControlPlane, ask_target, gather_all
 from libs.kvpool.header import Buffer, Value
 from libs.kvpool.pool import BlockPool, EvictResult, PoolError, PoolStats, PoolUnavailable, PutError
 from libs.kvpool.resp import Discarded, Frames, ReplyError, Sink
@@ -131,10 +131,12 @@ def data_key(key_prefix: str, block_id: str, *, cluster: bool) -> str:
 
 @dataclass
 class _Retry:
-    """A block to send again: after a transport failure, or a redirect (``moved``: refresh the map)."""
+    """A block to send again: after a transport failure, or a redirect (``moved``: refresh
+    the map; ``ask``: send it to that node behind ``ASKING``, its slot is being migrated)."""
 
     reason: str
     moved: bool = False
+    ask: Node | None = None
 
 
 def _put_outcome(replies: Sequence[Any]) -> PutError | _Retry | None:
@@ -165,6 +167,8 @@ def _get_outcome(reply: Any) -> str | _Retry | None:
         return "absent"
     if isinstance(reply, Discarded):
         return "length"
+    if isinstance(reply, ReplyError) and reply.code == "ASK":
+        return _Retry("redirect", ask=ask_target(reply))
     if isinstance(reply, ReplyError) and reply.code in RETRY_CODES:
         return _Retry("redirect", moved=reply.code == "MOVED")
     return "error"
@@ -208,20 +212,21 @@ class RedisPool(BlockPool):
     async def _transfer(
         self,
         ids: Sequence[str],
-        build: Callable[[Partition, list[int], Frames, list[Sink | None]], list[int]],
+        build: Callable[[Partition, list[int], Frames, list[Sink | None], bool], list[int]],
         outcome: Callable[[int, list[Any]], Any],
     ) -> tuple[list[Any], dict[int, str]]:
         """Pipelines of ``ids``, one partition's blocks each, ``pipeline_blocks`` at most.
 
-        ``build(partition, items, frames, sinks)`` adds each item's commands and returns
-        how many replies each item has (in order, after which the pipeline may have more);
-        ``outcome(item, replies)`` says what an item's replies mean, or :class:`_Retry`.
-        Returns the outcome per item and, for items that never got one, the transport
-        reason of their last attempt.
+        ``build(partition, items, frames, sinks, asking)`` adds each item's commands (each
+        behind ``ASKING`` when ``asking``) and returns how many replies each item has (in
+        order, after which the pipeline may have more); ``outcome(item, replies)`` says
+        what an item's replies mean, or :class:`_Retry`. Returns the outcome per item and,
+        for items that never got one, the transport reason of their last attempt.
         """
         results: list[Any] = [None] * len(ids)
         todo = list(range(len(ids)))
         reasons: dict[int, str] = {}
+        asking: dict[int, Node] = {}
         size = self.config.pipeline_blocks
         for attempt in range(self.config.retries + 1):
             if attempt:
@@ -233,13 +238,13 @@ class RedisPool(BlockPool):
                     reasons.setdefault(i, "connect")
                 break
             runs = []
-            by_part: dict[int, list[int]] = defaultdict(list)
+            groups: dict[tuple[int, Node | None], list[int]] = defaultdict(list)
             for i in todo:
-                by_part[partition_of(ids[i], len(parts))].append(i)
-            for p, items in by_part.items():
-                node = slots.node_for(parts[p].lru)
+                groups[(partition_of(ids[i], len(parts)), asking.get(i))].append(i)
+            for (p, ask), items in groups.items():
+                node = ask or slots.node_for(parts[p].lru)
                 for k in range(0, len(items), size):
-                    runs.append(self._pipeline(node, parts[p], items[k : k + size], build, outcome))
+                    runs.append(self._pipeline(node, parts[p], items[k : k + size], build, outcome, ask is not None))
             again: list[int] = []
             moved = False
             for chunk in await gather_all(runs):
@@ -248,6 +253,10 @@ class RedisPool(BlockPool):
                         again.append(item)
                         reasons[item] = result.reason
                         moved |= result.moved
+                        if result.ask is not None:
+                            asking[item] = result.ask
+                        else:
+                            asking.pop(item, None)
                     else:
                         results[item] = result
                         reasons.pop(item, None)
@@ -263,14 +272,15 @@ class RedisPool(BlockPool):
         node: Node | None,
         part: Partition,
         items: list[int],
-        build: Callable[[Partition, list[int], Frames, list[Sink | None]], list[int]],
+        build: Callable[[Partition, list[int], Frames, list[Sink | None], bool], list[int]],
         outcome: Callable[[int, list[Any]], Any],
+        asking: bool,
     ) -> list[tuple[int, Any]]:
         if node is None:
             return [(i, _Retry("redirect", moved=True)) for i in items]
         frames = Frames()
         sinks: list[Sink | None] = []
-        counts = build(part, items, frames, sinks)
+        counts = build(part, items, frames, sinks, asking)
         failure = None
         try:
             replies = await self.bulk.exchange(node, frames, sinks)
@@ -287,14 +297,18 @@ class RedisPool(BlockPool):
         return out
 
     def _build_gets(self, ids: Sequence[str], sink: Callable[[int], Sink]):
-        def build(part: Partition, items: list[int], frames: Frames, sinks: list[Sink | None]) -> list[int]:
+        def build(part: Partition, items: list[int], frames: Frames, sinks: list[Sink | None], asking: bool) -> list[int]:
             keys = [part.kv + ids[i] for i in items]
             for i, key in zip(items, keys):
+                if asking:
+                    frames.command("ASKING")
+                    sinks.append(None)
                 frames.command("GET", key)
                 sinks.append(sink(i))
-            frames.command("EVAL", TOUCH_LUA, 2 + len(keys), part.lru, part.stats, *keys, *(ids[i] for i in items))
-            sinks.append(None)
-            return [1] * len(items)
+            if not asking:  # a migrating partition's bookkeeping is split between two nodes: skipped
+                frames.command("EVAL", TOUCH_LUA, 2 + len(keys), part.lru, part.stats, *keys, *(ids[i] for i in items))
+                sinks.append(None)
+            return [1 + asking] * len(items)
 
         return build
 
@@ -305,7 +319,7 @@ class RedisPool(BlockPool):
             views, size = dests[i], sizes[i]
             return lambda n: views if n == size else None
 
-        results, failed = await self._transfer(ids, self._build_gets(ids, sink), lambda i, r: _get_outcome(r[0]))
+        results, failed = await self._transfer(ids, self._build_gets(ids, sink), lambda i, r: _get_outcome(r[-1]))
         for i, reason in failed.items():
             results[i] = reason
         return results
@@ -321,7 +335,7 @@ class RedisPool(BlockPool):
 
             return fresh
 
-        results, failed = await self._transfer(ids, self._build_gets(ids, sink), lambda i, r: _get_outcome(r[0]))
+        results, failed = await self._transfer(ids, self._build_gets(ids, sink), lambda i, r: _get_outcome(r[-1]))
         if failed:
             reason = next(iter(failed.values()))
             raise PoolUnavailable(f"{len(failed)} of {len(ids)} blocks could not be read: {reason}")
@@ -339,7 +353,7 @@ class RedisPool(BlockPool):
         lease = lease_id or ""
         ids = [bid for bid, _ in pairs]
 
-        def build(part: Partition, items: list[int], frames: Frames, sinks: list[Sink | None]) -> list[int]:
+        def build(part: Partition, items: list[int], frames: Frames, sinks: list[Sink | None], asking: bool) -> list[int]:
             lease_set = part.lease_prefix + lease
             for i in items:
                 bid, value = pairs[i]

@@ -327,32 +327,51 @@ def _node_of(nodes: LocalRedisCluster, slot: int) -> int:
     raise AssertionError(f"no node owns slot {slot}")
 
 
-def migrate_slot(nodes: LocalRedisCluster, slot: int, src: int, dst: int) -> None:
-    ids = [nodes.cli(p, "cluster", "myid") for p in nodes.ports]
-    sp, dp = nodes.ports[src], nodes.ports[dst]
-    assert nodes.cli(dp, "cluster", "setslot", str(slot), "importing", ids[src]) == "OK"
-    assert nodes.cli(sp, "cluster", "setslot", str(slot), "migrating", ids[dst]) == "OK"
-    keys = nodes.cli(sp, "cluster", "getkeysinslot", str(slot), "10000").split()
-    assert keys
-    assert nodes.cli(sp, "migrate", "127.0.0.1", str(dp), "", "0", "5000", "keys", *keys) == "OK"
-    for p in nodes.ports:
-        nodes.cli(p, "cluster", "setslot", str(slot), "node", ids[dst])
+class SlotMigration:
+    """Moving one slot between nodes by hand, the way ``redis-cli --cluster reshard`` does."""
+
+    def __init__(self, nodes: LocalRedisCluster, slot: int, src: int, dst: int) -> None:
+        self.nodes, self.slot = nodes, slot
+        self.ids = [nodes.cli(p, "cluster", "myid") for p in nodes.ports]
+        self.src, self.dst = nodes.ports[src], nodes.ports[dst]
+        self.dst_id = self.ids[dst]
+        assert nodes.cli(self.dst, "cluster", "setslot", str(slot), "importing", self.ids[src]) == "OK"
+        assert nodes.cli(self.src, "cluster", "setslot", str(slot), "migrating", self.dst_id) == "OK"
+
+    def keys(self) -> list[str]:
+        return self.nodes.cli(self.src, "cluster", "getkeysinslot", str(self.slot), "10000").split()
+
+    def move(self, keys: list[str]) -> None:
+        assert keys
+        assert self.nodes.cli(self.src, "migrate", "127.0.0.1", str(self.dst), "", "0", "5000", "keys", *keys) == "OK"
+
+    def finish(self) -> None:
+        self.move(self.keys())
+        for p in self.nodes.ports:
+            self.nodes.cli(p, "cluster", "setslot", str(self.slot), "node", self.dst_id)
 
 
-async def test_a_moved_slot_is_followed_for_reads_and_writes(own_cluster: LocalRedisCluster) -> None:
-    blocks = Blocks(SMALL, 12)
+async def test_a_migrating_slot_is_followed_with_ask_then_moved(own_cluster: LocalRedisCluster) -> None:
+    blocks = Blocks(SMALL, 48)
     async with RedisPool(PoolConfig(url=own_cluster.url, key_prefix=unique_prefix())) as pool:
         await blocks.put(pool)
         slot = key_slot(redis_key(pool, blocks.keys[0]))
         src = _node_of(own_cluster, slot)
-        migrate_slot(own_cluster, slot, src, (src + 1) % 3)
+        migration = SlotMigration(own_cluster, slot, src, (src + 1) % 3)
+        moved = [k for k in migration.keys() if ":kv:" in k][::2]
+        migration.move(moved)  # half the partition's values are on the new node already: ASK
+        assert await blocks.get(pool) == [None] * 48
+        for i in range(48):
+            blocks.verify(i)
+        assert await pool.exists_blocks(NS, blocks.keys) == [True] * 48  # the control plane follows ASK too
+        migration.finish()
         refreshes = pool.control.refreshes
-        assert await blocks.get(pool) == [None] * 12  # the stale map gets MOVED, refreshes, resends
+        assert await blocks.get(pool) == [None] * 48  # the stale map gets MOVED, refreshes, resends
         assert pool.control.refreshes > refreshes
-        for i in range(12):
+        for i in range(48):
             blocks.verify(i)
         await blocks.put(pool)
-        assert (await pool.stats()).blocks == 12
+        assert (await pool.stats()).blocks == 48
 
 
 async def test_a_cluster_node_killed_mid_transfer_costs_its_blocks_only(own_cluster: LocalRedisCluster) -> None:
