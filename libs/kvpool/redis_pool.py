@@ -233,7 +233,7 @@ class RedisPool(BlockPool):
                 await asyncio.sleep(self.config.retry_backoff_s * 2 ** (attempt - 1))
             try:
                 slots, parts = await self.layout()
-            except PoolUnavailable as exc:  # no node answers about the topology
+            except PoolUnavailable:  # no node answers about the topology
                 for i in todo:
                     reasons.setdefault(i, "connect")
                 break
