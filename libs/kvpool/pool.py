@@ -25,17 +25,20 @@ receives them straight into memory the caller provides (the zero-copy path).
 
 from __future__ import annotations
 
+import logging
 import re
 import secrets
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal, Sequence, Union, get_args
+from typing import Any, Callable, Literal, Sequence, Union, get_args
 
 from libs.blocks.keys import KEY_BYTES, BlockKey, Namespace
 from libs.kvpool.header import Buffer, Value, value_parts
 
 NamespaceLike = Union[Namespace, str]
 KeyLike = Union[BlockKey, str]
+
+log = logging.getLogger(__name__)
 
 PutErrorReason = Literal["oom", "lease", "rejected"]
 PUT_ERROR_REASONS: tuple[str, ...] = get_args(PutErrorReason)
@@ -189,7 +192,12 @@ class BlockPool(ABC):
         return await self._get_blocks(ids) if ids else []
 
     async def get_blocks_into(
-        self, ns: NamespaceLike, keys: Sequence[KeyLike], dests: Sequence[Sequence[memoryview]]
+        self,
+        ns: NamespaceLike,
+        keys: Sequence[KeyLike],
+        dests: Sequence[Sequence[memoryview]],
+        *,
+        on_landed: Callable[[int], None] | None = None,
     ) -> list[str | None]:
         """Receive each block's value straight into ``dests[i]``: writable views filled in
         order, whose sizes add up to the value length the caller expects.
@@ -199,11 +207,31 @@ class BlockPool(ABC):
         block that missed may hold anything. Counts hits and ``misses:absent`` and touches
         the LRU like ``get_blocks``. When the call returns, or raises (cancelled), nothing
         writes into ``dests`` any more.
+
+        ``on_landed(i)`` is called once for each block whose value landed, as soon as it
+        has, possibly on a bulk-transfer thread and while other blocks are still arriving:
+        decode verifies checksums there, overlapped with the transfer. It must be quick,
+        thread-safe and must not raise (an exception is logged and the block counts as a
+        miss ``"error"``).
         """
         ids = block_ids(ns, keys)
         if len(dests) != len(ids):
             raise ValueError(f"{len(dests)} destinations for {len(ids)} keys")
-        return await self._get_blocks_into(ids, dests) if ids else []
+        if not ids:
+            return []
+        if on_landed is None:
+            return await self._get_blocks_into(ids, dests, None)
+        failed: set[int] = set()
+
+        def landed(i: int) -> None:
+            try:
+                on_landed(i)
+            except Exception:  # noqa: BLE001 - the caller's bug must not break the transport
+                log.exception("on_landed(%d) raised", i)
+                failed.add(i)
+
+        outcomes = await self._get_blocks_into(ids, dests, landed)
+        return ["error" if i in failed and o is None else o for i, o in enumerate(outcomes)]
 
     async def put_blocks(
         self,
@@ -297,7 +325,9 @@ class BlockPool(ABC):
     @abstractmethod
     async def _get_blocks(self, ids: list[str]) -> list[Buffer | None]: ...
 
-    async def _get_blocks_into(self, ids: list[str], dests: Sequence[Sequence[memoryview]]) -> list[str | None]:
+    async def _get_blocks_into(
+        self, ids: list[str], dests: Sequence[Sequence[memoryview]], on_landed: Callable[[int], None] | None
+    ) -> list[str | None]:
         """Through ``_get_blocks`` and a copy, for a backend without a zero-copy path (the twin)."""
         try:
             values = await self._get_blocks(ids)
@@ -318,6 +348,8 @@ class BlockPool(ABC):
                 view[:] = src[pos : pos + view.nbytes]
                 pos += view.nbytes
             out.append(None)
+            if on_landed is not None:
+                on_landed(len(out) - 1)
         return out
 
     @abstractmethod

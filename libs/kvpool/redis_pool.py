@@ -139,6 +139,23 @@ class _Retry:
     ask: Node | None = None
 
 
+class _Into:
+    """The sink of one block: its destination views if the value has the expected size,
+    and the caller's ``on_landed(i)`` once it has landed (libs/kvpool/resp.py)."""
+
+    __slots__ = ("i", "views", "size", "on_landed")
+
+    def __init__(self, i: int, views: Sequence[memoryview], size: int, on_landed: Callable[[int], None] | None) -> None:
+        self.i, self.views, self.size, self.on_landed = i, views, size, on_landed
+
+    def __call__(self, n: int) -> Sequence[memoryview] | None:
+        return self.views if n == self.size else None
+
+    def landed(self, n: int) -> None:
+        if self.on_landed is not None:
+            self.on_landed(self.i)
+
+
 def _put_outcome(replies: Sequence[Any]) -> PutError | _Retry | None:
     """The outcome of one block's ``MULTI; SET; EVAL; EXEC`` replies."""
     exec_reply = replies[3]
@@ -312,12 +329,13 @@ class RedisPool(BlockPool):
 
         return build
 
-    async def _get_blocks_into(self, ids: list[str], dests: Sequence[Sequence[memoryview]]) -> list[str | None]:
+    async def _get_blocks_into(
+        self, ids: list[str], dests: Sequence[Sequence[memoryview]], on_landed: Callable[[int], None] | None
+    ) -> list[str | None]:
         sizes = [sum(memoryview(v).nbytes for v in d) for d in dests]
 
         def sink(i: int) -> Sink:
-            views, size = dests[i], sizes[i]
-            return lambda n: views if n == size else None
+            return _Into(i, dests[i], sizes[i], on_landed)
 
         results, failed = await self._transfer(ids, self._build_gets(ids, sink), lambda i, r: _get_outcome(r[-1]))
         for i, reason in failed.items():

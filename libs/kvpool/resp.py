@@ -15,7 +15,9 @@ needs just two things redis-py does not offer:
   ``BufferedProtocol`` (the same two calls are its ``get_buffer`` / ``buffer_updated``).
   Each expected reply has an optional *sink*: called with a bulk reply's length, it
   returns the memory the payload goes to (a list of writable views, filled in order) or
-  ``None`` to discard it. While a payload is being filled, ``get_buffer`` hands out the
+  ``None`` to discard it. A sink with a ``landed(length)`` method hears right away when
+  its payload is complete, from whatever thread feeds the parser (the pool verifies
+  blocks there, while the other sockets keep receiving). While a payload is being filled, ``get_buffer`` hands out the
   sink's memory itself, so the kernel copies the bytes straight there. Only what arrives
   in the same read as the reply's header line is copied from the parser's own buffer:
   header reads are capped at ``head_read`` bytes (4 kB, about 1% of a block value).
@@ -178,6 +180,7 @@ class ReplyParser:
         self._skip = 0
         self._filling = False
         self._fill_result: Any = None
+        self._fill_sink: Any = None
         self._direct = False  # whether the last get_buffer() was a sink view
 
     # -- the caller's side -----------------------------------------------------------------
@@ -321,6 +324,9 @@ class ReplyParser:
         self._start += 2
         self._filling = False
         self._complete(self._fill_result)
+        landed = getattr(self._fill_sink, "landed", None)
+        if landed is not None and isinstance(self._fill_result, int):
+            landed(self._fill_result)
         return True
 
     def _line(self, pos: int) -> tuple[int, bytes, int]:
@@ -349,6 +355,7 @@ class ReplyParser:
             if length < 0:
                 raise ProtocolError(f"bulk length {length}")
             views = sink(length)
+            self._fill_sink = sink
             self._filling = True
             self._remaining = length
             self._targets.clear()

@@ -3,9 +3,11 @@
 Loading (prefill's pool hits, decode's handoff): take staging first, then receive the
 values straight into it (``BlockPool.get_blocks_into``: the header of each value into a
 small side buffer, the payload into the block's staging row, with no copy on the way),
-and verify each in place against our own layout and its key's token count
-(``BlockCodec.verify_landed``: header fields and the checksum of the payload where it
-lies). Only the leading run of good blocks is usable (each key covers the whole prefix
+and verify each in place against our own layout and its key's token count as soon as it
+has landed (``BlockCodec.verify_landed``, from ``on_landed`` on the bulk thread that
+received it, while the other blocks are still arriving: header fields and the checksum
+of the payload where it lies). A load that times out keeps the leading blocks that had
+landed and passed. Only the leading run of good blocks is usable (each key covers the whole prefix
 before it), so the first missing or corrupt block ends the load; everything after it is
 recomputed by the engine. Every block not loaded is counted with its reason: ``absent``,
 ``corrupt:<reason>`` (``corrupt:length`` for a value of the wrong size, never received),
@@ -14,8 +16,9 @@ recomputed by the engine. Every block not loaded is counted with its reason: ``a
 
 Storing (prefill): the exported blocks go to the pool as they lie in the export's staging
 (``BlockCodec.encode_views``: a fresh 24-byte header, then views of the staging rows,
-checksummed in place), under the handoff lease, through the async writer; nothing copies
-the payload before the socket does. The staging therefore goes back to the engine only
+checksummed in place, in chunks on worker threads that overlap with the writes), under
+the handoff lease, through the async writer; nothing copies the payload before the
+socket does. The staging therefore goes back to the engine only
 once every write is done or given up, also when the request is cancelled meanwhile. A
 block the pool refuses is an error for that block only; the request goes on.
 """
@@ -33,6 +36,7 @@ import numpy as np
 from kernels.swap import StagingStateError
 from libs.blocks import BlockKey
 from libs.engine import ExportedKV, KVImport
+from libs.kvpool.bulk import settle
 from libs.kvpool.header import HEADER_NBYTES, BlockDecodeError, value_nbytes
 from libs.kvpool.pool import PoolError
 from libs.kvpool.writer import WriteFailed
@@ -81,20 +85,31 @@ async def load_blocks(rt: WorkerRuntime, keys: list[BlockKey], start: int, *, ma
         slots = [row for b in buffers for row in b.host]  # .host waits for copies once per buffer
         headers = np.empty((rows, HEADER_NBYTES), dtype=np.uint8)
         dests = [rt.codec.value_views(memoryview(headers[i]), slots[i], wanted[i].num_tokens) for i in range(rows)]
+        verdicts: list[str | None] = ["unavailable"] * rows  # per block: None once landed and verified
+
+        def verify(i: int) -> None:  # on a bulk thread as each value lands, overlapped with the rest
+            try:
+                rt.codec.verify_landed(memoryview(headers[i]), slots[i], wanted[i].num_tokens)
+                verdicts[i] = None
+            except BlockDecodeError as e:
+                verdicts[i] = f"corrupt:{e.reason}"
+
         try:
-            outcomes = await asyncio.wait_for(rt.pool.get_blocks_into(rt.namespace, wanted[:rows], dests), rt.settings.load_timeout_s)
-        except asyncio.TimeoutError:
-            outcomes = ["timeout"] * rows
+            outcomes = await asyncio.wait_for(
+                rt.pool.get_blocks_into(rt.namespace, wanted[:rows], dests, on_landed=verify), rt.settings.load_timeout_s
+            )
+            reasons = [verdicts[i] if o is None else _miss_reason(o) for i, o in enumerate(outcomes)]
+        except asyncio.TimeoutError:  # what landed (and was verified) before the timeout is good
+            reasons = [None if v is None else "unavailable:timeout" for v in verdicts]
         except (PoolError, OSError) as e:
             log.info("pool read failed (%s): recomputing %d blocks", e, rows)
-            outcomes = ["unavailable"] * rows
-        run = 0
-        while run < rows and outcomes[run] is None:
-            run += 1
-        if run < rows:
-            misses[_miss_reason(outcomes[run])] += 1
-            misses["after_gap"] += rows - run - 1
-        ok = await asyncio.to_thread(_verify_all, rt.codec, headers, slots[:run], wanted[:run], misses, rows)
+            reasons = [None if v is None else "unavailable" for v in verdicts]
+        ok = 0
+        while ok < rows and reasons[ok] is None:
+            ok += 1
+        if ok < rows:
+            misses[reasons[ok]] += 1  # type: ignore[index]
+            misses["after_gap"] += rows - ok - 1
         if ok:
             last = wanted[ok - 1]
             end_tokens = (start + ok - 1) * bs + last.num_tokens
@@ -165,29 +180,30 @@ async def _acquire_staging(rt: WorkerRuntime, n: int, misses: Counter[str]) -> l
     return buffers
 
 
-def _verify_all(codec, headers: np.ndarray, slots, keys, misses: Counter[str], rows: int) -> int:
-    """Verify landed blocks in order; the number that passed before the first corrupt one."""
-    for row, (slot, key) in enumerate(zip(slots, keys)):
-        try:
-            codec.verify_landed(memoryview(headers[row]), slot, key.num_tokens)
-        except BlockDecodeError as e:
-            misses[f"corrupt:{e.reason}"] += 1
-            misses["after_gap"] += rows - row - 1
-            return row
-    return len(slots)
-
-
 async def store_blocks(rt: WorkerRuntime, exported: ExportedKV, keys: list[BlockKey], skip: int, lease_id: str | None) -> StoreResult:
-    """Write exported blocks ``skip:`` (those not already in the pool) under ``lease_id``."""
+    """Write exported blocks ``skip:`` (those not already in the pool) under ``lease_id``.
+
+    The blocks are encoded (checksummed in place) in chunks on worker threads, all chunks
+    at once, and each chunk is handed to the writer as soon as it is ready: the
+    checksums of later blocks overlap with the writes of earlier ones.
+    """
     t0 = time.perf_counter()
     result = StoreResult()
+    encodes: list[asyncio.Future[list[list[memoryview]]]] = []
+    sizes: dict[str, int] = {}
     try:
-        values = await asyncio.to_thread(_encode_all, rt.codec, exported, skip)
+        blocks = await asyncio.to_thread(lambda: list(exported.blocks())[skip:])  # waits for device copies
+        encodes = [
+            asyncio.ensure_future(asyncio.to_thread(_encode, rt.codec, blocks[i : i + _ENCODE_CHUNK]))
+            for i in range(0, len(blocks), _ENCODE_CHUNK)
+        ]
         assert rt.writer is not None
         session = rt.writer.begin(lease_id=lease_id)
         try:
-            for key, value in zip(keys[skip:], values):
-                await session.submit(rt.namespace, key, value)
+            for c, encoded in enumerate(encodes):
+                for key, value in zip(keys[skip + c * _ENCODE_CHUNK :], await encoded):
+                    sizes[str(key)] = value_nbytes(value)
+                    await session.submit(rt.namespace, key, value)
             report = await session.wait_all_done()
         except WriteFailed as e:
             report = e.report
@@ -195,8 +211,8 @@ async def store_blocks(rt: WorkerRuntime, exported: ExportedKV, keys: list[Block
             session.cancel()
             await session.settled()
             log.warning("pool writer unavailable: %s", e)
-            result.blocks_failed = len(values)
-            result.fail_reasons = {"unavailable": len(values)}
+            result.blocks_failed = len(blocks)
+            result.fail_reasons = {"unavailable": len(blocks)}
             return _stored(rt, result, t0)
         except BaseException:
             # Cancelled: the values are views of the export's staging, so no write may
@@ -205,8 +221,9 @@ async def store_blocks(rt: WorkerRuntime, exported: ExportedKV, keys: list[Block
             await session.settled()
             raise
     finally:
+        for encoded in encodes:  # a thread may still be checksumming staging
+            await settle(encoded)
         exported.release()
-    sizes = {str(k): value_nbytes(v) for k, v in zip(keys[skip:], values)}
     result.blocks_written = len(report.written)
     result.bytes_written = sum(sizes[k] for k in report.written)
     result.blocks_failed = len(report.failed)
@@ -225,5 +242,8 @@ def _stored(rt: WorkerRuntime, result: StoreResult, t0: float) -> StoreResult:
     return result
 
 
-def _encode_all(codec, exported: ExportedKV, skip: int) -> list[list[memoryview]]:
-    return [codec.encode_views(block, n) for i, (block, n) in enumerate(exported.blocks()) if i >= skip]
+_ENCODE_CHUNK = 8  # blocks checksummed per worker-thread task
+
+
+def _encode(codec, blocks) -> list[list[memoryview]]:
+    return [codec.encode_views(block, n) for block, n in blocks]
