@@ -71,7 +71,11 @@ the other nodes' blocks are unaffected. While a cluster node is lost, the contro
 works with the nodes that answer (libs/kvpool/control.py, "Lost nodes"): existence
 checks see its blocks as absent, and leases, statistics, eviction to the budget and
 reaping cover the rest of the pool; only when no node answers do calls raise. A
-``MOVED`` reply refreshes the slot map and the block is sent again to the right node.
+``MOVED`` reply refreshes the slot map and the block is sent again to the right node; an
+``ASK`` (its partition's slot is being migrated and the value has moved already) sends
+the GET to the named node behind ``ASKING``, without the touch script (the partition's
+bookkeeping is split between two nodes until the migration ends); writes and scripts
+that meet a migration back off and retry.
 """
 
 from __future__ import annotations
