@@ -119,7 +119,10 @@ class WorkerRuntime:
         self.engine = AsyncEngine(llm, on_step=self._on_step)
         self.metrics = WorkerMetrics.create(self.registry, self)
         self.pool = RedisPool(
-            PoolConfig(url=settings.redis_url, password=settings.redis_password, key_prefix=settings.key_prefix)
+            PoolConfig(
+                url=settings.redis_url, password=settings.redis_password, key_prefix=settings.key_prefix,
+                bulk_model=settings.pool_bulk_model,
+            )
         )
         self.writer: AsyncWriter | None = None
         self.in_flight = 0  # HTTP requests inside this instance (queue depth for the router)

@@ -34,6 +34,9 @@ class WorkerSettings(BaseSettings):
     redis_password: str | None = setting(None, help="Redis password")
     key_prefix: str = setting("tidepool", help="prefix of every pool key in Redis")
     pool_workers: int = setting(4, help="concurrent pool write pipelines")
+    pool_bulk_model: Literal["threads", "asyncio"] = setting(
+        "threads", help="how block values move: threads (blocking recv_into, GIL released) or asyncio (BufferedProtocol)"
+    )
     router_url: str | None = setting(None, help="router to register with (heartbeats every heartbeat_s); none: standalone")
     advertise_url: str | None = setting(None, help="URL the router reaches this instance at; default http://<host>:<port>")
     instance_id: str | None = setting(None, help="stable id for this instance; default: random")
