@@ -52,7 +52,7 @@ BLOCK = 128  # weight block edge, activation group length, and the GEMM's K tile
 SCALE_EPS = 1e-10  # amax floor (vLLM's): all-zero blocks get a tiny positive scale
 FP32_MAX = torch.finfo(torch.float32).max
 
-_THRESHOLD_FILE = Path(__file__).with_name("swap_ab_threshold.json")
+THRESHOLD_FILE = Path(__file__).with_name("swap_ab_threshold.json")
 
 
 class Fp8AlignmentError(ValueError):
@@ -92,10 +92,10 @@ class GemmPlan:
 def swap_ab_max_m() -> int:
     """The largest M that takes the swap-AB variant: data, written by
     ``bench/fp8_gemm_bench.py --write-threshold`` from measured timings."""
-    data = json.loads(_THRESHOLD_FILE.read_text())
+    data = json.loads(THRESHOLD_FILE.read_text())
     value = data["swap_ab_max_m"]
     if not isinstance(value, int) or value < 0:
-        raise ValueError(f"{_THRESHOLD_FILE}: swap_ab_max_m must be a non-negative int, got {value!r}")
+        raise ValueError(f"{THRESHOLD_FILE}: swap_ab_max_m must be a non-negative int, got {value!r}")
     return value
 
 
