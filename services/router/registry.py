@@ -129,11 +129,13 @@ class Registry:
         other = "decode" if msg.role == "prefill" else "prefill"
         clash = next((i for i in self.live(other) if i.info.quantization != msg.quantization), None)
         if clash is not None:
-            raise IncompatibleInstance(
+            reason = (
                 f"{msg.role} instance {msg.instance_id!r} runs {msg.quantization} weights but {other} instance "
                 f"{clash.id!r} runs {clash.info.quantization}: prefill and decode must use the same --quantization "
                 "(their KV caches would differ)"
             )
+            log.warning("refused registration at %s: %s", msg.url, reason)
+            raise IncompatibleInstance(reason)
         now, wall = self.clock(), self.wall_clock()
         previous = self.instances.get(msg.instance_id)
         inst = Instance(info=msg, root=root, registered_at=wall, last_seen=now, last_seen_wall=wall)
