@@ -14,8 +14,11 @@ it two ways, with the same weights:
   is computed once and cached in the compute dtype (the "dequantize-then-matmul" path).
   So CPU runs see FP8's error where the GPU does, and CPU tests exercise the format.
 
-Which projections: q/k/v, o, gate/up and down of every decoder layer (vLLM's default for
-FP8 checkpoints). The embeddings and the LM head stay in the model's dtype.
+Which projections: q/k/v and o of every decoder layer and gate/up and down of every dense
+MLP (vLLM's default for FP8 checkpoints). The embeddings and the LM head stay in the
+model's dtype, and so do MoE blocks (experts, shared expert, router): FP8 experts need
+FP8 grouped GEMMs (kernels/moe) that do not exist yet, so an FP8 MoE checkpoint's experts
+are dequantized at load.
 
 Fused projections (q/k/v, gate/up) concatenate their parts along N. Quantized at load,
 the fused matrix is quantized as one. From a checkpoint, each part arrives with its own
@@ -181,16 +184,19 @@ class Fp8Linear(nn.Module):
 
 @torch.no_grad()
 def quantize_projections(model: nn.Module, device: torch.device) -> int:
-    """Replace every dense decoder projection (``FP8_PROJECTIONS``) with an ``Fp8Linear``
+    """Replace each decoder layer's dense projections (``FP8_PROJECTIONS`` of its attention
+    and of its MLP, when that is a dense MLP and not a MoE block) with an ``Fp8Linear``
     quantized from its fp32 weight on ``device`` (fast on a GPU, and the model is moved
     there next anyway). Projections that are already FP8 (a checkpoint's) are left alone.
     Returns how many were quantized."""
     count = 0
-    for name, module in list(model.named_modules()):
-        parent_name, _, attr = name.rpartition(".")
-        if attr in FP8_PROJECTIONS and type(module) is nn.Linear:
-            bias = None if module.bias is None else module.bias.detach().clone()
-            weight = Fp8Weight.quantize(module.weight.detach().to(device=device, dtype=torch.float32))
-            setattr(model.get_submodule(parent_name), attr, Fp8Linear(weight, bias))
-            count += 1
+    for layer in model.layers:
+        for parent in (layer.self_attn, layer.mlp):
+            for attr in FP8_PROJECTIONS:
+                module = getattr(parent, attr, None)
+                if type(module) is nn.Linear:
+                    bias = None if module.bias is None else module.bias.detach().clone()
+                    weight = Fp8Weight.quantize(module.weight.detach().to(device=device, dtype=torch.float32))
+                    setattr(parent, attr, Fp8Linear(weight, bias))
+                    count += 1
     return count

@@ -19,6 +19,7 @@ sizes, static activation scales, e5m2.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import torch
@@ -27,8 +28,10 @@ from kernels.fp8 import BLOCK, FP8_DTYPE
 from libs.model.fp8 import Fp8Weight
 
 SCALE_SUFFIX = ".weight_scale_inv"
-# The checkpoint's names of what the model runs as FP8 (fused there into q/k/v and gate/up).
-_PROJECTIONS = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"})
+# What the model runs as FP8 (libs/model/fp8.py): each layer's attention projections and its
+# dense MLP's (fused there into q/k/v and gate/up). MoE experts, shared experts and routers
+# (``mlp.experts.*``, ``mlp.shared_expert.*``, ``block_sparse_moe.*``) do not match.
+_FP8_PROJECTION = re.compile(r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight")
 
 
 def check_quantization_config(config_json: dict[str, Any]) -> bool:
@@ -56,8 +59,8 @@ def check_quantization_config(config_json: dict[str, Any]) -> bool:
 
 def collect_fp8_weights(state: dict[str, torch.Tensor]) -> dict[str, Any]:
     """The state dict with each decoder projection's e4m3 weight and its scale paired into
-    one ``Fp8Weight`` (libs/model/fp8.py). Any other e4m3 tensor (an embedding or LM head
-    stored in FP8) is dequantized to fp32: those layers run in the model's dtype."""
+    one ``Fp8Weight`` (libs/model/fp8.py). Any other e4m3 tensor (MoE experts, an embedding
+    or LM head stored in FP8) is dequantized to fp32: those run in the model's dtype."""
     out: dict[str, Any] = {}
     for key, tensor in state.items():
         if key.endswith(SCALE_SUFFIX):
@@ -72,6 +75,5 @@ def collect_fp8_weights(state: dict[str, torch.Tensor]) -> dict[str, Any]:
         if not key.endswith(".weight") or scale_key not in state:
             raise ValueError(f"{key} is float8_e4m3fn but the checkpoint has no {scale_key} for it")
         weight = Fp8Weight.from_checkpoint(tensor, state[scale_key], key)
-        projection = key.removesuffix(".weight").rpartition(".")[2]
-        out[key] = weight if ".layers." in key and projection in _PROJECTIONS else weight.dequantize()
+        out[key] = weight if _FP8_PROJECTION.fullmatch(key) else weight.dequantize()
     return out

@@ -17,16 +17,19 @@ from __future__ import annotations
 
 import json
 import math
+import re
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
-from libs.engine import LLM, EngineConfig
+from libs.engine import LLM, EngineConfig, SamplingParams
 from libs.model.fp8 import Fp8Linear
 from libs.model.fp8_checkpoint import check_quantization_config
 from libs.model.weights import read_hf_folder
+from tests.checkpoints import save_tokenizer, write_checkpoint
 from tests.models import CHAT_PROMPTS, RAW_PROMPTS, hf_gguf_tokenizer
 
 transformers = pytest.importorskip("transformers")
@@ -35,7 +38,6 @@ safetensors_torch = pytest.importorskip("safetensors.torch")
 QUANT_CONFIG = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [128, 128]}
 UNALIGNED = dict(hidden_size=192, intermediate_size=320, num_attention_heads=4, num_key_value_heads=2)
 ALIGNED = dict(hidden_size=256, intermediate_size=384, num_attention_heads=4, num_key_value_heads=2)
-PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 IGNORED = "model.layers.1.mlp.down_proj"
 
 
@@ -57,40 +59,40 @@ def block_dequantize(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     return q.float() * full
 
 
-def write_fp8_checkpoint(folder: Path, tokenizer_dir: Path, dims: dict, ignore: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
-    """A tiny Llama in FP8; returns the dequantized weights (what the checkpoint means)."""
-    cfg = transformers.LlamaConfig(vocab_size=len(hf_gguf_tokenizer()), num_hidden_layers=2, max_position_embeddings=512, tie_word_embeddings=True, **dims)
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else torch.randn_like(p) * (0.3 if "embed" in name else 0.08))
-    model.save_pretrained(str(folder), safe_serialization=True)
+# Linear weights an FP8 checkpoint stores in e4m3: attention, dense MLPs, MoE experts and
+# shared experts (Mixtral's w1/w2/w3 too); never norms, embeddings, the LM head or routers.
+QUANTIZED = re.compile(r"model\.layers\.\d+\..*(_proj|\.w[123])\.weight")
+
+
+def quantize_checkpoint(folder: Path, ignore: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
+    """Rewrite a float checkpoint (written by transformers) in block FP8, as DeepSeek-V3 and
+    vLLM store it; returns the dequantized weights by module name (what the file means)."""
     (shard,) = folder.glob("*.safetensors")
     state = safetensors_torch.load_file(str(shard))
     meaning = {}
-    for i in range(2):
-        for proj in PROJECTIONS:
-            name = f"model.layers.{i}.{proj}"
-            if name in ignore:
-                continue
-            q, s = block_quantize(state[name + ".weight"])
-            state[name + ".weight"], state[name + ".weight_scale_inv"] = q, s
+    for key in [k for k in state if QUANTIZED.fullmatch(k)]:
+        name = key.removesuffix(".weight")
+        if name not in ignore:
+            q, s = block_quantize(state[key])
+            state[key], state[name + ".weight_scale_inv"] = q, s
             meaning[name] = block_dequantize(q, s)
     safetensors_torch.save_file(state, str(shard), metadata={"format": "pt"})
     config = json.loads((folder / "config.json").read_text())
     config["quantization_config"] = {**QUANT_CONFIG, "ignored_layers": list(ignore)}
     (folder / "config.json").write_text(json.dumps(config))
-    for f in tokenizer_dir.iterdir():
-        (folder / f.name).write_bytes(f.read_bytes())
     return meaning
+
+
+def write_fp8_checkpoint(folder: Path, tokenizer_dir: Path, dims: dict, ignore: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
+    """A tiny Llama in FP8; returns the dequantized weights (what the checkpoint means)."""
+    config = dict(num_hidden_layers=2, max_position_embeddings=512, tie_word_embeddings=True, **dims)
+    write_checkpoint("LlamaConfig", "LlamaForCausalLM", config, folder, tokenizer_dir)
+    return quantize_checkpoint(folder, ignore)
 
 
 @pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory) -> Path:
-    d = tmp_path_factory.mktemp("tokenizer")
-    hf_gguf_tokenizer().save_pretrained(str(d))
-    return d
+    return save_tokenizer(tmp_path_factory.mktemp("tokenizer"))
 
 
 @pytest.fixture(scope="module")
@@ -133,15 +135,20 @@ def test_fp8_checkpoint_loads_its_values_exactly(unaligned):
 
 
 def hf_model_with(folder: Path, meaning: dict[str, torch.Tensor]):
-    """transformers' model with the checkpoint's meaning: its dequantized weights."""
-    cfg = transformers.AutoConfig.from_pretrained(str(folder))
-    del cfg.quantization_config
-    model = transformers.LlamaForCausalLM(cfg).eval()
-    (shard,) = folder.glob("*.safetensors")
-    state = {k: v for k, v in safetensors_torch.load_file(str(shard)).items() if not k.endswith("_scale_inv")}
-    state.update({k + ".weight": v for k, v in meaning.items()})
-    model.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
-    return model
+    """transformers' model of the checkpoint's meaning: its dequantized weights written as a
+    float checkpoint beside it and read by ``from_pretrained`` (which maps every family's
+    expert names to its own modules)."""
+    dense = folder.parent / (folder.name + "-dense")
+    if not dense.exists():
+        shutil.copytree(folder, dense)
+        (shard,) = dense.glob("*.safetensors")
+        state = {k: v for k, v in safetensors_torch.load_file(str(shard)).items() if not k.endswith("_scale_inv")}
+        state.update({k + ".weight": v for k, v in meaning.items()})
+        safetensors_torch.save_file({k: v.float() for k, v in state.items()}, str(shard), metadata={"format": "pt"})
+        config = json.loads((dense / "config.json").read_text())
+        del config["quantization_config"]
+        (dense / "config.json").write_text(json.dumps(config))
+    return transformers.AutoModelForCausalLM.from_pretrained(str(dense), dtype=torch.float32).eval()
 
 
 def hf_first_logits(model, ids: list[int]) -> torch.Tensor:
@@ -237,3 +244,48 @@ def test_broken_fp8_checkpoints_fail_at_load(unaligned, tmp_path):
     wrong_grid = {**state, "model.layers.0.mlp.up_proj.weight_scale_inv": torch.ones(1, 1)}
     with pytest.raises(ValueError, match="block grid"):
         read_hf_folder(write(wrong_grid, config))
+
+
+QWEN2_MOE = dict(  # a shared expert, and a dense layer (1) among sparse ones
+    hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+    intermediate_size=112, moe_intermediate_size=48, num_experts=6, num_experts_per_tok=2,
+    shared_expert_intermediate_size=80, norm_topk_prob=False, mlp_only_layers=[1], tie_word_embeddings=False,
+)
+
+
+@pytest.fixture(scope="module")
+def moe_folder(tmp_path_factory, tokenizer_dir):
+    folder = tmp_path_factory.mktemp("qwen2-moe")
+    write_checkpoint("Qwen2MoeConfig", "Qwen2MoeForCausalLM", QWEN2_MOE, folder, tokenizer_dir)
+    return folder
+
+
+def test_moe_models_run_attention_and_dense_mlps_in_fp8_and_experts_dense(moe_folder, tmp_path):
+    """FP8 covers attention and dense MLPs; MoE experts, shared experts and routers stay in
+    the model's dtype (no FP8 grouped GEMM yet), whether quantized at load or read from an
+    FP8 checkpoint, whose experts are then dequantized."""
+    from libs.model.moe.block import SparseMoeBlock
+
+    fp8 = engine_for(moe_folder, "fp8").loaded.model
+    moe, dense_mlp = fp8.layers[0].mlp, fp8.layers[1].mlp
+    assert isinstance(moe, SparseMoeBlock) and moe.w13.dtype == torch.float32
+    assert type(moe.shared_expert.gate_up_proj) is nn.Linear and type(moe.gate) is nn.Linear
+    assert all(isinstance(layer.self_attn.qkv_proj, Fp8Linear) for layer in fp8.layers)
+    assert isinstance(dense_mlp.gate_up_proj, Fp8Linear) and isinstance(dense_mlp.down_proj, Fp8Linear)
+
+    folder = tmp_path / "qwen2-moe-fp8"
+    shutil.copytree(moe_folder, folder)
+    meaning = quantize_checkpoint(folder)
+    assert "model.layers.0.mlp.experts.5.down_proj" in meaning and "model.layers.0.mlp.shared_expert.gate_proj" in meaning
+    llm = engine_for(folder)
+    assert llm.namespace.quantization == "fp8"
+    model = llm.loaded.model
+    e = 5
+    w13 = torch.cat([meaning[f"model.layers.0.mlp.experts.{e}.{x}_proj"] for x in ("gate", "up")])
+    assert torch.equal(model.layers[0].mlp.w13[e], w13) and torch.equal(model.layers[0].mlp.w2[e], meaning[f"model.layers.0.mlp.experts.{e}.down_proj"])
+    assert isinstance(model.layers[1].mlp.down_proj, Fp8Linear)
+    hf = hf_model_with(folder, meaning)
+    dense = engine_for(folder, "none")
+    for ids in prompts()[:2]:
+        assert torch.allclose(dense.first_step_logits(ids), hf_first_logits(hf, ids), atol=1e-4, rtol=0)
+        assert llm.generate([ids], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0].token_ids
