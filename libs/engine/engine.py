@@ -42,7 +42,7 @@ class LLMEngine:
         if loaded is None:
             loaded = load_model(
                 config.model, dtype=dtype, device=device, backend=make_backend(config.attention_backend, device),
-                quantized_weights=config.quantized_weights,
+                quantized_weights=config.quantized_weights, quantization=config.quantization,
                 moe=MoEOptions(strategy=config.moe_strategy, fake_balance=config.moe_fake_balance),
             )
         self.loaded = loaded

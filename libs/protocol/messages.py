@@ -282,6 +282,12 @@ class RegisterInstance(Message, version=1):
         max_model_len: longest prompt + completion the instance accepts, >= 1.
         block_size: tokens per KV block; with ``namespace`` it lets the router compute
             block keys (libs.blocks.NamespaceRoot) without loading the model.
+        quantization: how the weights run (``none`` or ``fp8``); prefill and decode must
+            agree, and the router refuses an instance that does not.
+
+    Compatibility: a field added after version 1 shipped is left off the wire while it has
+    its default, so an unquantized instance sends exactly what it sent before the field
+    existed (an older router accepts it), and an older instance's message decodes here.
     """
 
     instance_id: str
@@ -291,11 +297,19 @@ class RegisterInstance(Message, version=1):
     namespace: str
     max_model_len: int
     block_size: int = 16
+    quantization: str = "none"
 
     def validate(self) -> None:
         check(len(self.instance_id) > 0, "instance_id", "must not be empty")
         check(self.max_model_len >= 1, "max_model_len", "must be >= 1")
         check(self.block_size >= 1, "block_size", "must be >= 1")
+        check(0 < len(self.quantization) <= 32, "quantization", "must be 1 to 32 characters")
+
+    def to_wire(self) -> dict[str, Any]:
+        out = super().to_wire()
+        if self.quantization == "none":
+            del out["quantization"]
+        return out
 
 
 @dataclass(kw_only=True)

@@ -34,7 +34,7 @@ from services.router.detok import TokenRenderer
 from services.router.errors import ApiError
 from services.router.generate import handle
 from services.router.metrics import RouterMetrics
-from services.router.registry import Registry
+from services.router.registry import IncompatibleInstance, Registry
 from services.router.settings import RouterSettings
 from services.router.state import STATE, RouterState
 from services.router.workers import WorkerClient
@@ -105,6 +105,8 @@ async def _register(request: web.Request) -> web.Response:
         return ApiError(400, f"url must be an http(s) URL, got {msg.url!r}", code="invalid_value", param="url").response()
     try:
         state.registry.register(msg)
+    except IncompatibleInstance as exc:
+        return ApiError(400, str(exc), code="quantization_mismatch", param="quantization").response()
     except ValueError as exc:
         return ApiError(400, str(exc), code="invalid_value", param="namespace").response()
     state.metrics.registrations.labels(msg.role).inc()

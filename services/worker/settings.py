@@ -28,6 +28,9 @@ class WorkerSettings(BaseSettings):
     quantized_weights: bool = setting(False, help="CPU + GGUF: decode with the file's 4-bit weights (approximate, ~2x faster decode)")
     moe_strategy: Literal[STRATEGIES] = setting("auto", help="MoE models: how experts run (libs/model/moe/strategy.py)")
     moe_fake_balance: bool = setting(False, help="MoE models: FakeBalanceExpert routing, for load benchmarks only (changes the output)")
+    quantization: Literal["auto", "none", "fp8"] = setting(
+        "auto", help="fp8: block-scaled FP8 weights (quantized at load, or an FP8 checkpoint's); none: dense; auto: as the checkpoint is. Prefill and decode must agree"
+    )
     swap_buffers: int = setting(8, help="staging buffers for pool transfers (bounds concurrent handoffs)")
     swap_max_blocks: int = setting(64, help="blocks per staging buffer")
     redis_url: str = setting("redis://127.0.0.1:6379/0", help="the pool's Redis")
