@@ -81,8 +81,10 @@ class CompiledGrammar:
 class GrammarCompiler:
     """Compiles specs against one tokenizer; thread-safe; an LRU cache of ``cache_size``."""
 
-    def __init__(self, tokenizer: "Tokenizer", *, cache_size: int = 256):
+    def __init__(self, tokenizer: "Tokenizer", *, cache_size: int = 256, vocab_size: int | None = None):
         self._tokenizer = tokenizer
+        # The model's vocabulary may be padded past the tokenizer's: masks cover the model's.
+        self._vocab_size = max(vocab_size or 0, tokenizer.vocab_size)
         self._cache_size = cache_size
         self._cache: OrderedDict[GrammarSpec, CompiledGrammar] = OrderedDict()
         self._lock = threading.Lock()
@@ -92,7 +94,7 @@ class GrammarCompiler:
 
     @property
     def vocab_size(self) -> int:
-        return self._tokenizer.vocab_size
+        return self._vocab_size
 
     def ll_tokenizer(self) -> "llguidance.LLTokenizer":
         """llguidance's view of the vocabulary (built once, ~1 s: it indexes every token)."""
@@ -102,7 +104,7 @@ class GrammarCompiler:
 
                 tok = self._tokenizer
                 self._ll_tokenizer = llg.LLTokenizer(
-                    tok.backend.to_str(), n_vocab=tok.vocab_size, eos_token=list(tok.eos_token_ids)
+                    tok.backend.to_str(), n_vocab=self._vocab_size, eos_token=list(tok.eos_token_ids)
                 )
             return self._ll_tokenizer
 
