@@ -22,7 +22,7 @@ from libs.engine.outputs import RequestOutput
 from libs.engine.errors import DuplicateRequestError
 from libs.engine.params import SamplingParams
 from libs.engine.sequence import KVImport
-from libs.engine.structured import GrammarMatcher
+from libs.structured import GrammarMatcher
 
 log = logging.getLogger(__name__)
 

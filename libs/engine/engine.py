@@ -29,7 +29,8 @@ from libs.engine.step_timer import StepTimer
 from libs.engine.params import SamplingParams
 from libs.engine.scheduler import Scheduler, SchedulerConfig
 from libs.engine.sequence import KVImport, Sequence
-from libs.engine.structured import BitmaskFiller, CompiledGrammar, GrammarCompiler, GrammarMatcher, GrammarSpec
+from libs.structured import CompiledGrammar, GrammarCompiler, GrammarMatcher, GrammarSpec
+from libs.structured.bitmask import BitmaskFiller
 from libs.kvpool.layout import KVLayout
 from libs.model import LoadedModel, MoEOptions, load_model, make_backend
 

@@ -16,7 +16,7 @@ from libs.engine.engine import LLMEngine
 from libs.engine.errors import InvalidRequestError
 from libs.engine.outputs import GenerationResult
 from libs.engine.params import SamplingParams
-from libs.engine.structured import GrammarSpec
+from libs.structured import GrammarSpec
 
 
 class LLM(LLMEngine):

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     import torch
 
     from kernels.swap import StagingBuffer
-    from libs.engine.structured import GrammarMatcher
+    from libs.structured import GrammarMatcher
 
 _seq_ids = itertools.count()
 

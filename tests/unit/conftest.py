@@ -27,6 +27,6 @@ def smollm2_tokenizer():
 def grammar_compiler(smollm2_tokenizer):
     """A structured-output grammar compiler on the real tokenizer (llguidance indexes the
     vocabulary once, ~1 s)."""
-    from libs.engine.structured import GrammarCompiler
+    from libs.structured import GrammarCompiler
 
     return GrammarCompiler(smollm2_tokenizer)

@@ -10,7 +10,7 @@ import jsonschema
 import pytest
 
 from libs.engine import SamplingParams, TokenOutOfRangeError
-from libs.engine.structured import GrammarMismatchError, GrammarSpec
+from libs.structured import GrammarMismatchError, GrammarSpec
 
 SCHEMA = {
     "type": "object",

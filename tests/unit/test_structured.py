@@ -12,7 +12,8 @@ import jsonschema
 import pytest
 import torch
 
-from libs.engine.structured import BitmaskFiller, GrammarError, GrammarMismatchError, GrammarSpec
+from libs.structured import GrammarError, GrammarMismatchError, GrammarSpec
+from libs.structured.bitmask import BitmaskFiller
 from kernels.bitmask.reference import unpack_bitmask
 
 PERSON = {
@@ -113,7 +114,7 @@ def test_cache_is_keyed_by_canonical_spec(grammar_compiler):
 
 
 def test_cache_is_bounded(smollm2_tokenizer, grammar_compiler):
-    from libs.engine.structured import GrammarCompiler
+    from libs.structured import GrammarCompiler
 
     small = GrammarCompiler(smollm2_tokenizer, cache_size=2)
     small._ll_tokenizer = grammar_compiler.ll_tokenizer()  # skip re-indexing the vocabulary

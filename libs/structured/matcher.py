@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Sequence
 
-from libs.engine.structured.spec import GrammarError
+from libs.structured.spec import GrammarError
 
 if TYPE_CHECKING:
     import llguidance

@@ -19,7 +19,7 @@ from typing import Sequence
 
 import torch
 
-from libs.engine.structured.matcher import GrammarMatcher
+from libs.structured.matcher import GrammarMatcher
 
 
 def bitmask_words(vocab_size: int) -> int:

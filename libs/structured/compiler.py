@@ -30,8 +30,8 @@ from collections import OrderedDict
 from concurrent.futures import Executor
 from typing import TYPE_CHECKING
 
-from libs.engine.structured.matcher import GrammarMatcher
-from libs.engine.structured.spec import GrammarError, GrammarSpec
+from libs.structured.matcher import GrammarMatcher
+from libs.structured.spec import GrammarError, GrammarSpec
 
 if TYPE_CHECKING:
     import llguidance

@@ -9,7 +9,8 @@ for why llguidance):
   malformed spec is a :class:`GrammarError` naming the problem, answered 400.
 - Each sequence gets its own :class:`GrammarMatcher` (``n > 1`` siblings copy it).
 - Every step, the bitmasks of the constrained rows are filled on a host thread
-  (:class:`BitmaskFiller`), batched across requests, while the device runs the forward
+  (``libs.structured.bitmask.BitmaskFiller``; it needs torch, so it is not imported
+  here: the router validates constraints with this package without torch), batched across requests, while the device runs the forward
   pass; the sampler applies them to the logits on the device
   (``kernels.bitmask.apply_token_bitmask_``) before any other processing that could pick a
   token. Unconstrained rows are never touched, and a step without constraints does no work.
@@ -23,18 +24,15 @@ for why llguidance):
   exists for the day they do).
 """
 
-from libs.engine.structured.bitmask import BitmaskFiller, bitmask_words
-from libs.engine.structured.compiler import CompiledGrammar, GrammarCompiler
-from libs.engine.structured.matcher import GrammarMatcher, GrammarMismatchError
-from libs.engine.structured.spec import GrammarError, GrammarSpec
+from libs.structured.compiler import CompiledGrammar, GrammarCompiler
+from libs.structured.matcher import GrammarMatcher, GrammarMismatchError
+from libs.structured.spec import GrammarError, GrammarSpec
 
 __all__ = [
-    "BitmaskFiller",
     "CompiledGrammar",
     "GrammarCompiler",
     "GrammarError",
     "GrammarMatcher",
     "GrammarMismatchError",
     "GrammarSpec",
-    "bitmask_words",
 ]
