@@ -21,12 +21,14 @@ import asyncio
 import hmac
 import logging
 import time
+from pathlib import Path
 from typing import AsyncIterator, Awaitable, Callable
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from libs.model.tokenizer import Tokenizer
+from libs.structured import GrammarCompiler
 from libs.protocol import msgpack_response, read_message
 from libs.protocol.messages import Heartbeat, InstanceAck, RegisterInstance
 from services.common import create_app
@@ -130,6 +132,16 @@ async def _reap(state: RouterState) -> None:
             state.metrics.instances_dropped.labels(inst.role).inc()
 
 
+def _read_template(value: str | None) -> str | None:
+    """``--chat-template``: a file's text when it names a file, else the template itself."""
+    if value is None:
+        return None
+    path = Path(value).expanduser()
+    if "\n" not in value and len(value) < 4096 and path.is_file():
+        return path.read_text()
+    return value
+
+
 _STARTED = web.AppKey("router_started", float)
 _MODEL_NAMES = web.AppKey("router_model_names", frozenset)
 
@@ -153,6 +165,8 @@ def create_router_app(settings: RouterSettings, tokenizer: Tokenizer | None = No
         registry=instances,
         metrics=RouterMetrics.create(metrics_registry, instances),
         renderer=TokenRenderer(tokenizer),
+        grammars=GrammarCompiler(tokenizer, cache_size=settings.grammar_cache_size),
+        chat_template=_read_template(settings.chat_template),
     )
 
     def stats() -> dict[str, object]:
