@@ -4,6 +4,7 @@
 ``POST /v1/completions``           OpenAI completions (generate.py)
 ``POST /v1/chat/completions``      OpenAI chat completions (generate.py)
 ``GET /v1/models``                 the served model
+``POST /tokenize /detokenize``     vLLM's utility endpoints (tokenize.py)
 ``GET /v1/workers``                registered instances: role, url, load, last seen, usable
 ``POST /internal/v1/register``     ``RegisterInstance`` -> ``InstanceAck`` (msgpack)
 ``POST /internal/v1/heartbeat``    ``Heartbeat`` -> ``InstanceAck``; 404 from an unknown instance
@@ -39,6 +40,7 @@ from services.router.metrics import RouterMetrics
 from services.router.registry import Registry
 from services.router.settings import RouterSettings
 from services.router.state import STATE, RouterState
+from services.router.tokenize import detokenize, tokenize
 from services.router.workers import WorkerClient
 
 log = logging.getLogger("tidepool.router")
@@ -203,6 +205,8 @@ def create_router_app(settings: RouterSettings, tokenizer: Tokenizer | None = No
     app.router.add_post("/v1/completions", _completions)
     app.router.add_post("/v1/chat/completions", _chat)
     app.router.add_get("/v1/models", _models)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/v1/workers", _workers)
     app.router.add_post("/internal/v1/register", _register)
     app.router.add_post("/internal/v1/heartbeat", _heartbeat)
