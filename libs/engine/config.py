@@ -10,6 +10,11 @@ import torch
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 
 
+# Where "auto" turns async scheduling on: only where a benchmark showed it faster at every
+# batch size (bench/RESULTS.md, "Async scheduling"). CUDA: not measured yet, so off.
+ASYNC_SCHEDULING_DEFAULTS: dict[str, bool] = {"cuda": False, "cpu": False}
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs to know; ``auto`` values are resolved by ``resolve()``.
@@ -47,11 +52,16 @@ class EngineConfig:
     # FP8 checkpoint), "none" runs dense, "auto" follows the checkpoint. FP8 tensor cores
     # (SM 8.9+) run Triton kernels; elsewhere the same weights run dequantized.
     quantization: str = "auto"
-    # CUDA only: decode steps replay captured graphs (batch sizes up to graph_max_batch);
-    # async_prepare builds the next step's inputs while the device runs this one.
+    # CUDA only: decode steps replay captured graphs (batch sizes up to graph_max_batch),
+    # steps with prompt chunks replay prefill graphs (token counts up to
+    # prefill_graph_max_tokens, capped by the step budget; 0 disables them).
     cuda_graphs: bool = True
     graph_max_batch: int = 128
-    async_prepare: str = "auto"  # auto (on CUDA), on, off
+    prefill_graph_max_tokens: int = 8192
+    # Async scheduling (libs/engine/engine.py): step N + 1 is scheduled and launched before
+    # step N's tokens are read back. "auto" turns it on only where it was measured faster:
+    # see ASYNC_SCHEDULING_DEFAULTS.
+    async_scheduling: str = "auto"  # auto, on, off
     # PD handoff staging: buffers of swap_max_blocks blocks each (pinned on CUDA).
     swap_max_blocks: int = 64
     swap_buffers: int = 4
@@ -81,10 +91,12 @@ class EngineConfig:
             budget = max(budget, max_model_len)
         return budget
 
-    def resolve_async_prepare(self, device: torch.device) -> bool:
-        if self.async_prepare not in ("auto", "on", "off"):
-            raise ValueError(f"async_prepare must be auto, on or off, got {self.async_prepare!r}")
-        return self.async_prepare == "on" or (self.async_prepare == "auto" and device.type == "cuda")
+    def resolve_async_scheduling(self, device: torch.device) -> bool:
+        if self.async_scheduling not in ("auto", "on", "off"):
+            raise ValueError(f"async_scheduling must be auto, on or off, got {self.async_scheduling!r}")
+        if self.async_scheduling == "auto":
+            return ASYNC_SCHEDULING_DEFAULTS.get(device.type, False)
+        return self.async_scheduling == "on"
 
     def apply_threads(self) -> None:
         """Set torch's CPU thread count explicitly (DESIGN.md: processes sharing cores

@@ -1,4 +1,5 @@
-"""How busy the device is: GPU time per step, and the idle gaps between steps.
+"""How busy the device is (GPU time per step, idle gaps between steps), and where the
+host's time per step goes.
 
 CUDA events are recorded around each step's device work (forward and sampling) on the
 stream; after the step's host sync both have completed, so reading them costs nothing.
@@ -54,3 +55,33 @@ class StepTimer:
     def idle_fraction(self) -> float | None:
         total = self.busy_s + self.idle_s
         return self.idle_s / total if self.enabled and total > 0 else None
+
+
+PHASES = ("schedule", "prepare", "launch", "sample", "output")
+
+
+class HostPhases:
+    """Host seconds per step phase, always on (a few ``perf_counter`` calls a step).
+
+    - ``schedule``: the scheduler's decision;
+    - ``prepare``: applying it to the persistent batch and laying out the step's inputs;
+    - ``launch``: handing the step's device work over (on the CPU without async
+      scheduling the work runs right there, so it includes the forward and sampling);
+    - ``sample``: waiting for a step's sampled ids and reading them;
+    - ``output``: appending tokens, stop checks, request outputs.
+
+    ``forward`` is the time the device queue spent in the model forward (host launch
+    time on CUDA, compute on the CPU). ``history`` keeps every step when enabled
+    (benchmarks take medians of it)."""
+
+    def __init__(self) -> None:
+        self.totals = dict.fromkeys((*PHASES, "forward", "step"), 0.0)
+        self.steps = 0
+        self.history: list[dict[str, float]] | None = None
+
+    def record(self, phases: dict[str, float]) -> None:
+        self.steps += 1
+        for k, v in phases.items():
+            self.totals[k] += v
+        if self.history is not None:
+            self.history.append(phases)
