@@ -16,6 +16,10 @@ needs nothing but the step's one copy per dtype, which the engine does anyway.
   final hidden states, and the sampled rows' logits are computed after it (their count
   varies with the step).
 
+``emulate=True`` runs the function each graph would capture eagerly on the step's padded
+layout instead (any device): the CPU tests check the graph layouts and their padding
+that way, the GPU tests check replay against eager.
+
 Both kinds are possible because the Triton kernels size their grids from tensor shapes
 and host ints only (kernels/attention/triton_attention.py), and every graph's block
 table has ``width`` columns, the longest context's, so one capture serves every context
@@ -49,9 +53,10 @@ def prefill_token_buckets(max_tokens: int, smallest: int = 16) -> list[int]:
 class ForwardGraphs:
     """Captured forwards keyed by ``("decode", batch)`` and ``("prefill", tokens)``."""
 
-    def __init__(self, model: LlamaModel, staging: StepStaging, device: torch.device, *, width: int, block_size: int):
-        if device.type != "cuda":
+    def __init__(self, model: LlamaModel, staging: StepStaging, device: torch.device, *, width: int, block_size: int, emulate: bool = False):
+        if device.type != "cuda" and not emulate:
             raise ValueError("CUDA graphs need a CUDA device")
+        self.emulate = emulate
         self.model = model
         self.staging = staging
         self.device = device
@@ -84,6 +89,8 @@ class ForwardGraphs:
     def capture(self, decode_sizes: list[int], prefill_tokens: list[int], prefill_seqs: int) -> None:
         """Capture every graph, largest first (later graphs reuse its memory pool)."""
         self.decode_sizes, self.prefill_tokens, self.prefill_seqs = decode_sizes, prefill_tokens, prefill_seqs
+        if self.emulate:
+            return
         jobs: list[tuple[tuple[str, int], Layout, Callable[[PackViews], torch.Tensor]]] = []
         for t in reversed(prefill_tokens):
             jobs.append((("prefill", t), self.prefill_layout(t, prefill_seqs, self.width), lambda v, t=t: self._prefill_forward(v, t)))
@@ -112,9 +119,12 @@ class ForwardGraphs:
                 self.graphs[key] = graph
         torch.cuda.current_stream(self.device).wait_stream(stream)
 
-    def replay(self, kind: str, capacity: int) -> torch.Tensor:
-        """Replay the graph of ``capacity``; its inputs are the current device pack."""
+    def replay(self, kind: str, capacity: int, views: PackViews) -> torch.Tensor:
+        """Replay the graph of ``capacity``; its inputs are the current device pack
+        (``views``, which only an emulated replay reads directly)."""
         key = (kind, capacity)
-        self.graphs[key].replay()
         self.replays[kind] += 1
+        if self.emulate:
+            return self._decode_forward(views, capacity) if kind == "decode" else self._prefill_forward(views, capacity)
+        self.graphs[key].replay()
         return self.outputs[key]

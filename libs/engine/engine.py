@@ -95,14 +95,7 @@ class LLMEngine:
         self.exports = ExportQueue(self.block_manager, config.block_size, self.runner.export_blocks)
         self.forks = Forks(self.scheduler, self.block_manager, config.block_size)
         if device.type == "cuda" and config.cuda_graphs and loaded.model.layers[0].self_attn.backend.name == "triton":
-            self.runner.enable_cuda_graphs(
-                max_batch=min(config.max_num_seqs, config.graph_max_batch),
-                prefill_max_tokens=min(config.prefill_graph_max_tokens, budget),
-                prefill_seqs=config.max_num_seqs,
-            )
-            g = self.runner.graphs
-            self.builder.decode_graph_sizes, self.builder.prefill_graph_tokens = g.decode_sizes, g.prefill_tokens
-            self.builder.graph_seqs, self.builder.graph_width = g.prefill_seqs, g.width
+            self.enable_graphs()
         self.queue = DeviceQueue(device, asynchronous=self.async_scheduling)
         self._in_flight: deque[tuple[Step, Pending]] = deque()
         self._pre_ops: list = []  # device work for the next step (fork copies)
@@ -122,6 +115,20 @@ class LLMEngine:
         self.num_generated_tokens = 0
         self.num_prompt_tokens_computed = 0
         self.num_discarded_tokens = 0  # sampled one step past a stop (async scheduling)
+
+    def enable_graphs(self, *, emulate: bool = False) -> None:
+        """Capture the decode and prefill graphs (on at start on CUDA). ``emulate`` runs
+        their padded layouts eagerly instead, on any device (tests)."""
+        cfg = self.config
+        budget = self.scheduler.config.max_num_batched_tokens
+        g = self.runner.enable_graphs(
+            max_batch=min(cfg.max_num_seqs, cfg.graph_max_batch),
+            prefill_max_tokens=min(cfg.prefill_graph_max_tokens, budget),
+            prefill_seqs=cfg.max_num_seqs,
+            emulate=emulate,
+        )
+        b = self.builder
+        b.decode_graph_sizes, b.prefill_graph_tokens, b.graph_seqs, b.graph_width = g.decode_sizes, g.prefill_tokens, g.prefill_seqs, g.width
 
     def _num_blocks(self, device: torch.device) -> int:
         cfg = self.config

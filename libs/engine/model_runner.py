@@ -110,22 +110,25 @@ class ModelRunner:
             self.model.bind_kv_cache(self.cache)
             self.model.kv_cache_owner = self
 
-    def enable_cuda_graphs(self, max_batch: int, prefill_max_tokens: int, prefill_seqs: int) -> None:
+    def enable_graphs(self, max_batch: int, prefill_max_tokens: int, prefill_seqs: int, *, emulate: bool = False) -> ForwardGraphs:
         """Capture decode graphs for batch sizes up to ``max_batch`` and prefill graphs for
         token counts up to ``prefill_max_tokens`` (0: none) over ``prefill_seqs`` sequences.
-        The device packs are resized first so every graph's views stay put."""
+        The device packs are resized first so every graph's views stay put. ``emulate``:
+        no capture, the graph layouts run eagerly (libs/engine/cuda_graphs.py)."""
         self._bind()
         W = self.max_blocks_per_seq
         decode = graph_batch_sizes(max_batch) if max_batch > 0 else []
         prefill = prefill_token_buckets(prefill_max_tokens) if prefill_max_tokens > 0 else []
-        layouts = [ForwardGraphs.decode_layout(b, W) for b in decode] + [ForwardGraphs.prefill_layout(t, prefill_seqs, W) for t in prefill]
-        # Room for the sampling part behind the forward inputs of any graph layout.
-        room = [Layout(L.tokens, L.seqs, L.width, 4 * L.seqs, 0, 256, 4 * L.seqs).sizes() for L in layouts]
-        current = tuple(p.numel() for p in self.staging.device_packs)  # type: ignore[union-attr]
-        want = tuple(max([c, *(r[i] for r in room)]) for i, c in enumerate(current))
-        self.staging.set_device_packs(tuple(torch.zeros(n, dtype=p.dtype, device=self.device) for n, p in zip(want, self.staging.device_packs)))  # type: ignore[union-attr]
-        self.graphs = ForwardGraphs(self.model, self.staging, self.device, width=W, block_size=self.block_size)
+        if self.staging.device_packs is not None:
+            layouts = [ForwardGraphs.decode_layout(b, W) for b in decode] + [ForwardGraphs.prefill_layout(t, prefill_seqs, W) for t in prefill]
+            # Room for the sampling part behind the forward inputs of any graph layout.
+            room = [Layout(L.tokens, L.seqs, L.width, 4 * L.seqs, 0, 256, 4 * L.seqs).sizes() for L in layouts]
+            current = tuple(p.numel() for p in self.staging.device_packs)
+            want = tuple(max([c, *(r[i] for r in room)]) for i, c in enumerate(current))
+            self.staging.set_device_packs(tuple(torch.zeros(n, dtype=p.dtype, device=self.device) for n, p in zip(want, self.staging.device_packs)))
+        self.graphs = ForwardGraphs(self.model, self.staging, self.device, width=W, block_size=self.block_size, emulate=emulate)
         self.graphs.capture(decode, prefill, prefill_seqs)
+        return self.graphs
 
     # -- KV movement ------------------------------------------------------------------------
 
@@ -201,9 +204,9 @@ class ModelRunner:
         if nd:  # decode rows feed what the last step sampled for them
             torch.index_select(self.state.last_sampled, 0, v.decode_slots[:nd], out=v.input_ids[:nd])
         if step.path == "decode_graph":
-            return self.graphs.replay("decode", step.layout.seqs)[:nd]  # type: ignore[union-attr]
+            return self.graphs.replay("decode", step.layout.seqs, v)[:nd]  # type: ignore[union-attr]
         if step.path == "prefill_graph":
-            hidden = self.graphs.replay("prefill", step.layout.tokens)  # type: ignore[union-attr]
+            hidden = self.graphs.replay("prefill", step.layout.tokens, v)  # type: ignore[union-attr]
         else:
             meta = v.metadata(nd, step.num_tokens - nd, step.max_seq_len)
             meta.query_start_loc = v.query_start_loc[: step.num_prefill_seqs + 1]

@@ -108,6 +108,7 @@ class WorkerRuntime:
             moe_strategy=settings.moe_strategy,
             moe_fake_balance=settings.moe_fake_balance,
             quantization=settings.quantization,
+            async_scheduling=settings.async_scheduling,
             num_threads=settings.threads,
             swap_buffers=settings.swap_buffers,
             swap_max_blocks=settings.swap_max_blocks,
