@@ -144,6 +144,7 @@ class Sampler:
         self.vocab_size = vocab_size
         self.device = device
 
+    @torch.no_grad()
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """Sample a list batch and read the results back (tests, tools)."""
         st = SamplingTensors.from_params(
@@ -160,9 +161,9 @@ class Sampler:
                 out[rows[j]] = lp
         return SamplerOutput(tokens, out)
 
-    @torch.no_grad()
     def sample(self, logits: torch.Tensor, st: SamplingTensors) -> DeviceSamples:
-        """Launch sampling; nothing is read back. ``logits``: fp32 ``[S, vocab]``."""
+        """Launch sampling; nothing is read back. ``logits``: fp32 ``[S, vocab]``. Call under
+        ``torch.inference_mode()`` (the runner's step is)."""
         logits = logits[:, : self.vocab_size]
         raw = logits  # logprobs are the raw model distribution, before any processing
 

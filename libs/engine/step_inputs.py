@@ -269,26 +269,35 @@ class StepBuilder:
         self.prefill_graph_tokens: list[int] = []  # set when prefill graphs are captured
         self.graph_seqs = 0  # sequence capacity of the prefill graphs
         self.graph_width = 0  # block-table width of every graph
+        self._aranged = np.arange(256, dtype=np.int64)
+
+    def _arange(self, n: int) -> np.ndarray:
+        if self._aranged.shape[0] < n:
+            self._aranged = np.arange(2 * n, dtype=np.int64)
+        return self._aranged[:n]
 
     def build(self, index: int, decode_rows: "slice | np.ndarray", num_decodes: int, chunks: list[Chunk]) -> Step:
         b, bs = self.batch, self.block_size
         nd = num_decodes
-        rows_p = np.fromiter((c.seq.row for c in chunks), dtype=np.int64, count=len(chunks))
-        n_p = np.fromiter((c.num_tokens for c in chunks), dtype=np.int64, count=len(chunks))
-        starts = np.fromiter((c.start for c in chunks), dtype=np.int64, count=len(chunks))
-        T = nd + int(n_p.sum())
+        if chunks:
+            rows_p = np.asarray([c.seq.row for c in chunks], dtype=np.int64)
+            n_p = np.asarray([c.num_tokens for c in chunks], dtype=np.int64)
+            starts = np.asarray([c.start for c in chunks], dtype=np.int64)
+            T = nd + int(n_p.sum())
+        else:
+            T = nd
         B = nd + len(chunks)
         # Sample rows: the decode rows, then each finishing chunk's row and its children's.
         tail_rows: list[int] = []
         tail_logits: list[int] = []
-        ends = nd + np.cumsum(n_p) - 1 if len(chunks) else n_p
-        for c, end in zip(chunks, ends.tolist()):
+        ends = (nd + np.cumsum(n_p) - 1).tolist() if chunks else []
+        for c, end in zip(chunks, ends):
             if c.num_samples:
                 tail_rows.append(c.seq.row)
                 tail_rows.extend(ch.row for ch in c.children)
                 tail_logits.extend([end] * (1 + len(c.children)))
         S = nd + len(tail_rows)
-        sample_rows = decode_rows if not tail_rows else np.concatenate([np.arange(b.num_rows)[decode_rows], np.asarray(tail_rows, dtype=np.int64)])
+        sample_rows = decode_rows if not tail_rows else np.concatenate([self._arange(b.num_rows)[decode_rows], np.asarray(tail_rows, dtype=np.int64)])
 
         pos_d = b.num_computed[decode_rows]
         seq_lens_d = pos_d + 1
@@ -325,7 +334,7 @@ class StepBuilder:
         bt = b.block_table
         v.input_ids[:nd] = 0  # gathered on the device from the last sampled tokens
         v.positions[:nd] = pos_d
-        row_ids = np.arange(b.num_rows)[decode_rows] if nd else np.zeros(0, dtype=np.int64)
+        row_ids = self._arange(b.num_rows)[decode_rows]
         v.slot_mapping[:nd] = bt[row_ids, pos_d // bs] * bs + pos_d % bs
         v.decode_slots[:nd] = b.slot[decode_rows]
         v.seq_lens[:nd] = seq_lens_d
@@ -360,7 +369,7 @@ class StepBuilder:
         num_q = (B if all_prefill else B - nd) + 1
         qsl[num_q:] = qsl[num_q - 1]
         # Samples.
-        v.logits_indices[:nd] = np.arange(nd)
+        v.logits_indices[:nd] = self._arange(nd)
         v.logits_indices[nd:] = tail_logits
         v.sample_slots[:] = b.slot[sample_rows]
         v.top_k[:] = b.top_k[sample_rows]

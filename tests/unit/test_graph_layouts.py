@@ -21,7 +21,7 @@ def test_graph_layouts_run_eagerly_equal_the_plain_layouts():
     assert eng.builder.decode_graph_sizes[-1] == 12 and eng.builder.prefill_graph_tokens[-1] == 64
     padded = drive(eng, reqs)
     replays = eng.runner.graphs.replays
-    assert replays["decode"] > 10 and replays["prefill"] > 10
+    assert replays["decode"] > 10 and replays["prefill"] > 5
     for key in plain:
         assert plain[key]["ids"] == padded[key]["ids"] and plain[key]["reason"] == padded[key]["reason"], key
     assert eng.block_manager.num_free_blocks == 96
