@@ -266,6 +266,8 @@ class LLMEngine:
         in flight are discarded when they come back."""
         if request_id not in self._requests:
             return False
+        if request_id in self._aborted:  # aborted already; reported at the next step
+            return True
         family = self._requests[request_id]
         for seq in self.scheduler.abort(family):
             if seq.batch is not None:
