@@ -450,6 +450,10 @@ class LLMEngine:
                     self._capturing -= 1
         bs = self.config.block_size
         caching = self.block_manager.enable_prefix_caching
+        if caching:  # the chunks' full blocks join the prefix cache, finished or not
+            for c in step.chunks:
+                if c.seq.block_table:
+                    self.block_manager.commit(c.seq)
         now = time.monotonic()
         generated = 0
         for i, (seq, t) in enumerate(zip(step.sample_seqs, tokens)):
@@ -469,18 +473,13 @@ class LLMEngine:
             if seq.first_token_time is None:
                 seq.first_token_time = now
             touched[seq.request_id] = None
+            if caching and len(seq.token_ids) // bs > seq.num_committed_blocks and seq.block_table:
+                self.block_manager.commit(seq)
             if t in seq.stop_ids or len(seq.token_ids) >= seq.max_len:
                 reason = seq.check_stop(self.max_model_len)
                 if reason is not None:
                     self._finish(seq, reason)
-                    continue
-            if caching and len(seq.token_ids) // bs > seq.num_committed_blocks and seq.block_table:
-                self.block_manager.commit(seq)
         self.num_generated_tokens += generated
-        if caching:
-            for c in step.chunks:
-                if not c.seq.is_finished and c.seq.block_table:
-                    self.block_manager.commit(c.seq)
 
     def _fail_in_flight(self, failed: Step) -> None:
         """A step's device work raised: every request with a sequence in a step that will

@@ -156,3 +156,16 @@ def test_penalties_on_the_device_follow_the_definition(mode):
         moved += int(np.argmax(raw)) != t
     assert moved >= 3  # the penalties changed the outcome, so the check is sharp
     eng.close()
+
+
+@pytest.mark.parametrize("mode", ["off", "on"])
+def test_a_request_that_ends_with_its_prompt_still_caches_the_prompt(mode):
+    """A prefill-only request (max_tokens 1) finishes in the step that completes its
+    prompt: its full blocks must still join the prefix cache."""
+    eng = tiny_engine(async_scheduling=mode, max_num_batched_tokens=32)  # two chunks
+    prompt = list(range(100, 150))  # 3 full blocks + 2 tokens
+    first = eng.generate([prompt], SamplingParams(temperature=0, max_tokens=1))[0]
+    assert eng.block_manager.count_cached_prefix(prompt) == 3
+    again = eng.generate([prompt], SamplingParams(temperature=0, max_tokens=1))[0]
+    assert again.num_cached_tokens == 48 and again.token_ids == first.token_ids
+    eng.close()
