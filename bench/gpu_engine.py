@@ -33,7 +33,8 @@ DECODE_STEPS = 256
 
 
 def engine(loaded, **kw) -> LLM:
-    cfg = dict(device="cuda", dtype="bfloat16", max_num_seqs=64, num_blocks=4096, max_num_batched_tokens=16384, max_model_len=4096)
+    cfg = dict(device="cuda", dtype="bfloat16", max_num_seqs=64, num_blocks=4096, max_num_batched_tokens=16384, max_model_len=4096,
+               prefill_graph_max_tokens=16384)
     cfg.update(kw)
     return LLM(EngineConfig(**cfg), loaded=loaded)
 

@@ -48,7 +48,7 @@ def start_decoding(eng: LLM, batch: int, max_tokens: int, prompt_len: int = 32, 
 
 
 def decode_phases(loaded, batch: int, steps: int, **cfg) -> dict[str, float]:
-    eng = LLM(EngineConfig(device="cpu", dtype="float32", num_blocks=4096, max_num_seqs=max(64, batch), **cfg), loaded=loaded)
+    eng = LLM(EngineConfig(device="cpu", dtype="float32", num_blocks=512, max_num_seqs=max(64, batch), **cfg), loaded=loaded)
     start_decoding(eng, batch, steps + 8)
     eng.phases.history = []
     for _ in range(steps):

@@ -436,7 +436,7 @@ class LLMEngine:
 
     def _process(self, step: Step, res: StepResult, touched: dict[str, None]) -> None:
         """A step's ids are on the host: append them, check stops, commit full blocks."""
-        self.timer.account()
+        self.timer.account(res.timing)
         tokens = res.tokens.tolist()
         lps: dict[int, object] = {}
         if res.logprobs is not None:

@@ -34,6 +34,13 @@ from libs.engine.step_timer import StepTimer
 from libs.model.llama import LlamaModel
 
 
+def to_device(ids: list[int], device: torch.device) -> torch.Tensor:
+    """An int64 list on ``device`` without a stream sync (a copy from pageable memory
+    would wait for the stream; pinned memory does not)."""
+    t = torch.tensor(ids, dtype=torch.long)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+
+
 @dataclass
 class StepResult:
     """What a step hands back: on the host (pinned) once ``event`` has completed."""
@@ -43,6 +50,7 @@ class StepResult:
     captured: list[torch.Tensor] | None
     event: "torch.cuda.Event | None" = None
     forward_s: float = 0.0  # host time in the forward (launches on CUDA, compute on the CPU)
+    timing: tuple = (None, None)  # the step's CUDA events (StepTimer)
 
 
 class SlotState:
@@ -73,10 +81,10 @@ class SlotState:
             self.prompt_seen = torch.zeros(slots, V, dtype=torch.bool, device=self.device)
         self.counts[slot].zero_()
         self.prompt_seen[slot].zero_()
-        out = torch.tensor([t for t in output_ids if t < V], dtype=torch.long, device=self.device)
+        out = to_device([t for t in output_ids if t < V], self.device)
         if out.numel():
             self.counts[slot].index_add_(0, out, torch.ones(out.numel(), device=self.device))
-        prompt = torch.tensor([t for t in prompt_ids if t < V], dtype=torch.long, device=self.device)
+        prompt = to_device([t for t in prompt_ids if t < V], self.device)
         if prompt.numel():
             self.prompt_seen[slot, prompt] = True
 
@@ -136,8 +144,8 @@ class ModelRunner:
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy whole blocks (all layers) src → dst, e.g. a forked sequence's partial block."""
         if copies:
-            src = torch.tensor([c[0] for c in copies], device=self.device)
-            dst = torch.tensor([c[1] for c in copies], device=self.device)
+            src = to_device([c[0] for c in copies], self.device)
+            dst = to_device([c[1] for c in copies], self.device)
             self.cache[dst] = self.cache[src]
 
     @torch.inference_mode()
@@ -180,7 +188,7 @@ class ModelRunner:
         self.state.reserve(step.num_slots)
         for op in pre_ops:
             op()
-        self.timer.start()
+        started = self.timer.start()
         v = self.staging.upload(step.pack, step.layout)
         t = time.perf_counter()
         logits = self._forward(step, v)
@@ -195,7 +203,7 @@ class ModelRunner:
         captured = [logits[i].float().clone() for i in step.captures] if step.captures else None
         result = self._to_host(samples.tokens, samples.logprobs, captured, step.index)
         result.forward_s = forward_s
-        self.timer.stop()
+        result.timing = (started, self.timer.stop())
         return result
 
     def _forward(self, step: Step, v: PackViews) -> torch.Tensor:

@@ -14,34 +14,41 @@ import torch
 
 
 class StepTimer:
+    """``start()``/``stop()`` return a step's events, which travel with its result (async
+    scheduling launches step N + 1 before step N is read back); ``account(events)`` adds
+    the step once its result is on the host."""
+
     def __init__(self, device: torch.device):
         self.enabled = device.type == "cuda"
         self.busy_s = 0.0
         self.idle_s = 0.0
         self.steps = 0
-        self._start: torch.cuda.Event | None = None
-        self._end: torch.cuda.Event | None = None
         self._prev_end: torch.cuda.Event | None = None
 
-    def start(self) -> None:
-        if self.enabled:
-            self._start = torch.cuda.Event(enable_timing=True)
-            self._start.record()
+    def start(self) -> "torch.cuda.Event | None":
+        return self._record()
 
-    def stop(self) -> None:
-        if self.enabled:
-            self._end = torch.cuda.Event(enable_timing=True)
-            self._end.record()
+    def stop(self) -> "torch.cuda.Event | None":
+        return self._record()
 
-    def account(self) -> None:
-        """Add the last step (call after its host sync, when its events have completed)."""
-        if not self.enabled or self._start is None or self._end is None:
+    def _record(self) -> "torch.cuda.Event | None":
+        if not self.enabled:
+            return None
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+
+    def account(self, events: tuple) -> None:
+        """Add a step from its ``(start, stop)`` events (after its host sync, when both
+        have completed); steps must be accounted in launch order."""
+        start, end = events
+        if start is None or end is None:
             return
-        self._end.synchronize()
-        self.busy_s += self._start.elapsed_time(self._end) / 1e3
+        end.synchronize()
+        self.busy_s += start.elapsed_time(end) / 1e3
         if self._prev_end is not None:
-            self.idle_s += self._prev_end.elapsed_time(self._start) / 1e3
-        self._prev_end, self._start, self._end = self._end, None, None
+            self.idle_s += max(0.0, self._prev_end.elapsed_time(start) / 1e3)
+        self._prev_end = end
         self.steps += 1
 
     def reset(self) -> None:
