@@ -5,10 +5,12 @@ trees run the same measurement in their own processes, alternating (before, afte
 before, after, ...), so a shared, noisy machine weighs on both alike. Host overhead is
 ``step time - model forward time`` per step (the forward is the model's compute on the
 CPU; everything else is the host's), median over the measured steps, then median over
-repetitions. A tree whose engine has a phase timer (``LLMEngine.phases``) reports it; an
+repetitions. ``--clock thread`` times with the engine thread's CPU time instead of the
+wall clock (one torch thread, so the forward runs on that thread too): what a loaded
+machine adds is waiting for a core, which that clock leaves out. A tree whose engine has a phase timer (``LLMEngine.phases``) reports it; an
 older one is timed by wrapping its methods (``Phases`` of its bench/host_overhead.py).
 
-    python -m bench.host_overhead_compare --before 5964d74 [--reps 3] [--steps 32] [--out results.json]
+    python -m bench.host_overhead_compare --before 5964d74 [--clock thread] [--reps 3] [--steps 32] [--out results.json]
 """
 
 from __future__ import annotations
@@ -29,11 +31,15 @@ ROOT = Path(__file__).resolve().parents[1]
 CASES = [("null", 1), ("null", 64), ("tiny", 1), ("tiny", 64), ("smollm2-135m", 1), ("smollm2-135m", 64)]
 
 
-def _child(steps: int, cases: list) -> None:
+def _child(steps: int, cases: list, clock: str) -> None:
     """Runs inside a tree (its ``libs`` and ``bench``), prints one JSON line per case."""
     import gc
     import json
     import statistics
+    import time
+
+    if clock == "thread":  # every phase timer in both trees reads perf_counter
+        time.perf_counter = time.thread_time
 
     import torch
 
@@ -84,8 +90,8 @@ def _child(steps: int, cases: list) -> None:
         print(json.dumps({"case": f"{name}/b{batch}", "host_us": host, "step_us": step}), flush=True)
 
 
-def run_tree(tree: Path, steps: int) -> dict[str, dict]:
-    code = inspect.getsource(_child) + f"\n_child({steps}, {CASES!r})\n"
+def run_tree(tree: Path, steps: int, clock: str) -> dict[str, dict]:
+    code = inspect.getsource(_child) + f"\n_child({steps}, {CASES!r}, {clock!r})\n"
     env = {**os.environ, "PYTHONPATH": str(tree), "OMP_WAIT_POLICY": "PASSIVE", "OMP_NUM_THREADS": "1"}
     out = subprocess.run([sys.executable, "-c", code], cwd=tree, env=env, capture_output=True, text=True, check=True).stdout
     rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
@@ -97,6 +103,8 @@ def main() -> None:
     ap.add_argument("--before", required=True, help="git revision to compare with")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--clock", choices=("wall", "thread"), default="wall",
+                    help="thread: the engine thread's CPU time (time.thread_time), robust to a loaded machine")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
@@ -105,15 +113,15 @@ def main() -> None:
         subprocess.run(["tar", "-x", "-C", str(old)], input=archive, check=True)
         runs: dict[str, list[dict]] = {"before": [], "after": []}
         for _ in range(args.reps):
-            runs["before"].append(run_tree(old, args.steps))
-            runs["after"].append(run_tree(ROOT, args.steps))
+            runs["before"].append(run_tree(old, args.steps, args.clock))
+            runs["after"].append(run_tree(ROOT, args.steps, args.clock))
     res = {}
     for name, batch in CASES:
         case = f"{name}/b{batch}"
         med = {side: {k: statistics.median(r[case][k] for r in runs[side]) for k in ("host_us", "step_us")} for side in runs}
         res[case] = {**{f"{side}_{k}": v for side, m in med.items() for k, v in m.items()}, "host_ratio": med["before"]["host_us"] / med["after"]["host_us"]}
     rows = [[c, f"{r['before_host_us']:.0f}", f"{r['after_host_us']:.0f}", f"{r['host_ratio']:.2f}x", f"{r['before_step_us']:.0f}", f"{r['after_step_us']:.0f}"] for c, r in res.items()]
-    print(f"\nCPU decode step host overhead (step - forward), median us, {args.reps} alternating reps of {args.steps} steps, before = {args.before}\n")
+    print(f"\nCPU decode step host overhead (step - forward), median us ({args.clock} clock), {args.reps} alternating reps of {args.steps} steps, before = {args.before}\n")
     print(table(["model/batch", "host before", "host after", "before / after", "step before", "step after"], rows))
     if args.out:
         with open(args.out, "w") as fh:

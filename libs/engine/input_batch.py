@@ -28,8 +28,8 @@ import numpy as np
 
 from libs.engine.sequence import Sequence
 
-# Per-row sampling parameters, in the order of the step's float32 sampling block
-# (libs/engine/step_inputs.py reads them by these names).
+# Per-row sampling parameters: the columns of ``sampling_params``, in the order of the
+# step's float32 sampling block (libs/engine/step_inputs.py), each also a named view.
 FLOAT_PARAMS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 
 
@@ -74,8 +74,9 @@ class InputBatch:
         arr("max_len", np.int64)  # num_tokens at which the sequence stops for length
         arr("num_blocks", np.int64)
         arr("block_table", np.int32, self.max_blocks_per_seq)
-        for name in FLOAT_PARAMS:
-            arr(name, np.float32)
+        arr("sampling_params", np.float32, len(FLOAT_PARAMS))
+        for i, name in enumerate(FLOAT_PARAMS):
+            setattr(self, name, self.sampling_params[:, i])
         arr("top_k", np.int64)
         arr("logprobs", np.int64, fill=-1)
         self.seqs.extend([None] * (capacity - old))
@@ -103,12 +104,7 @@ class InputBatch:
         self.num_tokens[row] = len(seq.token_ids) + seq.num_pending
         seq.num_pending = 0
         self.max_len[row] = seq.max_len
-        self.temperature[row] = p.temperature
-        self.top_p[row] = p.top_p
-        self.min_p[row] = p.min_p
-        self.presence_penalty[row] = p.presence_penalty
-        self.frequency_penalty[row] = p.frequency_penalty
-        self.repetition_penalty[row] = p.repetition_penalty
+        self.sampling_params[row] = [getattr(p, name) for name in FLOAT_PARAMS]
         self.top_k[row] = p.top_k if p.top_k > 0 else 0
         self.logprobs[row] = -1 if p.logprobs is None else p.logprobs
         self._count(seq, +1)
@@ -166,7 +162,7 @@ class InputBatch:
 
     # -- internals ----------------------------------------------------------------------
 
-    _ROW_ARRAYS = ("slot", "num_computed", "num_tokens", "max_len", "num_blocks", "block_table", *FLOAT_PARAMS, "top_k", "logprobs")
+    _ROW_ARRAYS = ("slot", "num_computed", "num_tokens", "max_len", "num_blocks", "block_table", "sampling_params", "top_k", "logprobs")
 
     def _move(self, src: int, dst: int) -> None:
         if src == dst:

@@ -105,7 +105,7 @@ class ModelRunner:
         self.sampler = Sampler(vocab_size, device)
         self.state = SlotState(device, vocab_size)
         self.max_blocks_per_seq = max_blocks_per_seq
-        sizes = Layout(max_num_batched_tokens, max_num_seqs, max_blocks_per_seq, 2 * max_num_seqs, 0, 64, 2 * max_num_seqs).sizes()
+        sizes = Layout(max_num_batched_tokens, max_num_seqs, max_blocks_per_seq, 2 * max_num_seqs, 64, 2 * max_num_seqs).sizes()
         self.staging = StepStaging(device, sizes)
         self.graphs: ForwardGraphs | None = None
         self.timer = StepTimer(device)
@@ -130,7 +130,7 @@ class ModelRunner:
         if self.staging.device_packs is not None:
             layouts = [ForwardGraphs.decode_layout(b, W) for b in decode] + [ForwardGraphs.prefill_layout(t, prefill_seqs, W) for t in prefill]
             # Room for the sampling part behind the forward inputs of any graph layout.
-            room = [Layout(L.tokens, L.seqs, L.width, 4 * L.seqs, 0, 256, 4 * L.seqs).sizes() for L in layouts]
+            room = [Layout(L.tokens, L.seqs, L.width, 4 * L.seqs, 256, 4 * L.seqs).sizes() for L in layouts]
             current = tuple(p.numel() for p in self.staging.device_packs)
             want = tuple(max([c, *(r[i] for r in room)]) for i, c in enumerate(current))
             self.staging.set_device_packs(tuple(torch.zeros(n, dtype=p.dtype, device=self.device) for n, p in zip(want, self.staging.device_packs)))

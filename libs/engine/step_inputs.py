@@ -23,7 +23,7 @@ step N's results have been read (so its copy and its kernels are done). On the C
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import torch
@@ -41,22 +41,21 @@ _I32_SEQS = ("seq_lens",)
 _F32_SAMPLES = ("temperature", "top_p", "min_p", "presence", "frequency", "repetition")
 
 
-@dataclass(frozen=True)
-class Layout:
-    """Capacities of one step's pack; every offset follows from them."""
+class Layout(NamedTuple):
+    """Capacities of one step's pack; every offset follows from them (a tuple: built and
+    hashed every step)."""
 
     tokens: int
     seqs: int
     width: int  # block-table columns
     samples: int = 0
-    inits: int = 0  # slots whose last token is set from the host (new rows)
     bans: int = 0  # (row, token) pairs banned this step (min_tokens)
     logprob_rows: int = 0
 
     def sizes(self) -> tuple[int, int, int]:
-        i64 = 3 * self.tokens + self.seqs + 3 * self.samples + 2 * self.inits + 2 * self.bans + self.logprob_rows
+        i64 = 3 * self.tokens + self.seqs + 3 * self.samples + 2 * self.bans + self.logprob_rows
         i32 = self.seqs + (self.seqs + 1) + self.seqs * self.width
-        return i64, i32, 6 * self.samples
+        return i64, i32, len(_F32_SAMPLES) * self.samples
 
     def views(self, i64: torch.Tensor | np.ndarray, i32, f32) -> "PackViews":
         """Named views of packs laid out by this layout (numpy on the host side, torch on
@@ -72,14 +71,15 @@ class Layout:
         for name in _I64_SAMPLES:
             v[name] = i64[o : o + S]
             o += S
-        for name, n in (("init_slots", self.inits), ("init_tokens", self.inits), ("ban_rows", self.bans), ("ban_cols", self.bans), ("logprob_rows", self.logprob_rows)):
+        for name, n in (("ban_rows", self.bans), ("ban_cols", self.bans), ("logprob_rows", self.logprob_rows)):
             v[name] = i64[o : o + n]
             o += n
         v["seq_lens"] = i32[:B]
         v["query_start_loc"] = i32[B : 2 * B + 1]
         v["block_tables"] = i32[2 * B + 1 : 2 * B + 1 + B * self.width].reshape(B, self.width)
+        v["sampling_params"] = f32[: len(_F32_SAMPLES) * S].reshape(len(_F32_SAMPLES), S)
         for i, name in enumerate(_F32_SAMPLES):
-            v[name] = f32[i * S : (i + 1) * S]
+            v[name] = v["sampling_params"][i]
         return PackViews(**v)
 
 
@@ -92,8 +92,6 @@ class PackViews:
     logits_indices: torch.Tensor
     sample_slots: torch.Tensor
     top_k: torch.Tensor
-    init_slots: torch.Tensor
-    init_tokens: torch.Tensor
     ban_rows: torch.Tensor
     ban_cols: torch.Tensor
     logprob_rows: torch.Tensor
@@ -106,6 +104,7 @@ class PackViews:
     presence: torch.Tensor
     frequency: torch.Tensor
     repetition: torch.Tensor
+    sampling_params: torch.Tensor  # [6, S]: the six rows above (the batch's FLOAT_PARAMS order)
 
     def metadata(self, num_decodes: int, num_prefill_tokens: int, max_seq_len: int) -> AttentionMetadata:
         return AttentionMetadata(
@@ -217,7 +216,7 @@ class Chunk:
     children: list["Sequence"]
 
 
-@dataclass
+@dataclass(slots=True)
 class Step:
     """One step, laid out on the host: everything its device work reads. Immutable once
     submitted (the device queue may run it on another thread)."""
@@ -327,12 +326,12 @@ class StepBuilder:
         lp_samples: list[int] = []
         if b.num_logprobs:
             lp_samples = np.flatnonzero(b.logprobs[sample_rows] >= 0).tolist()
-        layout = Layout(tokens, seqs, width, S, 0, len(bans), len(lp_samples))
+        layout = Layout(tokens, seqs, width, S, len(bans), len(lp_samples))
         pack, v = self.staging.host(layout)
 
         # Decode rows.
         bt = b.block_table
-        v.input_ids[:nd] = 0  # gathered on the device from the last sampled tokens
+        # (decode rows' input ids are gathered on the device from the last sampled tokens)
         v.positions[:nd] = pos_d
         row_ids = self._arange(b.num_rows)[decode_rows]
         v.slot_mapping[:nd] = bt[row_ids, pos_d // bs] * bs + pos_d % bs
@@ -359,26 +358,27 @@ class StepBuilder:
             v.block_tables[nd + j] = bt[row, :width]
             t += n
             qsl[(nd if all_prefill else 0) + j + 1] = t - (0 if all_prefill else nd)
-        # Padding: tokens write nowhere, sequences attend to nothing.
-        v.input_ids[T:] = 0
-        v.positions[T:] = 0
-        v.slot_mapping[T:] = -1
-        v.decode_slots[nd:] = 0
-        v.seq_lens[B:] = 0
-        v.block_tables[B:] = 0
+        # Padding (graph layouts): tokens write nowhere, sequences attend to nothing.
+        if tokens > T:
+            v.input_ids[T:] = 0
+            v.positions[T:] = 0
+            v.slot_mapping[T:] = -1
+        if seqs > B:
+            v.decode_slots[nd:] = 0
+            v.seq_lens[B:] = 0
+            v.block_tables[B:] = 0
         num_q = (B if all_prefill else B - nd) + 1
-        qsl[num_q:] = qsl[num_q - 1]
+        if num_q <= seqs:
+            qsl[num_q:] = qsl[num_q - 1]
         # Samples.
         v.logits_indices[:nd] = self._arange(nd)
         v.logits_indices[nd:] = tail_logits
         v.sample_slots[:] = b.slot[sample_rows]
-        v.top_k[:] = b.top_k[sample_rows]
-        v.temperature[:] = b.temperature[sample_rows]
-        v.top_p[:] = b.top_p[sample_rows]
-        v.min_p[:] = b.min_p[sample_rows]
-        v.presence[:] = b.presence_penalty[sample_rows]
-        v.frequency[:] = b.frequency_penalty[sample_rows]
-        v.repetition[:] = b.repetition_penalty[sample_rows]
+        # Parameters only the stages that run read (an all-greedy batch reads none).
+        if b.num_random or b.num_penalized:
+            v.sampling_params[:] = b.sampling_params[sample_rows].T
+        if b.num_top_k:
+            v.top_k[:] = b.top_k[sample_rows]
         if bans:
             v.ban_rows[:], v.ban_cols[:] = zip(*bans)
         step = Step(
