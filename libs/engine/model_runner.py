@@ -189,7 +189,7 @@ class ModelRunner:
         for op in pre_ops:
             op()
         started = self.timer.start()
-        v = self.staging.upload(step.pack, step.layout)
+        v = self.staging.upload(step.pack, step.layout, params=step.params)
         t = time.perf_counter()
         logits = self._forward(step, v)
         forward_s = time.perf_counter() - t

@@ -182,15 +182,16 @@ class StepStaging:
         pack = self._slots[k]
         return pack, pack.array_views.get(layout)
 
-    def upload(self, pack: HostPack, layout: Layout) -> PackViews:
-        """Device views of ``pack`` (call on the device queue, in step order)."""
+    def upload(self, pack: HostPack, layout: Layout, *, params: bool = True) -> PackViews:
+        """Device views of ``pack`` (call on the device queue, in step order). ``params``:
+        whether the float32 sampling parameters are read (no copy for them otherwise)."""
         if self.device_packs is None:
             return pack.tensor_views.get(layout)
         sizes = layout.sizes()
         fits = all(n <= p.numel() for n, p in zip(sizes, self.device_packs))
         dev = self.device_packs if fits else tuple(torch.empty(n, dtype=p.dtype, device=self.device) for n, p in zip(sizes, self.device_packs))
-        for n, host, target in zip(sizes, pack.tensors, dev):
-            if n:
+        for i, (n, host, target) in enumerate(zip(sizes, pack.tensors, dev)):
+            if n and (params or i < 2):
                 target[:n].copy_(host[:n], non_blocking=True)
         return self._device_views.get(layout) if fits else layout.views(*dev)
 
@@ -241,6 +242,7 @@ class Step:
     any_min_p: bool = False
     any_penalties: bool = False
     any_repetition: bool = False
+    params: bool = False  # the float sampling parameters were laid out (some stage reads them)
     max_logprobs: int = -1  # -1: no row wants logprobs
     logprob_samples: list[int] | None = None  # sample rows that want them, and their k
     logprob_ks: list[int] | None = None
@@ -385,7 +387,7 @@ class StepBuilder:
             index, layout, pack, b.num_slots, path, nd, T, B, B - nd, max_seq_len, sample_seqs, chunks,
             all_greedy=b.num_random == 0, any_greedy=b.num_greedy > 0, any_top_k=b.num_top_k > 0,
             any_top_p=b.num_top_p > 0, any_min_p=b.num_min_p > 0, any_penalties=b.num_penalized > 0,
-            any_repetition=b.num_repetition > 0,
+            any_repetition=b.num_repetition > 0, params=bool(b.num_random or b.num_penalized),
         )
         if lp_samples:
             v.logprob_rows[:] = lp_samples
