@@ -306,6 +306,12 @@ class LLMEngine:
         outputs += [self._request_output(rid) for rid in self._finished_early if rid in self._requests]
         self._aborted, self._finished_early = [], []
         outputs.extend(self._drain_exports())
+        touched: dict[str, None] = {}
+        forward = 0.0
+        if self._in_flight and self._in_flight[-1][0].bitmask is not None:
+            # Structured outputs: a grammar's next mask depends on the token in flight, so
+            # that token is read before anything else is scheduled (no overlap for them).
+            forward, _ = self._read(touched)
         out = self.scheduler.schedule()
         t1 = time.perf_counter()
         t2 = t3 = t1
@@ -317,20 +323,10 @@ class LLMEngine:
             self._in_flight.append((step, pending))
             self._advance(step)
             t3 = time.perf_counter()
-        touched = {s.request_id: None for s in out.preempted}
+        touched.update((s.request_id, None) for s in out.preempted)
         t4 = t5 = t3
-        forward = 0.0
         if self._in_flight and (not self.async_scheduling or len(self._in_flight) > 1 or not launched):
-            done, pending = self._in_flight.popleft()
-            try:
-                res = pending.result()
-            except BaseException:
-                self._fail_in_flight(done)
-                raise
-            t4 = time.perf_counter()
-            forward = res.forward_s
-            self._process(done, res, touched)
-            self.num_steps += 1
+            forward, t4 = self._read(touched)
         outputs.extend(self._request_output(rid) for rid in touched if rid in self._requests)
         t5 = time.perf_counter()
         if launched or forward:
@@ -338,6 +334,20 @@ class LLMEngine:
                 {"schedule": t1 - t0, "prepare": t2 - t1, "launch": t3 - t2, "sample": t4 - t3, "output": t5 - t4, "forward": forward, "step": t5 - t0}
             )
         return outputs
+
+    def _read(self, touched: dict[str, None]) -> tuple[float, float]:
+        """Wait for the oldest step in flight and process its ids. Returns its forward
+        time and when its ids were on the host."""
+        done, pending = self._in_flight.popleft()
+        try:
+            res = pending.result()
+        except BaseException:
+            self._fail_in_flight(done)
+            raise
+        synced = time.perf_counter()
+        self._process(done, res, touched)
+        self.num_steps += 1
+        return res.forward_s, synced
 
     def _prepare(self, out: SchedulerOutput) -> tuple[Step, list]:
         """Apply the scheduler's changes to the batch; lay out the step."""
@@ -383,6 +393,10 @@ class LLMEngine:
         step.decode_rows, step.new_decodes = rows, new_decodes
         if self._capturing:
             step.captures = [i for i, s in enumerate(step.sample_seqs) if s.capture_logits and s.captured_logits is None]
+        if b.num_constrained:
+            rows_c = [i for i, s in enumerate(step.sample_seqs) if s.grammar is not None]
+            if rows_c:  # masks filled on a host thread while the forward is launched
+                step.bitmask = (rows_c, self.bitmasks.submit([step.sample_seqs[i].grammar for i in rows_c]))
         return step, pre_ops
 
     def _init_slot(self, seq: Sequence, slot: int, pre_ops: list, *, last_token: bool) -> None:
@@ -475,8 +489,10 @@ class LLMEngine:
             touched[seq.request_id] = None
             if caching and len(seq.token_ids) // bs > seq.num_committed_blocks and seq.block_table:
                 self.block_manager.commit(seq)
-            if t in seq.stop_ids or len(seq.token_ids) >= seq.max_len:
-                reason = seq.check_stop(self.max_model_len)
+            if seq.grammar is not None and not seq.grammar.accept(t):
+                self._finish(seq, "error")  # cannot happen: the mask allowed it
+            elif seq.grammar is not None or t in seq.stop_ids or len(seq.token_ids) >= seq.max_len:
+                reason = self._stop_reason(seq)
                 if reason is not None:
                     self._finish(seq, reason)
         self.num_generated_tokens += generated

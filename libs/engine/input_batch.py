@@ -54,6 +54,8 @@ class InputBatch:
         self.num_seeded = 0
         self.num_logprobs = 0
         self.num_min_tokens = 0
+        self.num_bias = 0
+        self.num_constrained = 0  # structured outputs: grammar masks to fill
         self._grow(max(1, capacity))
 
     # -- storage ------------------------------------------------------------------------
@@ -194,3 +196,5 @@ class InputBatch:
         self.num_seeded += d * (seq.generator is not None)
         self.num_logprobs += d * (p.logprobs is not None)
         self.num_min_tokens += d * (p.min_tokens > 0)
+        self.num_bias += d * bool(p.logit_bias)
+        self.num_constrained += d * (seq.grammar is not None)

@@ -237,6 +237,13 @@ class ModelRunner:
                 st.prompt_seen = self.state.prompt_seen.index_select(0, v.sample_slots)  # type: ignore[union-attr]
         if step.layout.bans:
             st.ban = (v.ban_rows, v.ban_cols)
+        if step.layout.biases:
+            st.bias = (v.bias_rows, v.bias_cols, v.bias_vals)
+        if step.bitmask is not None:  # filled on a host thread while the forward was launched
+            rows, masks = step.bitmask
+            host = masks.result()
+            st.bitmask = host.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else host
+            st.bitmask_rows = to_device(rows, self.device)
         if step.generators:
             st.generators = step.generators
         if step.logprob_samples:

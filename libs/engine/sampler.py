@@ -1,4 +1,5 @@
-"""Turning logits into tokens: penalties, temperature, top-k / top-p / min-p, seeds, logprobs.
+"""Turning logits into tokens: penalties, logit bias, grammar masks, temperature, top-k /
+top-p / min-p, seeds, logprobs.
 
 A step's sampling is a fixed handful of batched tensor ops over ``[rows, vocab]``, driven
 by per-row parameter tensors (``SamplingTensors``), whatever mix of requests the batch
@@ -13,9 +14,14 @@ noise from a generator seeded with its seed, so its tokens do not depend on what
 in the batch. Seeded rows are the one per-row loop (one ``exponential_`` each): torch has
 no batched per-row generator.
 
-Hooks for what comes next: ``SamplingTensors.allowed`` is a per-row token mask applied
-before sampling (structured output's bitmask, logit_bias as a bias later); speculative
-decoding samples ``k + 1`` rows per sequence through the same function.
+Order of the logits processing: penalties, ``logit_bias`` (OpenAI: added to the logits;
+-100 bans), ``min_tokens`` bans, then the grammar bitmask of constrained rows
+(libs/structured). The grammar has the last word: if a row's bias and bans leave no token
+the grammar allows, the row falls back to the grammar's mask over the raw logits, so a
+constrained row always samples a token that follows its grammar. Bias and bans come as
+``(row, token)`` lists of the rows that have them, the bitmask as one packed row per
+constrained row: what they cost grows with what they touch, not with the batch.
+Speculative decoding samples ``k + 1`` rows per sequence through the same function.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kernels.select import bitmask_op
 from libs.engine.params import SamplingParams
 from libs.engine.sequence import TokenLogprob
 
@@ -51,11 +58,13 @@ class SamplingTensors:
     any_repetition: bool
     counts: torch.Tensor | None = None  # [S, V] float32: output token counts (penalties)
     prompt_seen: torch.Tensor | None = None  # [S, V] bool: prompt tokens (repetition)
+    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (rows, token ids, values) added
     ban: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, token ids) that may not be sampled
+    bitmask: torch.Tensor | None = None  # [R, ceil(V / 32)] int32: the grammar masks of ...
+    bitmask_rows: torch.Tensor | None = None  # [R] int64: ... these rows
     generators: list[tuple[int, torch.Generator]] = field(default_factory=list)  # seeded rows
     logprob_rows: torch.Tensor | None = None  # [L] int64: rows that want logprobs
     max_logprobs: int = 0
-    allowed: torch.Tensor | None = None  # [S, V] bool, False = masked (structured output)
 
     @classmethod
     def from_params(
@@ -68,6 +77,8 @@ class SamplingTensors:
         prompt_ids: list[list[int]] | None = None,
         output_ids: list[list[int]] | None = None,
         banned_ids: list[list[int]] | None = None,
+        bitmask: torch.Tensor | None = None,
+        bitmask_rows: list[int] | None = None,
     ) -> "SamplingTensors":
         """Tensors for a list of rows (tests, tools). The engine builds the same tensors
         from its persistent batch instead (libs/engine/step_inputs.py)."""
@@ -100,10 +111,17 @@ class SamplingTensors:
                 pr = [t for t in (prompt_ids or [[]] * S)[i] if 0 <= t < V]
                 if pr:
                     st.prompt_seen[i, torch.tensor(pr, device=device)] = True
-        pairs = [(i, t) for i, ids in enumerate(banned_ids or []) for t in ids if 0 <= t < V]
-        if pairs:
-            rows, cols = zip(*pairs)
+        adds, bans = bias_and_bans(params, V)
+        bans += [(i, t) for i, ids in enumerate(banned_ids or []) for t in ids if 0 <= t < V]
+        if adds:
+            rows, cols, vals = zip(*adds)
+            st.bias = (torch.tensor(rows, device=device), torch.tensor(cols, device=device), f32(vals))
+        if bans:
+            rows, cols = zip(*bans)
             st.ban = (torch.tensor(rows, device=device), torch.tensor(cols, device=device))
+        if bitmask is not None and bitmask_rows:
+            st.bitmask = bitmask.to(device)
+            st.bitmask_rows = torch.tensor(bitmask_rows, dtype=torch.long, device=device)
         st.generators = [(i, g) for i, g in enumerate(generators or []) if g is not None]
         want = [i for i, p in enumerate(params) if p.logprobs is not None]
         if want:
@@ -121,6 +139,8 @@ class SamplingBatch:
     prompt_ids: list[list[int]]  # for the repetition penalty
     output_ids: list[list[int]]  # for presence / frequency penalties
     banned_ids: list[list[int]] | None = None  # per row, ids that may not be sampled (min_tokens)
+    bitmask: torch.Tensor | None = None  # [len(bitmask_rows), words] int32 on the host: grammar masks
+    bitmask_rows: list[int] | None = None  # the constrained rows, in bitmask order
 
 
 @dataclass
@@ -143,6 +163,7 @@ class Sampler:
     def __init__(self, vocab_size: int, device: torch.device):
         self.vocab_size = vocab_size
         self.device = device
+        self._apply_bitmask = bitmask_op(device)
 
     @torch.no_grad()
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
@@ -150,6 +171,7 @@ class Sampler:
         st = SamplingTensors.from_params(
             batch.params, logits.device, min(logits.shape[1], self.vocab_size), generators=batch.generators,
             prompt_ids=batch.prompt_ids, output_ids=batch.output_ids, banned_ids=batch.banned_ids,
+            bitmask=batch.bitmask, bitmask_rows=batch.bitmask_rows,
         )
         ds = self.sample(logits, st)
         tokens = ds.tokens.tolist()
@@ -169,10 +191,14 @@ class Sampler:
 
         if st.any_penalties:
             logits = apply_penalties(logits, st)
+        if st.bias is not None:
+            rows, cols, vals = st.bias
+            logits = (logits.clone() if logits is raw else logits).index_put_((rows, cols), vals, accumulate=True)
         if st.ban is not None:
             logits = logits.index_put(st.ban, torch.tensor(float("-inf"), device=logits.device))
-        if st.allowed is not None:
-            logits = logits.masked_fill(~st.allowed, float("-inf"))
+        if st.bitmask is not None:
+            processed = logits is not raw  # bias and bans may have removed every allowed token
+            logits = self._constrain(logits if processed else logits.clone(), raw if processed else None, st)
 
         greedy_tokens = logits.argmax(dim=-1) if st.any_greedy else None
         if st.all_greedy:
@@ -189,6 +215,21 @@ class Sampler:
             top_vals, top_ids = sub.topk(st.max_logprobs, dim=-1) if st.max_logprobs > 0 else (sub[:, :0], sub[:, :0].long())
             lp = (chosen, top_vals, top_ids)
         return DeviceSamples(tokens, lp)
+
+    def _constrain(self, logits: torch.Tensor, raw: torch.Tensor | None, st: SamplingTensors) -> torch.Tensor:
+        """Apply the grammar bitmasks to their rows, in place; a row left with no token at
+        all (its bias or bans removed every token the grammar allows) takes the grammar's
+        mask over its raw logits instead (without a host sync)."""
+        rows, bitmask = st.bitmask_rows, st.bitmask
+        self._apply_bitmask(logits, bitmask, rows)
+        if raw is None:
+            return logits
+        local = torch.arange(rows.shape[0], device=logits.device)
+        fresh = self._apply_bitmask(raw.index_select(0, rows), bitmask, local)
+        sub = logits.index_select(0, rows)
+        dead = (sub.amax(dim=-1) == float("-inf")).unsqueeze(1)
+        logits.index_copy_(0, rows, torch.where(dead, fresh, sub))
+        return logits
 
     def _sample(self, logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
         temps = st.temperature
@@ -244,6 +285,14 @@ def apply_penalties(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
         rep = st.repetition.unsqueeze(1)
         logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
     return logits - st.frequency.unsqueeze(1) * counts - st.presence.unsqueeze(1) * (counts > 0).to(logits.dtype)
+
+
+def bias_and_bans(params: list[SamplingParams], vocab_size: int) -> tuple[list[tuple[int, int, float]], list[tuple[int, int]]]:
+    """Rows' ``logit_bias`` as ``(row, token, value)`` additions and ``(row, token)`` bans
+    (a bias of -100 bans outright, as OpenAI defines it)."""
+    adds = [(i, t, b) for i, p in enumerate(params) for t, b in p.logit_bias if t < vocab_size and b > -100]
+    bans = [(i, t) for i, p in enumerate(params) for t, b in p.logit_bias if t < vocab_size and b <= -100]
+    return adds, bans
 
 
 def logprob_lists(lp: tuple[torch.Tensor, torch.Tensor, torch.Tensor], tokens: list[int], ks: list[int]) -> list[TokenLogprob]:

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import numpy as np
 import torch
 
+from libs.engine.sampler import bias_and_bans
 from libs.model.attention import AttentionMetadata
 
 if TYPE_CHECKING:
@@ -49,13 +50,14 @@ class Layout(NamedTuple):
     seqs: int
     width: int  # block-table columns
     samples: int = 0
-    bans: int = 0  # (row, token) pairs banned this step (min_tokens)
+    bans: int = 0  # (row, token) pairs banned this step (min_tokens, logit_bias -100)
+    biases: int = 0  # (row, token, value) logit_bias additions this step
     logprob_rows: int = 0
 
     def sizes(self) -> tuple[int, int, int]:
-        i64 = 3 * self.tokens + self.seqs + 3 * self.samples + 2 * self.bans + self.logprob_rows
+        i64 = 3 * self.tokens + self.seqs + 3 * self.samples + 2 * self.bans + 2 * self.biases + self.logprob_rows
         i32 = self.seqs + (self.seqs + 1) + self.seqs * self.width
-        return i64, i32, len(_F32_SAMPLES) * self.samples
+        return i64, i32, len(_F32_SAMPLES) * self.samples + self.biases
 
     def views(self, i64: torch.Tensor | np.ndarray, i32, f32) -> "PackViews":
         """Named views of packs laid out by this layout (numpy on the host side, torch on
@@ -71,7 +73,7 @@ class Layout(NamedTuple):
         for name in _I64_SAMPLES:
             v[name] = i64[o : o + S]
             o += S
-        for name, n in (("ban_rows", self.bans), ("ban_cols", self.bans), ("logprob_rows", self.logprob_rows)):
+        for name, n in (("ban_rows", self.bans), ("ban_cols", self.bans), ("bias_rows", self.biases), ("bias_cols", self.biases), ("logprob_rows", self.logprob_rows)):
             v[name] = i64[o : o + n]
             o += n
         v["seq_lens"] = i32[:B]
@@ -80,6 +82,8 @@ class Layout(NamedTuple):
         v["sampling_params"] = f32[: len(_F32_SAMPLES) * S].reshape(len(_F32_SAMPLES), S)
         for i, name in enumerate(_F32_SAMPLES):
             v[name] = v["sampling_params"][i]
+        o = len(_F32_SAMPLES) * S
+        v["bias_vals"] = f32[o : o + self.biases]
         return PackViews(**v)
 
 
@@ -94,6 +98,9 @@ class PackViews:
     top_k: torch.Tensor
     ban_rows: torch.Tensor
     ban_cols: torch.Tensor
+    bias_rows: torch.Tensor
+    bias_cols: torch.Tensor
+    bias_vals: torch.Tensor
     logprob_rows: torch.Tensor
     seq_lens: torch.Tensor
     query_start_loc: torch.Tensor
@@ -248,6 +255,7 @@ class Step:
     logprob_ks: list[int] | None = None
     generators: list[tuple[int, "torch.Generator"]] | None = None
     captures: list[int] | None = None  # sample rows whose logits are kept (tests)
+    bitmask: tuple | None = None  # (constrained sample rows, future of their grammar masks)
     # for the engine's bookkeeping after launch
     decode_rows: "slice | np.ndarray | None" = None
     new_decodes: list["Sequence"] | None = None
@@ -321,6 +329,9 @@ class StepBuilder:
         if tail_rows:
             sample_seqs = sample_seqs + [seqs_all[r] for r in tail_rows]
         bans: list[tuple[int, int]] = []
+        adds: list[tuple[int, int, float]] = []
+        if b.num_bias:
+            adds, bans = bias_and_bans([s.params for s in sample_seqs], self.vocab_size)
         if b.num_min_tokens:
             for i, s in enumerate(sample_seqs):
                 if b.num_tokens[s.row] - s.num_prompt_tokens < s.params.min_tokens:
@@ -328,7 +339,7 @@ class StepBuilder:
         lp_samples: list[int] = []
         if b.num_logprobs:
             lp_samples = np.flatnonzero(b.logprobs[sample_rows] >= 0).tolist()
-        layout = Layout(tokens, seqs, width, S, len(bans), len(lp_samples))
+        layout = Layout(tokens, seqs, width, S, len(bans), len(adds), len(lp_samples))
         pack, v = self.staging.host(layout)
 
         # Decode rows.
@@ -383,6 +394,8 @@ class StepBuilder:
             v.top_k[:] = b.top_k[sample_rows]
         if bans:
             v.ban_rows[:], v.ban_cols[:] = zip(*bans)
+        if adds:
+            v.bias_rows[:], v.bias_cols[:], v.bias_vals[:] = zip(*adds)
         step = Step(
             index, layout, pack, b.num_slots, path, nd, T, B, B - nd, max_seq_len, sample_seqs, chunks,
             all_greedy=b.num_random == 0, any_greedy=b.num_greedy > 0, any_top_k=b.num_top_k > 0,

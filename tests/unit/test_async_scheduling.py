@@ -169,3 +169,30 @@ def test_a_request_that_ends_with_its_prompt_still_caches_the_prompt(mode):
     again = eng.generate([prompt], SamplingParams(temperature=0, max_tokens=1))[0]
     assert again.num_cached_tokens == 48 and again.token_ids == first.token_ids
     eng.close()
+
+
+def test_structured_outputs_and_logit_bias_equal_sync():
+    """Grammar-constrained rows (their next mask needs the token in flight, so the engine
+    reads it before scheduling) and logit_bias rows, batched with free ones."""
+    from libs.structured import GrammarSpec
+
+    choices = ["red", "green", "blue", "yellow"]
+    runs = {}
+    for mode in ("off", "on"):
+        eng = tiny_engine(async_scheduling=mode, num_blocks=256)
+        grammar = eng.start_grammar(GrammarSpec.choice(choices))
+        eng.add_request("g", list(range(300, 340)), SamplingParams(temperature=1.0, seed=4, max_tokens=12, ignore_eos=True), grammar=grammar)
+        eng.add_request("b", list(range(500, 530)), SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logit_bias={7: 100, 9: -100}))
+        eng.add_request("f", list(range(700, 720)), SamplingParams(temperature=0.8, seed=2, max_tokens=20, ignore_eos=True))
+        got: dict[str, list[int]] = {}
+        reasons: dict[str, str] = {}
+        while eng.has_unfinished_requests():
+            for o in eng.step():
+                for c in o.outputs:
+                    got.setdefault(o.request_id, []).extend(c.new_token_ids)
+                    reasons[o.request_id] = c.finish_reason or reasons.get(o.request_id)
+        assert eng.tokenizer.decode(got["g"]) in choices and reasons["g"] == "stop"
+        assert got["b"] == [7] * 12  # +100 forces, greedily, every step
+        runs[mode] = (got, reasons)
+        eng.close()
+    assert runs["off"] == runs["on"]
