@@ -10,7 +10,7 @@ wall clock (one torch thread, so the forward runs on that thread too): what a lo
 machine adds is waiting for a core, which that clock leaves out. A tree whose engine has a phase timer (``LLMEngine.phases``) reports it; an
 older one is timed by wrapping its methods (``Phases`` of its bench/host_overhead.py).
 
-    python -m bench.host_overhead_compare --before 5964d74 [--clock thread] [--reps 3] [--steps 32] [--out results.json]
+    python -m bench.host_overhead_compare --before 44893c3 [--clock thread] [--reps 3] [--steps 32] [--out results.json]
 """
 
 from __future__ import annotations
