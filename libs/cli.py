@@ -44,6 +44,14 @@ def _build_parser() -> argparse.ArgumentParser:
     g.add_argument("--quantized", action="store_true", help="CPU + GGUF: decode with the file's 4-bit weights (faster, approximate)")
     g.add_argument("--moe-strategy", default="auto", choices=STRATEGIES, help="MoE models: how experts run (default auto)")
     g.add_argument("--moe-fake-balance", action="store_true", help="MoE models: FakeBalanceExpert routing (load benchmarks only; changes the output)")
+    g.add_argument(
+        "--quantization", choices=("auto", "none", "fp8"), default="auto",
+        help="fp8: block-scaled FP8 weights (quantized at load, or an FP8 checkpoint's); none: dense; auto (default): as the checkpoint is",
+    )
+    g.add_argument(
+        "--async-scheduling", choices=("auto", "on", "off"), default="auto",
+        help="launch each step before the previous one's tokens are read back (default auto: on only where measured faster)",
+    )
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     g.add_argument(
         "--speculative-config", default=None, metavar="JSON",
@@ -61,7 +69,8 @@ def _generate(args: argparse.Namespace) -> int:
     parse_speculative_config(args.speculative_config)  # a bad config fails before loading
     engine = LLM(EngineConfig(
         model=args.model, device=args.device, dtype=args.dtype, quantized_weights=args.quantized,
-        moe_strategy=args.moe_strategy, moe_fake_balance=args.moe_fake_balance,
+        moe_strategy=args.moe_strategy, moe_fake_balance=args.moe_fake_balance, quantization=args.quantization,
+        async_scheduling=args.async_scheduling,
         speculative_config=args.speculative_config,
     ))
     tok = engine.tokenizer

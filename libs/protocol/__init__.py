@@ -36,6 +36,7 @@ from libs.protocol.messages import (
     PrefillResult,
     RegisterInstance,
     SamplingSpec,
+    StructuredSpec,
     TokenEvent,
     TokenLogprobs,
 )
@@ -58,6 +59,7 @@ __all__ = [
     "ProtocolError",
     "RegisterInstance",
     "SamplingSpec",
+    "StructuredSpec",
     "StreamDecoder",
     "TokenEvent",
     "TokenLogprobs",

@@ -11,8 +11,12 @@ Rules worth knowing:
 
 - ``null`` means "not given" for every optional field, as in OpenAI's API.
 - Unknown fields are ignored (clients and SDKs send extras); known fields the router does
-  not implement are refused when they would change the result (``suffix``, ``logit_bias``,
-  ``tools``, non-text ``response_format``, ``best_of`` != ``n``, ``echo`` with ``logprobs``).
+  not implement are refused when they would change the result (``suffix``, ``best_of`` !=
+  ``n``, ``echo`` with ``logprobs``).
+- Output constraints (``response_format``, vLLM's ``structured_outputs`` and ``guided_*``,
+  llama.cpp's ``grammar`` and ``json_schema``) are read by constraints.py, tools
+  (``tools``, ``tool_choice``, ``parallel_tool_calls``, legacy ``functions``) by tools.py;
+  ``logit_bias`` maps token ids (as strings, OpenAI's form) to biases in [-100, 100].
 - Types are strict: ``"n": 2.0`` or ``"temperature": "0.5"`` is a 400, as is ``true`` for a
   number (JSON booleans are not numbers).
 - Completions default ``max_tokens`` to 16 (OpenAI's default, capped to the context left);
@@ -28,8 +32,11 @@ import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from libs.protocol.messages import MAX_LOGPROBS, SamplingSpec
+from libs.protocol.messages import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingSpec, StructuredSpec
+from libs.structured import GrammarSpec
+from services.router.constraints import Constraint, parse_constraint
 from services.router.errors import ApiError, bad_request
+from services.router.tools import ToolRequest, parse_tools
 
 Kind = Literal["completion", "chat"]
 
@@ -73,10 +80,19 @@ class GenerateRequest:
     echo: bool
     want_trace: bool
     user: str | None
+    constraint: Constraint | None = None
+    tools: ToolRequest | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     @property
     def num_prompts(self) -> int:
         return 1 if self.kind == "chat" else len(self.prompts)
+
+    @property
+    def grammar(self) -> GrammarSpec | None:
+        """What the output is constrained to: a forced tool call, or the asked constraint."""
+        forced = self.tools.constraint() if self.tools is not None else None
+        return forced if forced is not None else (self.constraint.spec if self.constraint else None)
 
     def sampling(self, *, max_tokens: int, n: int, seed: int | None) -> SamplingSpec:
         """The wire sampling spec of one prefill (``n`` first tokens) or one decode stream."""
@@ -95,7 +111,14 @@ class GenerateRequest:
             ignore_eos=self.ignore_eos,
             logprobs=self.logprobs,
             n=n,
+            logit_bias_ids=[t for t, _ in self.logit_bias],
+            logit_bias_values=[b for _, b in self.logit_bias],
+            structured=_wire(self.grammar),
         )
+
+
+def _wire(spec: GrammarSpec | None) -> StructuredSpec | None:
+    return None if spec is None else StructuredSpec(kind=spec.kind, value=spec.value, strict=spec.strict)
 
 
 def choice_seed(seed: int | None, index: int) -> int | None:
@@ -198,9 +221,13 @@ def parse_request(body: Any, kind: Kind, *, served_model: str, vocab_size: int) 
             max_tokens = f.integer("max_tokens", None, 1)
         logprobs = _chat_logprobs(f)
         echo = False
-        _refuse_chat_extras(f)
+        tools = parse_tools(body)
     else:
         messages = ()
+        tools = None
+        for name in ("tools", "tool_choice", "functions", "function_call"):
+            if f.given(name):
+                raise bad_request(f"'{name}' is only supported by /v1/chat/completions", name, "unsupported_parameter")
         prompts = _prompts(f.raw("prompt"), vocab_size)
         max_tokens = f.integer("max_tokens", None, 1)
         logprobs = f.integer("logprobs", None, 0, MAX_LOGPROBS)
@@ -217,7 +244,12 @@ def parse_request(body: Any, kind: Kind, *, served_model: str, vocab_size: int) 
         best_of = f.integer("best_of", None, 1)
         if best_of is not None and best_of != n:
             raise bad_request("'best_of' must equal 'n' (server-side best-of is not supported)", "best_of", "unsupported_parameter")
-    _refuse_logit_bias(f)
+    constraint = parse_constraint(body)
+    if constraint is not None and tools is not None and tools.constraint() is not None:
+        raise bad_request(
+            f"'{constraint.param}' cannot be combined with tool_choice '{tools.choice}' (it constrains the output too)",
+            constraint.param,
+        )
 
     num_prompts = 1 if kind == "chat" else len(prompts)
     if num_prompts * n > MAX_CHOICES:
@@ -254,6 +286,9 @@ def parse_request(body: Any, kind: Kind, *, served_model: str, vocab_size: int) 
         echo=echo,
         want_trace=want_trace,
         user=f.string("user", None),
+        constraint=constraint,
+        tools=tools,
+        logit_bias=_logit_bias(f.raw("logit_bias"), vocab_size),
     )
 
 
@@ -283,28 +318,25 @@ def _chat_logprobs(f: _Fields) -> int | None:
     return top or 0
 
 
-def _refuse_chat_extras(f: _Fields) -> None:
-    for name in ("tools", "functions"):
-        value = f.raw(name)
-        if value not in (None, []):
-            raise bad_request(f"'{name}' (tool calling) is not supported", name, "unsupported_parameter")
-    fmt = f.raw("response_format")
-    if fmt is not None:
-        if type(fmt) is not dict:
-            raise bad_request("'response_format' must be an object", "response_format", "invalid_type")
-        if fmt.get("type", "text") != "text":
-            raise bad_request(
-                "only 'response_format': {\"type\": \"text\"} is supported", "response_format", "unsupported_parameter"
-            )
-
-
-def _refuse_logit_bias(f: _Fields) -> None:
-    bias = f.raw("logit_bias")
-    if bias is None or bias == {}:
-        return
-    if type(bias) is not dict:
-        raise bad_request("'logit_bias' must be an object", "logit_bias", "invalid_type")
-    raise bad_request("'logit_bias' is not supported", "logit_bias", "unsupported_parameter")
+def _logit_bias(value: Any, vocab_size: int) -> tuple[tuple[int, float], ...]:
+    """OpenAI's ``logit_bias``: ``{"token id": bias}`` with biases in [-100, 100]."""
+    if value is None:
+        return ()
+    if type(value) is not dict:
+        raise bad_request(f"'logit_bias' must be an object, got {_json_type(value)}", "logit_bias", "invalid_type")
+    if len(value) > MAX_LOGIT_BIAS:
+        raise bad_request(f"'logit_bias' has {len(value)} entries, at most {MAX_LOGIT_BIAS}", "logit_bias")
+    out = []
+    for key, bias in value.items():
+        if not key.isdigit() or not key.isascii():
+            raise bad_request(f"'logit_bias' keys must be token ids, got {key!r}", "logit_bias")
+        token = int(key)
+        if token >= vocab_size:
+            raise bad_request(f"'logit_bias' token id {token} is not in the vocabulary (size {vocab_size})", "logit_bias")
+        if type(bias) not in (int, float) or not math.isfinite(bias) or not -100 <= bias <= 100:
+            raise bad_request(f"'logit_bias[{key}]' must be a number in [-100, 100], got {bias!r}", "logit_bias")
+        out.append((token, float(bias)))
+    return tuple(out)
 
 
 def _prompts(value: Any, vocab_size: int) -> tuple[str | tuple[int, ...], ...]:

@@ -29,9 +29,13 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 
 from aiohttp import web
 
+from libs.model.chat_templates import tools_template
 from libs.model.tokenizer import ChatTemplateError
+from libs.structured import GrammarError
 from services.router.api import GenerateRequest, Kind, parse_request, resolve_max_tokens
+from services.router.constraints import compile_error
 from services.router.errors import ApiError, bad_request, no_decode_instance
+from services.router.tools import check_tool_messages
 from services.router.handoff import ChoiceUpdate, PromptJob
 from services.router.responses import Formatter, usage
 from services.router.state import STATE, RouterState
@@ -58,8 +62,16 @@ def _tokenize(state: RouterState, req: GenerateRequest) -> list[Prompt]:
     """Runs on a thread: chat template and tokenizer."""
     tok = state.tokenizer
     if req.kind == "chat":
+        template, tools = state.chat_template, None
+        history = check_tool_messages(req.messages)
+        if (req.tools is not None and req.tools.active) or history:
+            template = tools_template(tok.chat_template, state.chat_template)
+            if template is None:
+                raise bad_request("this model's chat template cannot render tools (start the router with --chat-template)", "tools")
+            if req.tools is not None and req.tools.active:
+                tools = [t.as_openai() for t in req.tools.tools]
         try:
-            text = tok.render_chat(list(req.messages))
+            text = tok.render_chat(list(req.messages), tools=tools, template=template)
         except ChatTemplateError as exc:
             raise bad_request(str(exc), "messages") from None
         prompts = [Prompt(tok.encode(text, add_special_tokens=False), text)]
@@ -77,6 +89,23 @@ def _tokenize(state: RouterState, req: GenerateRequest) -> list[Prompt]:
             label = "the prompt" if len(prompts) == 1 else f"prompt {i}"
             raise bad_request(f"{label} is empty after tokenization", "prompt")
     return prompts
+
+
+def _check_grammars(state: RouterState, req: GenerateRequest) -> None:
+    """Runs on a thread: compile every constraint the request carries (cached), so a
+    malformed schema, regex, grammar or tool is a 400 before anything goes downstream."""
+    specs = [(req.constraint.param, req.constraint.spec)] if req.constraint is not None else []
+    if req.tools is not None:
+        specs += req.tools.schemas()
+        forced = req.tools.constraint()
+        if forced is not None:
+            specs.append(("tool_choice", forced))
+    assert state.grammars is not None
+    for param, spec in specs:
+        try:
+            state.grammars.compile(spec)
+        except GrammarError as e:
+            raise compile_error(e, param) from None
 
 
 async def _client_gone(request: web.Request) -> None:
@@ -191,6 +220,8 @@ async def handle(request: web.Request, kind: Kind) -> web.StreamResponse:
         req = parse_request(
             await _read_json(request), kind, served_model=state.model_name, vocab_size=state.tokenizer.vocab_size
         )
+        if req.grammar is not None or req.tools is not None:
+            await state.in_thread(lambda: _check_grammars(state, req))
         prompts = await state.in_thread(lambda: _tokenize(state, req))
         trace.tokenize_s = trace.elapsed()
         limit = state.registry.max_model_len("decode")
@@ -269,12 +300,12 @@ async def _stream(request: web.Request, run: RequestRun, formatter: Formatter) -
     try:
         async with aclosing(run.updates()) as updates:
             async for u in updates:
-                chunk = formatter.chunk(u)
+                chunks = formatter.chunks(u)
                 if u.finish_reason is not None:
                     pending -= 1
-                    if pending == 0 and not include_usage and run.req.want_trace:
-                        chunk["tidepool"] = run.extension()
-                await send(event(chunk))
+                    if pending == 0 and not include_usage and run.req.want_trace and chunks:
+                        chunks[-1]["tidepool"] = run.extension()
+                await send(b"".join(event(c) for c in chunks))
     except ApiError as exc:
         if response is None:
             raise

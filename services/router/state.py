@@ -10,6 +10,7 @@ from typing import Callable, TypeVar
 from aiohttp import web
 
 from libs.model.tokenizer import Tokenizer
+from libs.structured import GrammarCompiler
 from services.router.detok import TokenRenderer
 from services.router.metrics import RouterMetrics
 from services.router.registry import Registry
@@ -31,6 +32,8 @@ class RouterState:
     # keeps the event loop (and every other request's stream) moving meanwhile.
     executor: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(2, thread_name_prefix="tokenize"))
     workers: WorkerClient | None = None  # made on startup, inside the event loop
+    grammars: GrammarCompiler | None = None  # validates structured-output constraints (cached)
+    chat_template: str | None = None  # --chat-template's text, replacing the model's
 
     @property
     def client(self) -> WorkerClient:

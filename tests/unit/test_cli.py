@@ -31,6 +31,7 @@ RUNS = {
     "json_greedy": ["--prompt", PROMPT, "--max-tokens", str(MAX_TOKENS), "--temperature", "0", "--json"],
     "json_chat_seeded": ["--chat", CHAT, "--max-tokens", str(MAX_TOKENS), "--temperature", "0.8", "--top-p", "0.9", "--seed", str(SEED), "--json"],
     "stream_greedy": ["--prompt", PROMPT, "--max-tokens", str(MAX_TOKENS), "--temperature", "0"],
+    "stream_seeded_async": ["--prompt", PROMPT, "--max-tokens", str(MAX_TOKENS), "--seed", str(SEED), "--async-scheduling", "on"],
     "too_long": ["--prompt", PROMPT, "--max-tokens", "100000"],
     "json_spec": ["--chat", SPEC_CHAT, "--max-tokens", str(SPEC_MAX), "--temperature", "0", "--json", "--speculative-config", json.dumps(SPEC_CONFIG)],
 }
@@ -108,6 +109,12 @@ def test_json_with_speculation_equals_no_speculation_and_reports_its_counts(runs
     assert got["spec_decode"] == {k: exp[k] for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
     assert exp["num_accepted_tokens"] > 0
     assert "spec_decode" not in json.loads(ok(runs, "json_greedy"))  # off by default
+
+
+def test_async_scheduling_flag_streams_the_same_sample(runs, engine):
+    out = ok(runs, "stream_seeded_async")
+    ref = engine.generate(PROMPT, SamplingParams(seed=SEED, max_tokens=MAX_TOKENS))[0]
+    assert out == ref.text + "\n"
 
 
 @pytest.mark.parametrize("name", ["too_long", *BAD_ARGS])
