@@ -104,6 +104,12 @@ class EngineConfig:
     def resolve_async_scheduling(self, device: torch.device) -> bool:
         if self.async_scheduling not in ("auto", "on", "off"):
             raise ValueError(f"async_scheduling must be auto, on or off, got {self.async_scheduling!r}")
+        if self.speculative_config:
+            # A verify step's emitted tokens (1 to k + 1 per sequence) decide the next step's
+            # positions and blocks: speculation runs with synchronous scheduling only.
+            if self.async_scheduling == "on":
+                raise ValueError("async scheduling and speculative decoding cannot be combined: use --async-scheduling off (or auto) with --speculative-config")
+            return False
         if self.async_scheduling == "auto":
             return ASYNC_SCHEDULING_DEFAULTS.get(device.type, False)
         return self.async_scheduling == "on"

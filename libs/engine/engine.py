@@ -22,6 +22,13 @@ gathered on the device. Corrections come one step late, as in vLLM's async sched
 a sequence that stopped on a token in step N was already in step N + 1, whose token for
 it is discarded (never emitted); one that reached its length limit is retired at launch
 and never scheduled again. Without async scheduling each call reads its own step.
+
+Speculative decoding (``EngineConfig.speculative_config``, libs/engine/spec) needs each
+step's tokens before the next is laid out, so it runs with synchronous scheduling only:
+in ``_prepare`` the proposer drafts for the step's decoding rows, which the step then
+verifies as chunks with a sample row per position; ``_process`` appends each sequence's
+emitted burst, cut at its first stop, and ``SpecDecoder.settle`` rolls the rejected
+positions' KV back.
 """
 
 from __future__ import annotations
@@ -47,6 +54,7 @@ from libs.engine.params import SamplingParams
 from libs.engine.sampler import logprob_lists
 from libs.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from libs.engine.sequence import KVImport, Sequence, SequenceStatus
+from libs.engine.spec import create_spec_decoder, parse_speculative_config
 from libs.engine.step_inputs import Chunk, Step, StepBuilder
 from libs.engine.step_timer import HostPhases
 from libs.kvpool.layout import KVLayout
@@ -62,6 +70,7 @@ class LLMEngine:
         device = config.resolve_device()
         dtype = config.resolve_dtype(device)
         self.async_scheduling = config.resolve_async_scheduling(device)
+        self.spec_config = spec_cfg = parse_speculative_config(config.speculative_config)
         if loaded is None:
             loaded = load_model(
                 config.model, dtype=dtype, device=device, backend=make_backend(config.attention_backend, device),
@@ -75,7 +84,15 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         self.layout = KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim, config.block_size, dtype)
         self.namespace = loaded.fingerprint.namespace(config.block_size)
-        num_blocks = self._num_blocks(device)
+        # Speculative decoding (libs/engine/spec): a draft checkpoint is loaded before the
+        # cache is sized, and its own cache (same block ids) is budgeted with the target's.
+        draft = draft_block_nbytes = None
+        if spec_cfg is not None and spec_cfg.method == "draft_model":
+            from libs.engine.spec.draft_model import draft_layout, load_draft
+
+            draft = load_draft(spec_cfg.model, loaded, make_backend(config.attention_backend, device))
+            draft_block_nbytes = draft_layout(draft, config.block_size).block_nbytes
+        num_blocks = self._num_blocks(device, draft_block_nbytes or 0)
         cache = self.layout.allocate(num_blocks, device)
         self.block_manager = BlockManager(num_blocks, config.block_size, self.namespace, enable_prefix_caching=config.enable_prefix_caching)
         budget = config.resolve_batched_tokens(device, self.max_model_len)
@@ -94,6 +111,10 @@ class LLMEngine:
         self.builder = StepBuilder(self.batch, self.runner.staging, config.block_size, mc.vocab_size)
         self.exports = ExportQueue(self.block_manager, config.block_size, self.runner.export_blocks)
         self.forks = Forks(self.scheduler, self.block_manager, config.block_size)
+        self.spec = None if spec_cfg is None else create_spec_decoder(
+            spec_cfg, loaded=loaded, draft=draft, block_manager=self.block_manager, bind_target=self.runner._bind, device=device,
+        )
+        self._failed: list[RequestOutput] = []  # requests the engine failed alone (speculation)
         if device.type == "cuda" and config.cuda_graphs and loaded.model.layers[0].self_attn.backend.name == "triton":
             self.enable_graphs()
         self.queue = DeviceQueue(device, asynchronous=self.async_scheduling)
@@ -130,7 +151,7 @@ class LLMEngine:
         b = self.builder
         b.decode_graph_sizes, b.prefill_graph_tokens, b.graph_seqs, b.graph_width = g.decode_sizes, g.prefill_tokens, g.prefill_seqs, g.width
 
-    def _num_blocks(self, device: torch.device) -> int:
+    def _num_blocks(self, device: torch.device, extra_block_nbytes: int = 0) -> int:
         cfg = self.config
         if cfg.num_blocks is not None:
             return cfg.num_blocks
@@ -141,7 +162,7 @@ class LLMEngine:
             budget = free * cfg.gpu_memory_utilization
         else:
             budget = 2**30
-        return max(16, int(budget // self.layout.block_nbytes))
+        return max(16, int(budget // (self.layout.block_nbytes + extra_block_nbytes)))
 
     # -- requests -----------------------------------------------------------------------
 
@@ -269,13 +290,34 @@ class LLMEngine:
         if request_id in self._aborted:  # aborted already; reported at the next step
             return True
         family = self._requests[request_id]
+        self._drop_family(family)
+        self._aborted.append(request_id)
+        return True
+
+    def _drop_family(self, family: list[Sequence]) -> None:
+        """Abort a request's sequences: blocks freed, rows and exports and draft state dropped."""
         for seq in self.scheduler.abort(family):
             if seq.batch is not None:
                 self.batch.remove(seq)
         for seq in family:
             self.exports.discard(seq)
-        self._aborted.append(request_id)
-        return True
+            if self.spec is not None:
+                self.spec.forget(seq)
+
+    def _fail_request(self, request_id: str, error: BaseException) -> None:
+        """End one request with an error (its blocks are freed now, reported at the end of
+        this step with finish reason ``error``); the engine goes on with the others."""
+        family = self._requests.get(request_id)
+        if family is None or request_id in self._aborted:
+            return
+        self._drop_family(family)
+        for seq in family:
+            seq.finish_reason = "error"
+        out = self._aborted_output(request_id)
+        for c in out.outputs:
+            c.finish_reason = "error"
+        out.error = f"{type(error).__name__}: {error}"
+        self._failed.append(out)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
@@ -319,15 +361,22 @@ class LLMEngine:
         if launched:
             step, pre_ops = self._prepare(out)
             t2 = time.perf_counter()
-            pending = self.queue.submit(lambda: self.runner.execute(step, pre_ops))
-            self._in_flight.append((step, pending))
-            self._advance(step)
+            if step.num_tokens:
+                pending = self.queue.submit(lambda: self.runner.execute(step, pre_ops))
+                self._in_flight.append((step, pending))
+                self._advance(step)
+            else:  # drafting failed every request of the step: nothing left to run
+                self._pre_ops[:0] = pre_ops
+                launched = False
             t3 = time.perf_counter()
         touched.update((s.request_id, None) for s in out.preempted)
         t4 = t5 = t3
         if self._in_flight and (not self.async_scheduling or len(self._in_flight) > 1 or not launched):
             forward, t4 = self._read(touched)
         outputs.extend(self._request_output(rid) for rid in touched if rid in self._requests)
+        if self._failed:
+            outputs.extend(self._failed)
+            self._failed = []
         t5 = time.perf_counter()
         if launched or forward:
             self.phases.record(
@@ -384,13 +433,24 @@ class LLMEngine:
         for seq in out.grown:
             if seq.batch is not None:
                 b.sync_blocks(seq)
-        if out.skipped:
-            skipped = set(map(id, out.skipped))
-            rows = np.asarray([r for r, s in enumerate(b.decode_seqs) if id(s) not in skipped], dtype=np.int64)
+        spec = self._propose(out, admitted) if self.spec is not None else None
+        if spec is not None:
+            chunks = [c for c in chunks if not c.seq.is_finished]  # a failed request's
+        if out.skipped or spec is not None:
+            leave = set(map(id, out.skipped)) | (set(map(id, spec.seqs)) if spec is not None else set())
+            rows = np.asarray([r for r, s in enumerate(b.decode_seqs) if id(s) not in leave], dtype=np.int64)
+            num_decodes = len(rows)
         else:
-            rows = slice(0, b.num_decodes)
-        step = self.builder.build(self.scheduler.step - 1, rows, out.num_decodes, chunks)
+            rows, num_decodes = slice(0, b.num_decodes), out.num_decodes
+        if spec is not None and spec.seqs:
+            chunks = [
+                Chunk(s, s.num_computed_tokens, 1 + len(d), 1 + len(d), [], token_ids=[s.token_ids[-1], *d], verify=True)
+                for s, d in zip(spec.seqs, spec.drafts)
+            ] + chunks
+        step = self.builder.build(self.scheduler.step - 1, rows, num_decodes, chunks)
         step.decode_rows, step.new_decodes = rows, new_decodes
+        if spec is not None and spec.seqs:
+            step.spec = self.spec.verification(spec, num_decodes)
         if self._capturing:
             step.captures = [i for i, s in enumerate(step.sample_seqs) if s.capture_logits and s.captured_logits is None]
         if b.num_constrained:
@@ -398,6 +458,22 @@ class LLMEngine:
             if rows_c:  # masks filled on a host thread while the forward is launched
                 step.bitmask = (rows_c, self.bitmasks.submit([step.sample_seqs[i].grammar for i in rows_c]))
         return step, pre_ops
+
+    def _propose(self, out: SchedulerOutput, admitted: set[int]):
+        """Speculation's drafts for this step's decoding rows (libs/engine/spec/verify.py);
+        requests whose drafting failed are failed here and leave the step."""
+        spec = self.spec
+        for seq in out.preempted:  # their blocks are gone, and with them any draft KV
+            spec.forget(seq)
+        skipped = set(map(id, out.skipped))
+        candidates = [s for s in self.batch.decode_seqs if id(s) not in skipped and id(s) not in admitted and s.grammar is None]
+        budget = self.scheduler.config.max_num_batched_tokens - out.num_batched_tokens
+        step = spec.propose(candidates, budget)
+        for rid, error in step.failed:
+            self._fail_request(rid, error)
+        for seq in step.seqs:
+            self.batch.sync_blocks(seq)
+        return step
 
     def _init_slot(self, seq: Sequence, slot: int, pre_ops: list, *, last_token: bool) -> None:
         """Device state of a sequence joining the batch: its last token when its first step
@@ -421,6 +497,8 @@ class LLMEngine:
         for seq in step.new_decodes or ():
             sched.start_decoding(seq)
         for c in step.chunks:
+            if c.verify:  # its computed tokens are known once its burst is read (settle)
+                continue
             seq = c.seq
             b.num_computed[seq.row] += c.num_tokens
             if seq.num_computed_tokens <= seq.num_prompt_tokens:
@@ -471,7 +549,9 @@ class LLMEngine:
         now = time.monotonic()
         generated = 0
         for i, (seq, t) in enumerate(zip(step.sample_seqs, tokens)):
-            if seq.status is SequenceStatus.FINISHED:  # stopped or aborted one step back
+            if t < 0:  # a verify position past its sequence's emitted burst (PLACEHOLDER)
+                continue
+            if seq.status is SequenceStatus.FINISHED:  # stopped or aborted one step back (or earlier in its burst)
                 self.num_discarded_tokens += 1
                 continue
             seq.token_ids.append(t)
@@ -496,10 +576,29 @@ class LLMEngine:
                 if reason is not None:
                     self._finish(seq, reason)
         self.num_generated_tokens += generated
+        if step.spec is not None:
+            self._settle(step, tokens, res.spec_error)
+
+    def _settle(self, step: Step, tokens: list[int], error: BaseException | None) -> None:
+        """A verify step's sequences, after their bursts were appended."""
+        if error is not None:
+            self.spec.num_prepare_errors += 1
+        row = step.num_decodes
+        for c in step.chunks:
+            if not c.verify:
+                break
+            if error is not None:
+                self._fail_request(c.seq.request_id, error)
+            else:
+                emitted = sum(1 for t in tokens[row : row + c.num_tokens] if t >= 0)
+                self.spec.settle(c.seq, emitted, c.num_tokens - 1, self.batch, self.scheduler)
+            row += c.num_tokens
 
     def _fail_in_flight(self, failed: Step) -> None:
         """A step's device work raised: every request with a sequence in a step that will
         not come back is aborted (reported at the next step), then the error propagates."""
+        if self.spec is not None:
+            self.spec.drain()
         steps = [failed]
         while self._in_flight:
             step, pending = self._in_flight.popleft()
@@ -516,6 +615,8 @@ class LLMEngine:
         """Stop the device queue's worker and free staging (the engine is unusable afterwards)."""
         self.queue.close()
         self.bitmasks.close()
+        if self.spec is not None:
+            self.spec.close()
         self.swapper.close()
 
     def _import(self, imports: list) -> None:
@@ -527,6 +628,8 @@ class LLMEngine:
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq, reason)
+        if self.spec is not None:
+            self.spec.forget(seq)
         if seq.batch is not None:
             self.batch.remove(seq)
         if seq.export_kv and seq.index == 0:

@@ -51,6 +51,7 @@ class StepResult:
     event: "torch.cuda.Event | None" = None
     forward_s: float = 0.0  # host time in the forward (launches on CUDA, compute on the CPU)
     timing: tuple = (None, None)  # the step's CUDA events (StepTimer)
+    spec_error: BaseException | None = None  # the verification's inputs failed (libs/engine/spec)
 
 
 class SlotState:
@@ -90,6 +91,17 @@ class SlotState:
 
     def set_last(self, slot: int, token: int) -> None:
         self.last_sampled[slot] = token
+
+    def record(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
+        """Sampled ``tokens`` of distinct ``slots``: the next step's input ids, and counted."""
+        self.last_sampled.index_copy_(0, slots, tokens)
+        self.count(slots, tokens)
+
+    def count(self, slots: torch.Tensor, tokens: torch.Tensor, weights: torch.Tensor | None = None) -> None:
+        """Add ``tokens`` (times ``weights``, default 1) to their slots' output counts."""
+        if self.counts is not None:
+            w = torch.ones(tokens.shape[0], dtype=self.counts.dtype, device=self.device) if weights is None else weights
+            self.counts.index_put_((slots, tokens), w, accumulate=True)
 
 
 class ModelRunner:
@@ -194,15 +206,16 @@ class ModelRunner:
         logits = self._forward(step, v)
         forward_s = time.perf_counter() - t
         st = self._sampling_tensors(step, v)
-        samples = self.sampler.sample(logits, st)
-        state = self.state
-        state.last_sampled.index_copy_(0, v.sample_slots, samples.tokens)
-        if state.counts is not None:
-            ones = torch.ones(step.num_samples, dtype=state.counts.dtype, device=self.device)
-            state.counts.index_put_((v.sample_slots, samples.tokens), ones, accumulate=True)
+        spec_error = None
+        if step.spec is None:
+            samples = self.sampler.sample(logits, st)
+            self.state.record(v.sample_slots, samples.tokens)
+        else:  # speculative verification (libs/engine/spec/verify.py): records its own state
+            samples, spec_error = step.spec.sample(self.sampler, self.state, logits, st, v.sample_slots)
         captured = [logits[i].float().clone() for i in step.captures] if step.captures else None
         result = self._to_host(samples.tokens, samples.logprobs, captured, step.index)
         result.forward_s = forward_s
+        result.spec_error = spec_error
         result.timing = (started, self.timer.stop())
         return result
 
@@ -216,7 +229,7 @@ class ModelRunner:
         if step.path == "prefill_graph":
             hidden = self.graphs.replay("prefill", step.layout.tokens, v)  # type: ignore[union-attr]
         else:
-            meta = v.metadata(nd, step.num_tokens - nd, step.max_seq_len)
+            meta = v.metadata(nd, step.num_tokens - nd, step.max_seq_len, step.num_verify_tokens)
             meta.query_start_loc = v.query_start_loc[: step.num_prefill_seqs + 1]
             hidden = self.model(v.input_ids, v.positions, meta)
             if step.num_samples == step.num_tokens == nd:  # decode only: every row is sampled

@@ -186,9 +186,16 @@ class Sampler:
     def sample(self, logits: torch.Tensor, st: SamplingTensors) -> DeviceSamples:
         """Launch sampling; nothing is read back. ``logits``: fp32 ``[S, vocab]``. Call under
         ``torch.inference_mode()`` (the runner's step is)."""
-        logits = logits[:, : self.vocab_size]
-        raw = logits  # logprobs are the raw model distribution, before any processing
+        raw = logits[:, : self.vocab_size]  # logprobs are the raw model distribution, before any processing
+        tokens = self.pick(self.process(raw, st), st)
+        return DeviceSamples(tokens, self.logprobs(raw, tokens, st))
 
+    def process(self, logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+        """Penalties, logit bias, bans and grammar masks: the logits greedy rows take the
+        argmax of and sampled rows draw from. Speculative verification (libs/engine/spec)
+        processes every position through here, so its target distribution is this one.
+        ``logits`` itself is never modified."""
+        raw = logits
         if st.any_penalties:
             logits = apply_penalties(logits, st)
         if st.bias is not None:
@@ -199,22 +206,51 @@ class Sampler:
         if st.bitmask is not None:
             processed = logits is not raw  # bias and bans may have removed every allowed token
             logits = self._constrain(logits if processed else logits.clone(), raw if processed else None, st)
+        return logits
 
+    def pick(self, logits: torch.Tensor, st: SamplingTensors, probs: torch.Tensor | None = None, noise: torch.Tensor | None = None) -> torch.Tensor:
+        """One token per row of processed ``logits``: the argmax on greedy rows, the
+        exponential race over ``probs`` (default ``self.probs``) with ``noise`` (default
+        ``self.noise``) on the others."""
         greedy_tokens = logits.argmax(dim=-1) if st.any_greedy else None
         if st.all_greedy:
-            tokens = greedy_tokens
-        else:
-            tokens = self._sample(logits, st)
-            if greedy_tokens is not None:
-                tokens = torch.where(st.temperature < _GREEDY_TEMPERATURE, greedy_tokens, tokens)
+            return greedy_tokens
+        probs = self.probs(logits, st) if probs is None else probs
+        noise = self.noise(probs, st) if noise is None else noise
+        tokens = (probs / noise).argmax(dim=-1)
+        if greedy_tokens is not None:
+            tokens = torch.where(st.temperature < _GREEDY_TEMPERATURE, greedy_tokens, tokens)
+        return tokens
 
-        lp = None
-        if st.logprob_rows is not None:
-            sub = torch.log_softmax(raw.index_select(0, st.logprob_rows), dim=-1)
-            chosen = sub.gather(1, tokens.index_select(0, st.logprob_rows).unsqueeze(1)).squeeze(1)
-            top_vals, top_ids = sub.topk(st.max_logprobs, dim=-1) if st.max_logprobs > 0 else (sub[:, :0], sub[:, :0].long())
-            lp = (chosen, top_vals, top_ids)
-        return DeviceSamples(tokens, lp)
+    def probs(self, logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+        """What a sampled row draws from: temperature, then top-k / top-p / min-p, softmax.
+        (Greedy rows get temperature 1 here, so their math stays finite; they never draw.)"""
+        temps = st.temperature
+        if st.any_greedy:
+            temps = torch.where(temps < _GREEDY_TEMPERATURE, torch.ones_like(temps), temps)
+        return torch.softmax(self._filter(logits / temps.unsqueeze(1), st), dim=-1)
+
+    @staticmethod
+    def noise(like: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+        """``Exp(1)`` draws shaped like ``like``; a seeded row's from its own generator, so
+        what it draws does not depend on its batch."""
+        noise = torch.empty_like(like)
+        if len(st.generators) < like.shape[0]:
+            noise.exponential_()
+        for i, g in st.generators:
+            noise[i].exponential_(generator=g)
+        return noise
+
+    @staticmethod
+    def logprobs(raw: torch.Tensor, tokens: torch.Tensor, st: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The chosen tokens' logprobs and the top ``max_logprobs`` of the raw distribution,
+        for the rows that asked (``tokens`` must be valid ids on those rows)."""
+        if st.logprob_rows is None:
+            return None
+        sub = torch.log_softmax(raw.index_select(0, st.logprob_rows), dim=-1)
+        chosen = sub.gather(1, tokens.index_select(0, st.logprob_rows).unsqueeze(1)).squeeze(1)
+        top_vals, top_ids = sub.topk(st.max_logprobs, dim=-1) if st.max_logprobs > 0 else (sub[:, :0], sub[:, :0].long())
+        return chosen, top_vals, top_ids
 
     def _constrain(self, logits: torch.Tensor, raw: torch.Tensor | None, st: SamplingTensors) -> torch.Tensor:
         """Apply the grammar bitmasks to their rows, in place; a row left with no token at
@@ -230,20 +266,6 @@ class Sampler:
         dead = (sub.amax(dim=-1) == float("-inf")).unsqueeze(1)
         logits.index_copy_(0, rows, torch.where(dead, fresh, sub))
         return logits
-
-    def _sample(self, logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
-        temps = st.temperature
-        if st.any_greedy:  # greedy rows are replaced by their argmax; keep their math finite
-            temps = torch.where(temps < _GREEDY_TEMPERATURE, torch.ones_like(temps), temps)
-        logits = logits / temps.unsqueeze(1)
-        logits = self._filter(logits, st)
-        probs = torch.softmax(logits, dim=-1)
-        noise = torch.empty_like(probs)
-        if len(st.generators) < probs.shape[0]:
-            noise.exponential_()
-        for i, g in st.generators:
-            noise[i].exponential_(generator=g)
-        return (probs / noise).argmax(dim=-1)
 
     def _filter(self, logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
         """Mask tokens outside top-k, outside the top-p nucleus and below min-p to -inf.

@@ -113,7 +113,7 @@ class PackViews:
     repetition: torch.Tensor
     sampling_params: torch.Tensor  # [6, S]: the six rows above (the batch's FLOAT_PARAMS order)
 
-    def metadata(self, num_decodes: int, num_prefill_tokens: int, max_seq_len: int) -> AttentionMetadata:
+    def metadata(self, num_decodes: int, num_prefill_tokens: int, max_seq_len: int, num_verify_tokens: int = 0) -> AttentionMetadata:
         return AttentionMetadata(
             slot_mapping=self.slot_mapping,
             block_tables=self.block_tables,
@@ -122,6 +122,7 @@ class PackViews:
             num_decodes=num_decodes,
             num_prefill_tokens=num_prefill_tokens,
             max_seq_len=max_seq_len,
+            num_verify_tokens=num_verify_tokens,
         )
 
 
@@ -215,13 +216,20 @@ class StepStaging:
 class Chunk:
     """A prefill row of the step: ``num_tokens`` prompt tokens of ``seq`` from ``start``,
     then (when the chunk reaches the end) one sample for the sequence and one for each of
-    ``children`` (``n > 1`` siblings drawn from the same logits row)."""
+    ``children`` (``n > 1`` siblings drawn from the same logits row).
+
+    A *verify* chunk (speculative decoding, libs/engine/spec) feeds ``token_ids`` instead of
+    the sequence's own tokens (its last token and its drafts) and samples at every one of
+    its ``num_tokens`` positions. Verify chunks come before prompt chunks: their tokens are
+    generated ones, which the 4-bit path runs as decode rows (``num_verify_tokens``)."""
 
     seq: "Sequence"
     start: int
     num_tokens: int
     num_samples: int
     children: list["Sequence"]
+    token_ids: list[int] | None = None
+    verify: bool = False
 
 
 @dataclass(slots=True)
@@ -256,6 +264,8 @@ class Step:
     generators: list[tuple[int, "torch.Generator"]] | None = None
     captures: list[int] | None = None  # sample rows whose logits are kept (tests)
     bitmask: tuple | None = None  # (constrained sample rows, future of their grammar masks)
+    num_verify_tokens: int = 0  # tokens of verify chunks (sample rows nd .. nd + this)
+    spec: object | None = None  # the verification's sampling (libs/engine/spec/verify.py)
     # for the engine's bookkeeping after launch
     decode_rows: "slice | np.ndarray | None" = None
     new_decodes: list["Sequence"] | None = None
@@ -300,8 +310,13 @@ class StepBuilder:
         tail_rows: list[int] = []
         tail_logits: list[int] = []
         ends = (nd + np.cumsum(n_p) - 1).tolist() if chunks else []
+        num_verify = 0
         for c, end in zip(chunks, ends):
-            if c.num_samples:
+            if c.verify:  # a sample at every position
+                tail_rows.extend([c.seq.row] * c.num_tokens)
+                tail_logits.extend(range(end - c.num_tokens + 1, end + 1))
+                num_verify += c.num_tokens
+            elif c.num_samples:
                 tail_rows.append(c.seq.row)
                 tail_rows.extend(ch.row for ch in c.children)
                 tail_logits.extend([end] * (1 + len(c.children)))
@@ -333,8 +348,12 @@ class StepBuilder:
         if b.num_bias:
             adds, bans = bias_and_bans([s.params for s in sample_seqs], self.vocab_size)
         if b.num_min_tokens:
+            # A verify chunk's position j samples the token after j accepted drafts.
+            ahead = [0] * nd
+            for c in chunks:
+                ahead.extend(range(c.num_tokens) if c.verify else [0] * (bool(c.num_samples) * (1 + len(c.children))))
             for i, s in enumerate(sample_seqs):
-                if b.num_tokens[s.row] - s.num_prompt_tokens < s.params.min_tokens:
+                if b.num_tokens[s.row] - s.num_prompt_tokens + ahead[i] < s.params.min_tokens:
                     bans.extend((i, t) for t in sorted(s.stop_ids) if t < self.vocab_size)
         lp_samples: list[int] = []
         if b.num_logprobs:
@@ -363,7 +382,7 @@ class StepBuilder:
         t = nd
         for j, c in enumerate(chunks):
             n, start, row = c.num_tokens, c.start, c.seq.row
-            v.input_ids[t : t + n] = c.seq.token_ids[start : start + n]
+            v.input_ids[t : t + n] = c.seq.token_ids[start : start + n] if c.token_ids is None else c.token_ids
             pos = np.arange(start, start + n)
             v.positions[t : t + n] = pos
             v.slot_mapping[t : t + n] = bt[row, pos // bs] * bs + pos % bs
@@ -401,6 +420,7 @@ class StepBuilder:
             all_greedy=b.num_random == 0, any_greedy=b.num_greedy > 0, any_top_k=b.num_top_k > 0,
             any_top_p=b.num_top_p > 0, any_min_p=b.num_min_p > 0, any_penalties=b.num_penalized > 0,
             any_repetition=b.num_repetition > 0, params=bool(b.num_random or b.num_penalized),
+            num_verify_tokens=num_verify,
         )
         if lp_samples:
             v.logprob_rows[:] = lp_samples

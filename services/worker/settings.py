@@ -51,7 +51,8 @@ class WorkerSettings(BaseSettings):
     speculative_config: str | None = setting(
         None,
         help='decode only: speculative decoding as vLLM-shaped JSON, e.g. {"method": "ngram", "num_speculative_tokens": 4} '
-        "(methods ngram, draft_model, self_draft; see README); off by default. Prefill ignores it.",
+        "(methods ngram, draft_model, self_draft; see README); off by default. Prefill ignores it. "
+        "Speculation runs with synchronous scheduling: --async-scheduling on is refused with it.",
         metavar="JSON",
     )
 
@@ -63,4 +64,5 @@ class WorkerSettings(BaseSettings):
             raise ValueError("heartbeat_s and load_timeout_s must be > 0")
         from libs.engine.spec.config import parse_speculative_config
 
-        parse_speculative_config(self.speculative_config)  # a bad JSON ends start-up with status 2
+        if parse_speculative_config(self.speculative_config) is not None and self.async_scheduling == "on":  # a bad JSON ends start-up with status 2
+            raise ValueError("speculative_config cannot be combined with async_scheduling on: speculation needs synchronous scheduling (use auto or off)")

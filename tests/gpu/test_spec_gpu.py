@@ -1,6 +1,6 @@
-"""Speculative decoding on CUDA: the verify step in CUDA graphs, the draft's decode steps
-in graphs, the Triton rejection sampler and async prepare, all on the engine's real GPU
-path; greedy output must equal decoding without speculation on the same weights."""
+"""Speculative decoding on CUDA: the verify step in the prefill CUDA graphs, the Triton
+rejection sampler and async prepare, all on the engine's real GPU path; greedy output must
+equal decoding without speculation on the same weights."""
 
 import json
 
@@ -15,6 +15,20 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 def spec(loaded, cfg: dict, **kw):
     return make(loaded, speculative_config=json.dumps({"min_acceptance_length": 0, **cfg}), **kw)
+
+
+def verify_paths(eng) -> list[str]:
+    """The path (graph or eager) of every verify step the engine lays out from now on."""
+    paths, build = [], eng.builder.build
+
+    def spy(*a):
+        step = build(*a)
+        if step.num_verify_tokens:
+            paths.append(step.path)
+        return step
+
+    eng.builder.build = spy
+    return paths
 
 
 @pytest.mark.parametrize(
@@ -33,17 +47,17 @@ def test_greedy_equals_plain_on_cuda_with_graphs(models, cfg):
     plain = make(loaded)
     want = [r.token_ids for r in plain.generate(ps, params)]
     plain.close()
-    eng = spec(loaded, cfg, async_prepare="on")
+    eng = spec(loaded, {**cfg, "async_prepare": "on"})
+    paths = verify_paths(eng)
     got = [r.token_ids for r in eng.generate(ps, params)]
-    assert eng.runner.verify_graphs is not None
+    assert eng.spec.prepare_runner is not None
     if cfg.get("forced_acceptance") is None:
         assert got == want
     else:  # forced: every draft accepted, all bursts full; still exactly max_tokens each
         assert all(len(g) == 24 for g in got)
-        assert eng.runner.verify_graphs.replays > 0  # uniform k+1 batches ran in the graph
-        assert eng.spec.proposer.graphs.replays > 0  # and the draft's decode steps
         m = eng.spec.metrics
         assert m.num_accepted_tokens == m.num_draft_tokens > 0
+    assert paths and all(p == "prefill_graph" for p in paths)  # every verify step replayed a graph
     assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
     eng.close()
 
@@ -55,7 +69,8 @@ def test_verify_graph_logits_equal_eager(models):
     cfg = {"method": "self_draft", "num_draft_layers": 2, "num_speculative_tokens": 3, "forced_acceptance": 0.5}
     a = spec(loaded, cfg)
     b = spec(loaded, cfg, cuda_graphs=False)
+    paths_a, paths_b = verify_paths(a), verify_paths(b)
     assert [r.token_ids for r in a.generate(ps, params)] == [r.token_ids for r in b.generate(ps, params)]
-    assert a.runner.verify_graphs.replays > 0 and b.runner.verify_graphs is None
+    assert paths_a and set(paths_a) == {"prefill_graph"} and set(paths_b) == {"eager"}
     a.close()
     b.close()

@@ -12,13 +12,14 @@ import torch
 from libs.blocks import Namespace
 from libs.engine.block_manager import BlockManager
 from libs.engine.params import SamplingParams
-from libs.engine.sampler import Sampler
+from libs.engine.model_runner import SlotState
+from libs.engine.sampler import Sampler, SamplingTensors
 from libs.engine.sequence import Sequence
 from libs.engine.spec.adaptive import AdaptiveSpeculation
 from libs.engine.spec.metrics import SpecDecodeMetrics
 from libs.engine.spec.ngram import NgramProposer, ngram_lookup
 from libs.engine.spec.proposer import DraftRequest
-from libs.engine.spec.rejection import RejectionSampler, VerifyRow, build_verify_batch, forced_accept
+from libs.engine.spec.rejection import VerifyRow, build_verify_batch, forced_accept, verify_sample
 from libs.engine.spec.vocab import DraftVocab, main as vocab_main
 from tests.unit.test_rejection_kernel import chi2_pvalue
 
@@ -195,30 +196,68 @@ def test_trim_releases_trailing_blocks_only():
 # -- the verification sampler ----------------------------------------------------------------------
 
 
-def row(params, drafts, *, n_out=1, output=(), prompt=(), ban=()):
-    return VerifyRow(params, tuple(prompt), tuple(output), tuple(drafts), n_out, tuple(ban))
+CPU = torch.device("cpu")
 
 
-def test_positions_see_the_drafts_before_them():
-    p = SamplingParams(temperature=0, frequency_penalty=1.0, min_tokens=3, stop_token_ids=(9,))
-    b = build_verify_batch((row(p, [4, 5], n_out=1, output=[7], ban=[9, 2]),), torch.device("cpu"))
-    assert b.sampling.output_ids == [[7], [7, 4], [7, 4, 5]]
-    # Output 1 so far: outputs 2 and 3 are still inside min_tokens, the 4th is not.
-    assert b.sampling.banned_ids == [[9, 2], [9, 2], []]
-    assert b.position_rows.tolist() == [[0, 1, 2]] and b.num_drafts_list == [2]
+def verify(sampler, logits, params, drafts, *, output=(), generators=None, q=None):
+    """Verify one round per sequence on a batch laid out as the engine lays it out (a row
+    per position, sequence by sequence), with a fresh device state: the emitted tokens of
+    each sequence, and the state."""
+    V = sampler.vocab_size
+    rows = tuple(VerifyRow(tuple(d), p.greedy, p.has_penalties) for p, d in zip(params, drafts))
+    row_params = [p for p, d in zip(params, drafts) for _ in range(len(d) + 1)]
+    st = SamplingTensors.from_params(row_params, CPU, V, output_ids=[list(output)] * len(row_params))
+    state = SlotState(CPU, V)
+    state.reserve(len(drafts))
+    slots = torch.tensor([b for b, d in enumerate(drafts) for _ in range(len(d) + 1)])
+    if st.any_penalties:
+        state.init_penalties(0, [], [])  # (allocates the counts for every slot)
+    batch = build_verify_batch(rows, 0, CPU)
+    samples = verify_sample(sampler, state, logits, st, slots, first_row=0, num_rows=len(row_params), batch=batch,
+                            draft_probs=q, generators=generators or [None] * len(drafts))
+    tokens, out, r = samples.tokens.tolist(), [], 0
+    for d in drafts:
+        out.append([t for t in tokens[r : r + len(d) + 1] if t >= 0])
+        r += len(d) + 1
+    return out, state
+
+
+def test_positions_count_the_drafts_before_them():
+    rows = (VerifyRow((4, 5), True, True), VerifyRow((6,), True, False))
+    b = build_verify_batch(rows, 3, CPU)
+    assert b.first_rows.tolist() == [3, 6] and b.position_rows.tolist() == [[3, 4, 5], [6, 7, 6]]
+    # Position 1 also counts draft 0; position 2 drafts 0 and 1; the unpenalized row nothing.
+    assert list(zip(b.count_rows.tolist(), b.count_cols.tolist())) == [(4, 4), (5, 4), (5, 5)]
+    assert b.emitted_index.tolist() == [0, 1, 2, 3, 4] and b.num_drafts_list == (2, 1)
 
 
 def test_greedy_verification_applies_penalties_per_position():
     """Token 3 leads at every position, token 5 is a close second; a frequency penalty makes
     3 lose right after a position that emitted it, exactly as plain decoding would."""
     V = 8
-    sampler = Sampler(V, torch.device("cpu"))
+    sampler = Sampler(V, CPU)
     logits = torch.zeros(3, V)
     logits[:, 3], logits[:, 5] = 2.0, 1.5
-    p = SamplingParams(temperature=0, frequency_penalty=1.0)
-    batch = build_verify_batch((row(p, [3, 3]),), torch.device("cpu"))
-    out = RejectionSampler(sampler)(logits, batch, [None], None)[0]
-    assert out.token_ids == [3, 5] and out.num_accepted == 1
+    out, state = verify(sampler, logits, [SamplingParams(temperature=0, frequency_penalty=1.0)], [[3, 3]])
+    assert out == [[3, 5]]
+    # The device state: the next input id is the last emitted token, both were counted.
+    assert int(state.last_sampled[0]) == 5 and state.counts[0, 3] == 1 and state.counts[0, 5] == 1
+
+
+def test_a_verify_batch_beside_plain_rows_samples_them_as_a_plain_step():
+    V = 8
+    sampler = Sampler(V, CPU)
+    logits = torch.randn(6, V)
+    p = SamplingParams(temperature=0)
+    st = SamplingTensors.from_params([p] * 6, CPU, V)
+    state = SlotState(CPU, V)
+    slots = torch.tensor([7, 1, 1, 1, 9, 4])  # plain, a sequence with 2 drafts, plain, plain
+    drafts = [int(logits[1].argmax()), (int(logits[2].argmax()) + 1) % V]  # the first is right
+    batch = build_verify_batch((VerifyRow(tuple(drafts), True, False),), 1, CPU)
+    s = verify_sample(sampler, state, logits, st, slots, first_row=1, num_rows=3, batch=batch, draft_probs=None, generators=[None])
+    want = logits.argmax(-1).tolist()
+    assert s.tokens.tolist() == [want[0], drafts[0], want[2], -1, want[4], want[5]]
+    assert state.last_sampled[[7, 1, 9, 4]].tolist() == [want[0], want[2], want[4], want[5]]
 
 
 def test_forced_accept_takes_drafts_then_the_targets_token():
@@ -243,20 +282,16 @@ def test_emitted_tokens_follow_plain_sampling_on_a_vocabulary_slice(params):
     draws from (the engine's own ``Sampler.probs`` after its ``process``)."""
     V, N = 12, 6000
     g = torch.Generator().manual_seed(7)
-    sampler = Sampler(V, torch.device("cpu"))
+    sampler = Sampler(V, CPU)
     logits1 = torch.randn(V, generator=g) * 2
-    logits = logits1.expand(2, V)
     q = torch.softmax(torch.randn(V, generator=g), dim=-1)
-    drafts = torch.multinomial(q, N, replacement=True, generator=g).tolist()
-    rows = tuple(row(params, [d], output=[0]) for d in drafts)
-    batch = build_verify_batch(rows, torch.device("cpu"))
-    gens = [torch.Generator().manual_seed(1000 + i) for i in range(N)]
-    out = RejectionSampler(sampler)(logits.repeat(N, 1), batch, gens, q.expand(N, 1, V).contiguous())
-    first = torch.bincount(torch.tensor([v.token_ids[0] for v in out]), minlength=V)
-    single = build_verify_batch((row(params, [], output=[0]),), torch.device("cpu")).sampling
-    p = sampler.probs(sampler.process(logits1.unsqueeze(0), single), single.params)[0]
+    drafts = [[d] for d in torch.multinomial(q, N, replacement=True, generator=g).tolist()]
+    gens = lambda n: [torch.Generator().manual_seed(1000 + i) for i in range(n)]  # noqa: E731
+    out, _ = verify(sampler, logits1.expand(2 * N, V), [params] * N, drafts, output=[0], generators=gens(N), q=q.expand(N, 1, V).contiguous())
+    first = torch.bincount(torch.tensor([t[0] for t in out]), minlength=V)
+    single = SamplingTensors.from_params([params], CPU, V, output_ids=[[0]])
+    p = sampler.probs(sampler.process(logits1.unsqueeze(0), single), single)[0]
     assert chi2_pvalue(first, p) > 1e-3, (first, p)
     # Seeded: the same generators give the same tokens.
-    again = RejectionSampler(sampler)(logits.repeat(N, 1)[:40], build_verify_batch(rows[:20], torch.device("cpu")),
-                                      [torch.Generator().manual_seed(1000 + i) for i in range(20)], q.expand(20, 1, V).contiguous())
-    assert [v.token_ids for v in again] == [v.token_ids for v in out[:20]]
+    again, _ = verify(sampler, logits1.expand(40, V), [params] * 20, drafts[:20], output=[0], generators=gens(20), q=q.expand(20, 1, V).contiguous())
+    assert again == out[:20]

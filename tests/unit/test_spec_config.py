@@ -6,6 +6,9 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
+
+from libs.engine import EngineConfig
 
 from libs.engine.spec.config import SpeculativeConfig, parse_speculative_config
 from services.common import parse_settings
@@ -76,6 +79,7 @@ def test_forced_accepts_round_half_up(rate, k, accepted):
         ({"method": "ngram", "num_speculative_tokens": 2, "acceptance_window": 0}, "acceptance_window"),
         ({"method": "ngram", "num_speculative_tokens": 2, "min_acceptance_length": 9}, "min_acceptance_length"),
         ({"method": "ngram", "num_speculative_tokens": 2, "speculative_model": "x"}, "unknown key(s) 'speculative_model'"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "async_prepare": "yes"}, "async_prepare must be auto, on or off"),
     ],
 )
 def test_bad_configs_name_the_problem(value, words):
@@ -102,3 +106,29 @@ def test_config_is_frozen():
     cfg = SpeculativeConfig("ngram", 2, prompt_lookup_min=1, prompt_lookup_max=1)
     with pytest.raises(AttributeError):
         cfg.method = "x"  # type: ignore[misc]
+
+
+def test_async_prepare_resolves_per_device():
+    base = {"method": "ngram", "num_speculative_tokens": 2}
+    assert parse_speculative_config(base).resolve_async_prepare("cuda") and not parse_speculative_config(base).resolve_async_prepare("cpu")
+    assert parse_speculative_config({**base, "async_prepare": "on"}).resolve_async_prepare("cpu")
+    assert not parse_speculative_config({**base, "async_prepare": "off"}).resolve_async_prepare("cuda")
+
+
+def test_speculation_needs_synchronous_scheduling():
+    """Refused where it is asked for together; "auto" resolves to off with speculation."""
+    text = json.dumps({"method": "ngram", "num_speculative_tokens": 3})
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    with pytest.raises(ValueError, match="cannot be combined"):
+        EngineConfig(speculative_config=text, async_scheduling="on").resolve_async_scheduling(cpu)
+    for device in (cpu, cuda):
+        assert EngineConfig(speculative_config=text).resolve_async_scheduling(device) is False
+    assert EngineConfig(async_scheduling="on").resolve_async_scheduling(cpu) is True
+
+
+def test_decode_service_refuses_speculation_with_async_scheduling(capsys):
+    text = json.dumps({"method": "ngram", "num_speculative_tokens": 3})
+    with pytest.raises(SystemExit) as e:
+        parse_settings(WorkerSettings, ["--speculative-config", text, "--async-scheduling", "on"], {})
+    assert e.value.code == 2 and "async_scheduling" in capsys.readouterr().err
+    assert parse_settings(WorkerSettings, ["--speculative-config", text, "--async-scheduling", "off"], {}).async_scheduling == "off"

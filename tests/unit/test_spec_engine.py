@@ -178,9 +178,13 @@ def test_rejected_slots_are_released_and_only_accepted_blocks_are_cached(plain, 
     while eng.has_unfinished_requests():
         for o in eng.step():
             outs[o.request_id].extend(o.outputs[0].new_token_ids)
-        for seq in eng.scheduler.running:
+        for seq in eng.scheduler.running.values():
             assert seq.num_computed_tokens == seq.num_tokens - 1
             assert len(seq.block_table) == math.ceil(seq.num_computed_tokens / bs)
+            # The persistent batch's row agrees (its block table is what the next step reads).
+            b, r = eng.batch, seq.row
+            assert b.num_tokens[r] == seq.num_tokens and b.num_blocks[r] == len(seq.block_table)
+            assert b.block_table[r, : len(seq.block_table)].tolist() == seq.block_table
     assert_no_leaks(eng)
     assert eng.spec.metrics.num_draft_tokens > eng.spec.metrics.num_accepted_tokens  # rejections happened
     for i, p in enumerate(prompts):
@@ -200,9 +204,9 @@ def test_async_prepare_gives_the_same_tokens_and_counts(prompts):
     params = [SamplingParams(temperature=0, max_tokens=17, ignore_eos=True), SamplingParams(temperature=0.9, seed=5, max_tokens=17, ignore_eos=True)]
     results = []
     for mode in ("off", "on"):
-        eng = with_oracle(spec_engine(async_prepare=mode), corrupt_at=1)
+        eng = with_oracle(spec_engine(spec={"async_prepare": mode}), corrupt_at=1)
         results.append(([r.token_ids for r in eng.generate(prompts[:2], params)], eng.spec.metrics.snapshot()))
-        assert (eng._prepare is not None) == (mode == "on")
+        assert (eng.spec.prepare_runner is not None) == (mode == "on")
         eng.close()
     assert results[0] == results[1]
 
@@ -290,7 +294,7 @@ def test_pruned_vocab_drafts_are_the_masked_argmax_mapped_to_target_ids(plain, p
     eng.runner._bind()
     assert drafts == ref
     assert all(vocab.t2d[t] for t in drafts)
-    eng.spec._release(seq)
+    eng.spec.release(seq)
     eng.abort_request("x")
     eng.step()
 
@@ -368,7 +372,6 @@ def test_a_proposer_failure_fails_that_request_and_the_engine_goes_on(plain, pro
     want = plain.generate(prompts, params)
     eng = with_oracle(spec_engine())
     eng.spec.proposer = Failing(eng.spec.proposer, prompts[0], batch=batch)
-    eng.spec.max_num_batched_tokens  # noqa: B018
     if batch:  # keep the good requests out of the failing batch: they wait a step
         outs, errors = run_all(eng, [("bad", prompts[0], params)])
         outs2, errors2 = run_all(eng, [("good1", prompts[1], params), ("good2", prompts[2], params)])
@@ -389,7 +392,7 @@ def test_a_proposer_failure_fails_that_request_and_the_engine_goes_on(plain, pro
 def test_a_prepare_failure_fails_the_speculating_request_only(plain, prompts, mode, monkeypatch):
     params = SamplingParams(temperature=0, max_tokens=15, ignore_eos=True)
     want = plain.generate(prompts, params)
-    eng = with_oracle(spec_engine(async_prepare=mode))
+    eng = with_oracle(spec_engine(spec={"async_prepare": mode}))
     oracle = eng.spec.proposer
 
     class OnlyBad:  # only the first prompt gets drafts: the others decode plainly alongside
@@ -404,24 +407,24 @@ def test_a_prepare_failure_fails_the_speculating_request_only(plain, prompts, mo
             oracle.forget(seq_id)
 
     eng.spec.proposer = OnlyBad()
-    import libs.engine.spec.verify as verify
+    import libs.engine.spec.rejection as rejection
 
-    real = verify.build_verify_batch
+    real = rejection.build_verify_batch
     calls = []
 
-    def broken(rows, device):
+    def broken(rows, first_row, device):
         calls.append(1)
         raise RuntimeError("prepare broke")
 
-    monkeypatch.setattr(verify, "build_verify_batch", broken)
+    monkeypatch.setattr(rejection, "build_verify_batch", broken)
     outs, errors = run_all(eng, [("bad", prompts[0], params), ("good1", prompts[1], params), ("good2", prompts[2], params)])
     assert calls and set(errors) == {"bad"} and "prepare broke" in errors["bad"][0]
     assert outs["good1"] == want[1].token_ids and outs["good2"] == want[2].token_ids
     assert eng.spec.num_prepare_errors == 1
-    if eng._prepare is not None:
-        assert not eng._prepare.pending  # nothing stuck on the worker
+    if eng.spec.prepare_runner is not None:
+        assert not eng.spec.prepare_runner.pending  # nothing stuck on the worker
     assert_no_leaks(eng)
-    monkeypatch.setattr(verify, "build_verify_batch", real)
+    monkeypatch.setattr(rejection, "build_verify_batch", real)
     eng.spec.proposer = oracle
     assert eng.generate(prompts[:1], params)[0].token_ids == want[0].token_ids
     eng.close()
@@ -464,3 +467,30 @@ def test_a_prompt_beside_verifying_sequences_gets_its_own_logits_row(plain, prom
     assert torch.allclose(got, plain.first_step_logits(prompts[2]), atol=1e-4, rtol=0)
     eng.abort_request("busy")
     eng.step()
+
+
+# -- graphs ------------------------------------------------------------------------------------------
+
+
+def test_verify_steps_run_the_prefill_graph_layout(plain, prompts):
+    """On CUDA a verify step replays a prefill graph (its speculating sequences are chunks
+    of k + 1 tokens over a padded token bucket). Run eagerly on exactly that layout here
+    (``emulate``), greedy output must still be plain decoding's; tests/gpu replays it."""
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (14, 9, 17)]
+    want = [r.token_ids for r in plain.generate(prompts, params)]
+    eng = with_oracle(spec_engine(max_num_batched_tokens=64, max_num_seqs=8), corrupt_at=2)
+    eng.enable_graphs(emulate=True)
+    paths, build = [], eng.builder.build
+
+    def spy(*a):
+        step = build(*a)
+        if step.num_verify_tokens:
+            paths.append((step.path, step.num_decodes, step.layout.tokens, step.num_tokens))
+        return step
+
+    eng.builder.build = spy
+    assert [r.token_ids for r in eng.generate(prompts, params)] == want
+    assert paths and all(p == "prefill_graph" and tokens >= t for p, _, tokens, t in paths)
+    assert any(tokens > t for _, _, tokens, t in paths)  # padded buckets really ran
+    assert eng.runner.graphs.replays["prefill"] >= len(paths)
+    assert_no_leaks(eng)

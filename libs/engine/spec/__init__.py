@@ -8,10 +8,11 @@ Modules, one concept each:
   ``model_proposer`` (drafting with a network), ``self_draft`` (the target's first
   layers), ``draft_model`` (a separate checkpoint);
 - ``vocab``: the pruned draft vocabulary (d2t/t2d) and the command that builds it;
-- ``rejection``: the verify step's logits → emitted tokens (kernels/rejection inside);
-- ``verify``: the speculative step as the engine's loop runs it (propose, prepare,
-  sample, settle: KV rollback and prefix-cache commits);
-- ``verify_graphs``: CUDA graphs of the verify forward;
+- ``rejection``: the verify step's logits → emitted tokens, and the device state
+  (kernels/rejection inside);
+- ``verify``: the speculative step as the engine's loop runs it (propose, the
+  verification on the device with async prepare, settle: KV rollback and prefix-cache
+  commits);
 - ``adaptive``: per-sequence switch-off when acceptance is too low to pay;
 - ``metrics``: acceptance counters with vLLM's names.
 
@@ -29,22 +30,10 @@ from libs.engine.spec.config import SpeculativeConfig, parse_speculative_config
 __all__ = ["SpeculativeConfig", "create_spec_decoder", "parse_speculative_config"]
 
 
-def create_spec_decoder(
-    config: SpeculativeConfig,
-    *,
-    loaded,
-    draft,
-    block_manager,
-    sampler,
-    bind_target: Callable[[], None],
-    max_model_len: int,
-    max_num_batched_tokens: int,
-    device: torch.device,
-):
+def create_spec_decoder(config: SpeculativeConfig, *, loaded, draft, block_manager, bind_target: Callable[[], None], device: torch.device):
     """A ``SpecDecoder`` for an engine. ``draft``: the loaded draft checkpoint
     (``draft_model`` only, loaded first so the engine can budget its cache)."""
     from libs.engine.spec.ngram import NgramProposer
-    from libs.engine.spec.rejection import RejectionSampler
     from libs.engine.spec.verify import SpecDecoder
     from libs.engine.spec.vocab import DraftVocab
 
@@ -60,13 +49,4 @@ def create_spec_decoder(
         from libs.engine.spec.draft_model import draft_model_proposer
 
         proposer = draft_model_proposer(draft, vocab, num_blocks=block_manager.num_blocks, block_size=bs)
-    forced = config.forced_accepts if config.forced_acceptance is not None else None
-    return SpecDecoder(
-        config,
-        proposer,
-        RejectionSampler(sampler, forced_acceptance=forced),
-        block_manager,
-        max_model_len=max_model_len,
-        max_num_batched_tokens=max_num_batched_tokens,
-        device=device,
-    )
+    return SpecDecoder(config, proposer, block_manager, device=device, async_prepare=config.resolve_async_prepare(device.type))

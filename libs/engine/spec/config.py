@@ -18,6 +18,8 @@ other). Tidepool's own keys:
   model-based proposers;
 - ``acceptance_window``, ``min_acceptance_length``, ``reprobe_interval``: the per-sequence
   adaptive switch-off (libs/engine/spec/adaptive.py); ``min_acceptance_length`` 0 disables it;
+- ``async_prepare``: ``auto`` (on CUDA), ``on`` or ``off``: build each verify step's
+  inputs on a worker thread while the target's forward runs (libs/engine/spec/verify.py);
 - ``forced_acceptance``: a test and benchmark mode (seed 001's "force accept"): instead of
   rejection sampling, the first ``round(r * k)`` drafts of every round are accepted and the
   target samples the token after them. Output is then not the model's; never serve with it.
@@ -50,6 +52,7 @@ class SpeculativeConfig:
     min_acceptance_length: float = 1.3
     reprobe_interval: int = 16
     forced_acceptance: float | None = None
+    async_prepare: str = "auto"
 
     @property
     def k(self) -> int:
@@ -64,13 +67,16 @@ class SpeculativeConfig:
         assert self.forced_acceptance is not None
         return min(num_drafts, int(math.floor(self.forced_acceptance * num_drafts + 0.5)))
 
+    def resolve_async_prepare(self, device_type: str) -> bool:
+        return self.async_prepare == "on" or (self.async_prepare == "auto" and device_type == "cuda")
+
     def to_json(self) -> str:
         return json.dumps({f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None})
 
 
 _INT_KEYS = ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "num_draft_layers", "acceptance_window", "reprobe_interval")
 _FLOAT_KEYS = ("min_acceptance_length", "forced_acceptance")
-_STR_KEYS = ("method", "model", "draft_vocab")
+_STR_KEYS = ("method", "model", "draft_vocab", "async_prepare")
 _KNOWN = set(_INT_KEYS) | set(_FLOAT_KEYS) | set(_STR_KEYS)
 
 
@@ -159,6 +165,8 @@ def parse_speculative_config(value: str | dict[str, Any] | SpeculativeConfig | N
     mal = d.get("min_acceptance_length", 1.3)
     if not 0 <= mal <= k + 1:
         raise ValueError(f"speculative config: min_acceptance_length must be in [0, {k + 1}], got {mal}")
+    if d.get("async_prepare", "auto") not in ("auto", "on", "off"):
+        raise ValueError(f"speculative config: async_prepare must be auto, on or off, got {d['async_prepare']!r}")
     fa = d.get("forced_acceptance")
     if fa is not None and not 0 <= fa <= 1:
         raise ValueError(f"speculative config: forced_acceptance must be in [0, 1], got {fa}")

@@ -17,10 +17,11 @@ Where the draft's KV lives:
   blocks, tokens emitted by plain decode steps) is caught up in the first draft step, which
   is then a chunked prefill of the draft.
 
-Each step is built with the engine's own ``build_inputs`` from an immutable ``StepPlan``
-and runs through the same attention backend. Decode-shaped steps replay CUDA graphs when
-the engine captures them. Draft tokens stay on the device between steps; one host sync
-reads all of them at the end.
+Each step is laid out by ``draft_step`` (positions, slots and block tables of a few
+sequences, decode-shaped rows first, as the attention backends expect) and runs through
+the target's attention backend, eagerly: the draft's steps are not captured in CUDA graphs
+(the target's verify forward is, libs/engine/cuda_graphs.py). Draft tokens stay on the
+device between steps; one host sync reads all of them at the end.
 
 Sampling: a greedy request's drafts are the draft's argmax (``q`` unused); a sampled
 request's drafts are drawn from ``q = softmax(logits / T)`` with the request's own
@@ -29,12 +30,11 @@ generator, and ``q`` (mapped into the target vocabulary) goes to the rejection s
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from libs.engine.inputs import SeqPlan, StepInputs, StepPlan, build_inputs
-from libs.engine.sampler import exponential_noise
 from libs.engine.spec.proposer import DraftRequest, Drafts
 from libs.engine.spec.vocab import DraftVocab
 from libs.model.attention import AttentionMetadata
@@ -77,7 +77,6 @@ class ModelProposer:
         self.device = device
         self.shares_target_cache = shares_target_cache
         self._bind = bind or (lambda: None)  # points the network's layers at its cache
-        self.graphs = None  # DecodeGraphs over the network (CUDA), set by the engine
         # Own-cache drafts: (first position, target ids fed from there) per sequence.
         self._fed: dict[int, tuple[int, list[int]]] = {}
         self.num_forwards = 0
@@ -121,33 +120,24 @@ class ModelProposer:
             firsts.append((start, s.token_ids[start:]))
             self.num_catch_up_tokens += s.num_tokens - start - 1
         order = sorted(range(B), key=lambda i: len(firsts[i][1]) != 1)  # decode-shaped first
-        plan = StepPlan(
-            tuple(SeqPlan(seqs[i].seq_id, tuple(firsts[i][1]), firsts[i][0], len(firsts[i][1]), tuple(seqs[i].block_table), 1) for i in order),
-            sum(1 for i in order if len(firsts[i][1]) == 1),
-            self.block_size,
-        )
-        inputs = build_inputs(plan, self.device)
+        rows = [(firsts[i][0], len(firsts[i][1]), seqs[i].block_table) for i in order]
+        ids = torch.tensor([t for i in order for t in firsts[i][1]], dtype=torch.long, device=self.device)
         logits = torch.empty((B, self._draft_width), device=self.device)
-        logits[torch.tensor(order, device=self.device)] = self._run(inputs, inputs.input_ids)
+        logits[torch.tensor(order, device=self.device)] = self._run(ids, *draft_step(rows, self.block_size, self.device))
         active = list(range(B))
         for j in range(K):
             draft_ids, q = self._sample(logits, [generators[i] for i in active], [greedy[i] for i in active], temps[active])
             target_ids = self.vocab.to_target_ids(draft_ids) if self.vocab is not None else draft_ids
             idx = torch.tensor(active, device=self.device)
             tokens[idx, j] = target_ids
-            if probs is not None:
+            if q is not None:  # (None when every row still drafting is greedy)
                 probs[idx, j] = self.vocab.to_target_probs(q) if self.vocab is not None else q
             active_next = [i for i in active if requests[i].max_drafts > j + 1]
             if not active_next:
                 break
             keep = torch.tensor([active.index(i) for i in active_next], device=self.device)
-            plan = StepPlan(
-                tuple(SeqPlan(seqs[i].seq_id, (), seqs[i].num_tokens + j, 1, tuple(seqs[i].block_table), 1) for i in active_next),
-                len(active_next),
-                self.block_size,
-            )
-            inputs = build_inputs(plan, self.device)
-            logits = self._run(inputs, target_ids[keep])
+            rows = [(seqs[i].num_tokens + j, 1, seqs[i].block_table) for i in active_next]
+            logits = self._run(target_ids[keep], *draft_step(rows, self.block_size, self.device))
             active = active_next
 
         drafts = [row[: r.max_drafts] for row, r in zip(tokens.tolist(), requests)]  # the host sync
@@ -164,18 +154,48 @@ class ModelProposer:
     def _width(self) -> int:
         return self.vocab.target_vocab_size if self.vocab is not None else self._draft_width
 
-    def _run(self, inputs: StepInputs, input_ids: torch.Tensor) -> torch.Tensor:
+    def _run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, last: torch.Tensor) -> torch.Tensor:
+        """The draft's logits at each row's last token."""
         self.num_forwards += 1
-        if self.graphs is not None and self.graphs.can_run(inputs):
-            return self.graphs.run(inputs, input_ids)
-        hidden = self.network(input_ids, inputs.positions, inputs.metadata())
-        return self.network.compute_logits(hidden[inputs.logits_indices])
+        hidden = self.network(input_ids, positions, meta)
+        return self.network.compute_logits(hidden.index_select(0, last))
 
     def _sample(self, logits: torch.Tensor, generators, greedy: list[bool], temps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Draft ids (draft vocabulary) and, for sampled rows, ``q`` over the draft vocabulary."""
         if all(greedy):
             return logits.argmax(dim=-1), None
         q = torch.softmax(logits / temps, dim=-1)
-        sampled = (q / exponential_noise(generators, q.shape[1], q.device)).argmax(dim=-1)
+        noise = torch.empty_like(q).exponential_()
+        for i, gen in enumerate(generators):
+            if gen is not None:  # a seeded request's draws come from its own generator
+                noise[i].exponential_(generator=gen)
+        sampled = (q / noise).argmax(dim=-1)
         g = torch.tensor(greedy, device=logits.device)
         return torch.where(g, logits.argmax(dim=-1), sampled), q
+
+
+def draft_step(rows: list[tuple[int, int, list[int]]], block_size: int, device: torch.device) -> tuple[torch.Tensor, AttentionMetadata, torch.Tensor]:
+    """Positions, attention metadata and the last token's row of each of ``rows`` (first
+    position, tokens fed, block table), one-token rows first: a draft step."""
+    bs, n = block_size, len(rows)
+    num_decodes = next((i for i, r in enumerate(rows) if r[1] != 1), n)
+    width = max(len(r[2]) for r in rows) or 1
+    tables = np.zeros((n, width), dtype=np.int32)
+    positions = np.concatenate([np.arange(start, start + m, dtype=np.int64) for start, m, _ in rows])
+    slots = np.empty_like(positions)
+    seq_lens = np.empty(n, dtype=np.int32)
+    t = 0
+    for i, (start, m, table) in enumerate(rows):
+        tables[i, : len(table)] = table
+        pos = positions[t : t + m]
+        slots[t : t + m] = tables[i, pos // bs].astype(np.int64) * bs + pos % bs
+        seq_lens[i] = start + m
+        t += m
+    lengths = np.asarray([m for _, m, _ in rows], dtype=np.int64)
+    qsl = np.concatenate([[0], np.cumsum(lengths[num_decodes:])]).astype(np.int32)
+    move = (lambda a: torch.from_numpy(a)) if device.type == "cpu" else (lambda a: torch.from_numpy(a).pin_memory().to(device, non_blocking=True))
+    meta = AttentionMetadata(
+        slot_mapping=move(slots), block_tables=move(tables), seq_lens=move(seq_lens), query_start_loc=move(qsl),
+        num_decodes=num_decodes, num_prefill_tokens=t - num_decodes, max_seq_len=int(seq_lens.max()),
+    )
+    return move(positions), meta, move(np.cumsum(lengths) - 1)

@@ -1,21 +1,31 @@
 """Verification: the target's logits at ``k + 1`` positions → the tokens a sequence emits.
 
-For every speculating sequence the verify forward gives logits at its last token and at
-each of its drafts. Position ``i`` is processed exactly as plain decoding would process the
-step after ``i`` accepted drafts (``Sampler.process`` and ``Sampler.probs``):
+A verify step's sample rows are laid out by the step builder (libs/engine/step_inputs.py):
+plain decode rows first, then every position of every speculating sequence (its last
+token's row and one per draft), then the prompts' rows. Each position is a sample row of
+its own, so it gets its sequence's sampling parameters, logit bias and ``min_tokens`` bans
+exactly as plain decoding would at that point (the builder bans stop ids while
+``num_output_tokens + i < min_tokens``). What the builder cannot know is added here:
 
-- penalties count the output so far *plus* drafts ``0..i-1``;
-- the ``min_tokens`` ban holds while ``num_output_tokens + i < min_tokens``;
-- temperature, top-k, top-p and min-p shape ``p``; greedy rows take the argmax;
+- penalties at position ``i`` count the output so far *plus* drafts ``0..i-1``;
 
-then the rejection sampler (kernels/rejection) decides. The noise comes from each
-request's own generator (seeded requests stay reproducible) or the global one. Logprobs of
-the emitted tokens are the raw model distribution at their positions, as without
-speculation. Stops (EOS, stop ids, ``max_tokens``) are the engine's: it appends the
-emitted tokens one by one and cuts the burst at the first stop.
+then every row goes through the engine's own ``Sampler.process`` and ``Sampler.probs``, so
+the target distribution ``p`` is what decoding without speculation samples from, and the
+rejection sampler (kernels/rejection) decides. Plain rows are sampled by the same call as
+in a plain step. The noise comes from each request's own generator (a seeded request's
+draws do not depend on its batch) or the global one. Logprobs of the emitted tokens are the
+raw model distribution at their positions, as without speculation.
+
+The result is one token per sample row, as a plain step returns: a verify position holds
+the token emitted there, or ``PLACEHOLDER`` past the sequence's emitted burst. Stops (EOS,
+stop ids, ``max_tokens``) are the engine's: it appends the emitted tokens one by one and
+cuts the burst at the first stop. The device state of each sequence (its last token, the
+next step's input id, and its penalty counts) is updated on the device, as a plain step
+does: nothing waits for the host.
 
 ``build_verify_batch`` is pure (immutable rows in, fresh tensors out) so that async prepare
-can run it on the AsyncRunner's thread while the device runs the verify forward.
+can run it on the AsyncRunner's thread while the device runs the verify forward
+(libs/engine/spec/verify.py).
 
 Forced acceptance (a test and benchmark mode, seed 001's ``forceSpAccept``): the first
 ``round(r * k)`` drafts are taken as they are and the target samples the next token from
@@ -32,79 +42,72 @@ from typing import Callable
 import torch
 
 from kernels.rejection import PLACEHOLDER
-from libs.engine.params import SamplingParams
-from libs.engine.sampler import Sampler, SamplingBatch, exponential_noise
-from libs.engine.sequence import TokenLogprob
+from libs.engine.sampler import DeviceSamples, Sampler, SamplingTensors
 
 
 @dataclass(frozen=True)
 class VerifyRow:
     """One speculating sequence, snapshotted on the engine thread."""
 
-    params: SamplingParams
-    prompt_ids: tuple[int, ...]  # for the repetition penalty (empty when not needed)
-    output_ids: tuple[int, ...]  # output so far (empty when no penalty needs it)
     drafts: tuple[int, ...]
-    num_output_tokens: int
-    min_tokens_ban: tuple[int, ...]  # stop ids (and EOS) banned while output < min_tokens
+    greedy: bool
+    penalized: bool  # penalties count the drafts before each position
+    forced_accepts: int | None = None  # forced-acceptance mode: drafts taken as they are
 
 
-@dataclass
+@dataclass(frozen=True)
 class VerifyBatch:
-    sampling: SamplingBatch  # one row per position: sum(k_i + 1) rows, sequence by sequence
-    row_start: list[int]  # first flat row of each sequence
-    position_rows: torch.Tensor  # [B, K + 1] int64 flat row of each position (padding: 0)
-    draft_ids: torch.Tensor  # [B, K] int64
+    """The verification's inputs on the device (``B`` sequences, ``K`` = most drafts)."""
+
+    first_rows: torch.Tensor  # [B] int64: sample row of each sequence's position 0
+    position_rows: torch.Tensor  # [B, K + 1] int64: sample row of each position (padding: position 0's)
+    draft_ids: torch.Tensor  # [B, K] int64 (padding 0)
     num_drafts: torch.Tensor  # [B] int32
     is_greedy: torch.Tensor  # [B] bool
-    num_drafts_list: list[int]
-    greedy_list: list[bool]
+    emitted_index: torch.Tensor  # [rows] int64: flat ``[B, K + 1]`` index of each verify row
+    count_rows: torch.Tensor | None  # penalties: (row, draft) pairs the row also counts
+    count_cols: torch.Tensor | None
+    forced_accepts: torch.Tensor | None  # [B] int64
+    num_drafts_list: tuple[int, ...]
+    first_rows_list: tuple[int, ...]
     K: int
 
 
-@dataclass
-class Verified:
-    """What one sequence emits: accepted drafts then one sampled token (before stops)."""
-
-    token_ids: list[int]
-    logprobs: list[TokenLogprob | None]
-    num_drafts: int
-
-    @property
-    def num_accepted(self) -> int:
-        return len(self.token_ids) - 1
-
-
-def build_verify_batch(rows: tuple[VerifyRow, ...], device: torch.device) -> VerifyBatch:
-    """Expand each sequence to its ``k + 1`` positions. Pure: reads only ``rows``."""
-    K = max((len(r.drafts) for r in rows), default=0)
-    params: list[SamplingParams] = []
-    prompt_ids: list[list[int]] = []
-    output_ids: list[list[int]] = []
-    banned: list[list[int]] = []
-    row_start: list[int] = []
-    position_rows = torch.zeros((len(rows), K + 1), dtype=torch.long)
-    draft_ids = torch.zeros((len(rows), K), dtype=torch.long)
+def build_verify_batch(rows: tuple[VerifyRow, ...], first_row: int, device: torch.device) -> VerifyBatch:
+    """Lay out the verification of ``rows``, whose positions are the sample rows from
+    ``first_row`` on, sequence by sequence. Pure: reads only its arguments."""
+    B = len(rows)
+    K = max(len(r.drafts) for r in rows)
+    first_rows, position_rows, emitted_index = [], [], []
+    draft_ids = torch.zeros((B, K), dtype=torch.long)
+    count_rows: list[int] = []
+    count_cols: list[int] = []
+    row = first_row
     for b, r in enumerate(rows):
-        row_start.append(len(params))
-        for i in range(len(r.drafts) + 1):
-            position_rows[b, i] = len(params)
-            params.append(r.params)
-            prompt_ids.append(list(r.prompt_ids))
-            output_ids.append([*r.output_ids, *r.drafts[:i]] if r.params.has_penalties else [])
-            banned.append(list(r.min_tokens_ban) if r.num_output_tokens + i < r.params.min_tokens else [])
-        draft_ids[b, : len(r.drafts)] = torch.tensor(r.drafts, dtype=torch.long)
-    num = [len(r.drafts) for r in rows]
-    greedy = [r.params.greedy for r in rows]
+        n = len(r.drafts)
+        first_rows.append(row)
+        position_rows.append([row + min(i, n) if i <= n else row for i in range(K + 1)])
+        emitted_index.extend(b * (K + 1) + i for i in range(n + 1))
+        draft_ids[b, :n] = torch.tensor(r.drafts, dtype=torch.long)
+        if r.penalized:
+            for i in range(1, n + 1):
+                count_rows.extend([row + i] * i)
+                count_cols.extend(r.drafts[:i])
+        row += n + 1
+    forced = [r.forced_accepts for r in rows]
+    to = lambda xs, dtype=torch.long: torch.tensor(xs, dtype=dtype, device=device)  # noqa: E731
     return VerifyBatch(
-        sampling=SamplingBatch(params, [None] * len(params), prompt_ids, output_ids, banned),
-        row_start=row_start,
-        position_rows=position_rows.to(device),
+        first_rows=to(first_rows),
+        position_rows=to(position_rows),
         draft_ids=draft_ids.to(device),
-        num_drafts=torch.tensor(num, dtype=torch.int32, device=device),
-        is_greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
-        num_drafts_list=num,
-        greedy_list=greedy,
+        num_drafts=to([len(r.drafts) for r in rows], torch.int32),
+        is_greedy=to([r.greedy for r in rows], torch.bool),
+        emitted_index=to(emitted_index),
+        count_rows=to(count_rows) if count_rows else None,
+        count_cols=to(count_cols) if count_cols else None,
+        forced_accepts=None if forced[0] is None else to(forced),
+        num_drafts_list=tuple(len(r.drafts) for r in rows),
+        first_rows_list=tuple(first_rows),
         K=K,
     )
 
@@ -144,69 +147,71 @@ def forced_accept(
     return torch.where(pos == a.unsqueeze(1), final.unsqueeze(1), out)
 
 
-class RejectionSampler:
-    def __init__(self, sampler: Sampler, *, forced_acceptance: Callable[[int], int] | None = None):
-        self.sampler = sampler
-        self.forced_acceptance = forced_acceptance  # num drafts -> forced accepts, or None
+def verify_sample(
+    sampler: Sampler,
+    state,
+    logits: torch.Tensor,
+    st: SamplingTensors,
+    slots: torch.Tensor,
+    *,
+    first_row: int,
+    num_rows: int,
+    batch: VerifyBatch | None,
+    draft_probs: torch.Tensor | None,
+    generators: list[torch.Generator | None],
+) -> DeviceSamples:
+    """Sample a verify step's rows (``[first_row, first_row + num_rows)`` are the
+    speculating sequences' positions) and update the slots' device state. ``batch`` None:
+    the verification's inputs could not be built; those rows get ``PLACEHOLDER`` and the
+    plain rows are sampled as usual. ``state``: the runner's ``SlotState``."""
+    raw = logits[:, : sampler.vocab_size]
+    S, device = raw.shape[0], raw.device
+    lo, hi = first_row, first_row + num_rows
+    plain = torch.cat([torch.arange(lo, device=device), torch.arange(hi, S, device=device)])
+    # Seeded sequences draw from their own generators: plain rows per row, a verifying
+    # sequence once per round (its recovered or bonus token's noise, below).
+    gens = [(i, g) for i, g in st.generators if not lo <= i < hi]
+    if batch is not None:
+        gens += [(batch.first_rows_list[b], g) for b, g in enumerate(generators) if g is not None]
+        if st.counts is not None and batch.count_rows is not None:
+            w = torch.ones(batch.count_rows.shape[0], dtype=st.counts.dtype, device=device)
+            st.counts = st.counts.index_put((batch.count_rows, batch.count_cols), w, accumulate=True)
+    st.generators = gens
+    processed = sampler.process(raw, st)
+    probs = None if st.all_greedy else sampler.probs(processed, st)
+    noise = None if probs is None else sampler.noise(probs, st)
+    tokens = sampler.pick(processed, st, probs, noise)
+    if batch is None:
+        tokens[lo:hi] = PLACEHOLDER
+        state.record(slots[plain], tokens[plain])
+        return DeviceSamples(tokens, sampler.logprobs(raw, tokens.clamp(min=0), st))
 
-    @torch.no_grad()
-    def __call__(
-        self,
-        logits: torch.Tensor,
-        batch: VerifyBatch,
-        generators: list[torch.Generator | None],
-        draft_probs: torch.Tensor | None,
-    ) -> list[Verified]:
-        """``logits``: ``[sum(k_i + 1), vocab]`` fp32, laid out as ``batch``; ``draft_probs``:
-        ``[B, K', V]`` (``K' >= K``) over the target vocabulary, or None (one-hot drafts)."""
-        B, K = len(batch.row_start), batch.K
-        if B == 0:
-            return []
-        device = logits.device
-        raw = logits[:, : self.sampler.vocab_size]
-        processed = self.sampler.process(raw, batch.sampling)
-        target_argmax = processed.argmax(dim=-1)[batch.position_rows]  # [B, K + 1]
-        V = raw.shape[1]
-        target_probs = None
-        if not all(batch.greedy_list):
-            flat = torch.zeros_like(processed)
-            sampled_rows = [i for i, p in enumerate(batch.sampling.params) if not p.greedy]
-            idx = torch.tensor(sampled_rows, device=device)
-            flat[idx] = self.sampler.probs(processed[idx], [batch.sampling.params[i] for i in sampled_rows])
-            target_probs = flat[batch.position_rows]  # [B, K + 1, V]
-        q = None if draft_probs is None or target_probs is None else draft_probs[:, :K].float()
-        # A seeded row draws exactly its own drafts' uniforms (not the batch's K): what it
-        # consumes from its generator must not depend on what it is batched with.
+    B, K = batch.draft_ids.shape
+    pr = batch.position_rows
+    target_argmax = (tokens if st.all_greedy else processed.argmax(dim=-1))[pr]
+    target_probs = None if probs is None else probs[pr]
+    exp_noise = noise.index_select(0, batch.first_rows) if noise is not None else torch.ones((B, 1), device=device)
+    if batch.forced_accepts is not None:
+        out = forced_accept(batch.draft_ids, batch.forced_accepts, target_probs, target_argmax, batch.is_greedy, exp_noise)
+    else:
+        # A seeded sequence draws exactly its own drafts' uniforms (not the batch's K):
+        # what it consumes from its generator must not depend on what it is batched with.
         uniform = torch.zeros((B, K), device=device)
         unseeded = [b for b, g in enumerate(generators) if g is None]
-        if unseeded and K:
+        if unseeded and target_probs is not None:
             uniform[unseeded] = torch.rand((len(unseeded), K), device=device)
         for b, g in enumerate(generators):
             n = batch.num_drafts_list[b]
             if g is not None and n:
                 uniform[b, :n] = torch.rand(n, generator=g, device=device)
-        noise = exponential_noise(generators, V, device)
-
-        if self.forced_acceptance is not None:
-            accepts = torch.tensor([self.forced_acceptance(n) for n in batch.num_drafts_list], device=device)
-            out = forced_accept(batch.draft_ids, accepts, target_probs, target_argmax, batch.is_greedy, noise)
-        else:
-            kernel = rejection_kernel(device.type)
-            out = kernel(batch.draft_ids, batch.num_drafts, q, target_probs, target_argmax, batch.is_greedy, uniform, noise)
-        emitted = [[t for t in row if t != PLACEHOLDER] for row in out.tolist()]  # the host sync
-        return [
-            Verified(tokens, self._logprobs(raw, batch, b, tokens), batch.num_drafts_list[b])
-            for b, tokens in enumerate(emitted)
-        ]
-
-    def _logprobs(self, raw: torch.Tensor, batch: VerifyBatch, b: int, tokens: list[int]) -> list[TokenLogprob | None]:
-        """Raw-distribution logprobs of the emitted tokens at their own positions."""
-        params = batch.sampling.params[batch.row_start[b]]
-        k = params.logprobs
-        if k is None:
-            return [None] * len(tokens)
-        start = batch.row_start[b]
-        lp = torch.log_softmax(raw[start : start + len(tokens)], dim=-1)
-        chosen = lp.gather(1, torch.tensor(tokens, device=lp.device).unsqueeze(1)).squeeze(1).tolist()
-        top_vals, top_ids = lp.topk(k, dim=-1) if k > 0 else (lp[:, :0], lp[:, :0].long())
-        return [TokenLogprob(t, c, ids, vals) for t, c, ids, vals in zip(tokens, chosen, top_ids.tolist(), top_vals.tolist())]
+        q = None if draft_probs is None or target_probs is None else draft_probs[:, :K].float()
+        out = rejection_kernel(device.type)(batch.draft_ids, batch.num_drafts, q, target_probs, target_argmax, batch.is_greedy, uniform, exp_noise)
+    tokens[lo:hi] = out.reshape(-1).index_select(0, batch.emitted_index)
+    # Device state: plain rows as a plain step; a verifying sequence's last emitted token
+    # is its next input id, and every emitted token counts for its penalties.
+    state.record(slots[plain], tokens[plain])
+    last = out.gather(1, ((out != PLACEHOLDER).sum(dim=1, keepdim=True) - 1)).squeeze(1)
+    state.last_sampled.index_copy_(0, slots.index_select(0, batch.first_rows), last)
+    emitted = tokens[lo:hi]
+    state.count(slots[lo:hi], emitted.clamp(min=0), (emitted != PLACEHOLDER).to(torch.float32))
+    return DeviceSamples(tokens, sampler.logprobs(raw, tokens.clamp(min=0), st))

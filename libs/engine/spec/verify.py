@@ -1,30 +1,36 @@
-"""The speculative step, as the engine's step loop sees it (kept in this one module so that
-it ports to a restructured step loop unchanged).
+"""The speculative step, as the engine's step loop runs it (libs/engine/engine.py).
 
-Per step, after the scheduler has chosen the batch:
+Speculation needs synchronous scheduling: a verify step's emitted tokens (1 to ``k + 1``
+per sequence) decide the next step's positions and block tables, so the next step cannot
+be laid out before they are read back. ``EngineConfig.resolve_async_scheduling`` turns
+``auto`` off and refuses ``on`` when a speculative config is given.
 
-1. ``propose``: every decoding sequence that may speculate (adaptive switch, room left in
-   ``max_tokens``, the context and the step's token budget) gets slots for ``k`` more
-   tokens, and the proposer drafts up to ``k`` tokens for it. Sequences with no drafts
-   give their extra slots back at once. The step's batch is reordered to plain decodes,
-   then verifying sequences, then prefill chunks: a verifying sequence is a ``k + 1``-token
-   chunk (its last token and its drafts) with logits at every position, which the
-   attention backends run as a chunked prefill over the paged context. So the target
-   scores every speculating sequence in the same forward as everything else.
-2. ``prepare`` / ``collect``: the rejection sampler's per-position inputs are built from an
-   immutable snapshot, on the AsyncRunner's thread while the device runs the forward when
-   async prepare is on (its exception reaches ``collect``, and fails the speculating
-   requests of that step, nothing else).
-3. ``sample``: plain rows go through the engine's sampler, verifying rows through the
-   rejection sampler; each sequence gets its list of emitted tokens.
+Per step, after the scheduler has chosen the batch and the persistent batch holds it:
+
+1. ``propose``: every decoding row of the step that may speculate (adaptive switch, room
+   left before its length limit, the step's token budget; not a structured-output row)
+   gets slots for ``k`` more tokens (``BlockManager.allocate_slots``, never preempting
+   anything), and the proposer drafts up to ``k`` tokens for it. Sequences with fewer
+   drafts give the extra slots back at once (``BlockManager.trim``). A proposer's exception
+   fails the requests it concerns (the whole call's for a batched one) and nothing else.
+2. The engine lays the step out with each speculating sequence as a *verify chunk*
+   (libs/engine/step_inputs.py): its last token and its drafts, fed as a prefill-shaped
+   chunk over its paged context, with a sample row at every position, after the plain
+   decode rows and before the prompt chunks. So the target scores every speculating
+   sequence in the same forward as everything else, and a verify step replays the prefill
+   CUDA graphs like any step with chunks.
+3. ``Verification`` rides on the step to the device queue: its inputs
+   (``build_verify_batch``) are built on the AsyncRunner's thread while the forward runs
+   when async prepare is on, from immutable rows (nothing shared with the engine thread),
+   and collected before sampling; an exception there reaches the collector and fails the
+   speculating requests of that step only (the plain rows are sampled as usual). Then
+   libs/engine/spec/rejection.py samples every row.
 4. ``settle`` (after the engine appended the emitted tokens, cutting at the first stop):
    the sequence's computed tokens are its last token plus the accepted drafts; blocks
-   holding nothing but rejected positions are released (``BlockManager.trim``); only
+   holding nothing but rejected positions are released (``BlockManager.trim``), and only
    then are its full blocks committed to the prefix cache, so a cached block is made of
-   accepted tokens only. Metrics and the adaptive switch see the sampler's result.
-
-A proposer's exception fails the requests it concerns (the whole proposer batch for a
-batched one) before anything runs; the step goes on with the rest.
+   accepted tokens only. The scheduler re-files the sequence by its new position (its
+   next block boundary moved). Metrics and the adaptive switch see the sampler's result.
 """
 
 from __future__ import annotations
@@ -36,18 +42,16 @@ import torch
 
 from libs.engine.async_runner import AsyncRunner
 from libs.engine.block_manager import BlockManager
-from libs.engine.inputs import StepPlan
-from libs.engine.scheduler import SchedulerOutput
-from libs.engine.sequence import Sequence, TokenLogprob
+from libs.engine.sampler import DeviceSamples, Sampler, SamplingTensors
+from libs.engine.sequence import Sequence
 from libs.engine.spec.adaptive import AdaptiveSpeculation
 from libs.engine.spec.config import SpeculativeConfig
 from libs.engine.spec.metrics import SpecDecodeMetrics
 from libs.engine.spec.proposer import DraftRequest, Proposer
-from libs.engine.spec.rejection import RejectionSampler, VerifyBatch, VerifyRow, Verified, build_verify_batch
+from libs.engine.spec import rejection
+from libs.engine.spec.rejection import VerifyBatch, VerifyRow
 
 log = logging.getLogger(__name__)
-
-Emitted = list[tuple[int, "TokenLogprob | None"]]
 
 
 class SpecPrepareError(RuntimeError):
@@ -56,25 +60,42 @@ class SpecPrepareError(RuntimeError):
 
 @dataclass
 class SpecStep:
-    """What one step speculates: drafts by seq id (verify order), and what failed."""
+    """What one step speculates: the verifying sequences (in verify order) and their drafts."""
 
-    drafts: dict[int, list[int]] = field(default_factory=dict)
-    seqs: list[Sequence] = field(default_factory=list)  # verifying sequences, in batch order
-    rows: tuple[VerifyRow, ...] = ()
-    draft_probs: torch.Tensor | None = None  # [B, K, V] rows in ``seqs`` order
+    seqs: list[Sequence] = field(default_factory=list)
+    drafts: list[list[int]] = field(default_factory=list)
+    draft_probs: torch.Tensor | None = None  # [B, K, V] over the target vocabulary, rows in ``seqs`` order
     failed: list[tuple[str, BaseException]] = field(default_factory=list)  # (request id, error)
-    verified: dict[int, Verified] = field(default_factory=dict)
-    base_computed: dict[int, int] = field(default_factory=dict)  # num_computed before the step
-    prepared: VerifyBatch | None = None
-    pending: bool = False  # a prepare task runs on the AsyncRunner
 
-    @property
-    def verifying(self) -> bool:
-        return bool(self.seqs)
 
-    def take_failed(self) -> list[tuple[str, BaseException]]:
-        failed, self.failed = self.failed, []
-        return failed
+@dataclass
+class Verification:
+    """The device side of one verify step (``Step.spec``): what ``ModelRunner.execute`` calls
+    to sample the step. Immutable once submitted, except for collecting its prepared inputs."""
+
+    first_row: int
+    num_rows: int
+    draft_probs: torch.Tensor | None
+    generators: list[torch.Generator | None]
+    prepare: AsyncRunner | None  # builds ``batch`` on its thread, or None (built inline)
+    batch: VerifyBatch | None = None
+    error: BaseException | None = None
+
+    def sample(self, sampler: Sampler, state, logits: torch.Tensor, st: SamplingTensors, slots: torch.Tensor) -> tuple[DeviceSamples, BaseException | None]:
+        if self.prepare is not None:
+            try:
+                self.batch = self.prepare.sync()  # re-raises the task's exception here
+            except Exception as e:  # noqa: BLE001 - those requests fail, the step goes on
+                self.error = e
+        if self.error is not None:
+            log.error("building verification inputs failed: %s", self.error, exc_info=self.error)
+            self.batch = None
+        samples = rejection.verify_sample(
+            sampler, state, logits, st, slots, first_row=self.first_row, num_rows=self.num_rows,
+            batch=self.batch, draft_probs=self.draft_probs, generators=self.generators,
+        )
+        err = None if self.error is None else SpecPrepareError(f"speculative verification failed: {type(self.error).__name__}: {self.error}")
+        return samples, err
 
 
 class SpecDecoder:
@@ -82,19 +103,14 @@ class SpecDecoder:
         self,
         config: SpeculativeConfig,
         proposer: Proposer,
-        rejection: RejectionSampler,
         block_manager: BlockManager,
         *,
-        max_model_len: int,
-        max_num_batched_tokens: int,
         device: torch.device,
+        async_prepare: bool,
     ):
         self.config = config
         self.proposer = proposer
-        self.rejection = rejection
         self.bm = block_manager
-        self.max_model_len = max_model_len
-        self.max_num_batched_tokens = max_num_batched_tokens
         self.device = device
         self.metrics = SpecDecodeMetrics(config.k)
         self.adaptive = AdaptiveSpeculation(
@@ -102,33 +118,25 @@ class SpecDecoder:
             min_acceptance_length=config.min_acceptance_length,
             reprobe_interval=config.reprobe_interval,
         )
+        self.prepare_runner = AsyncRunner("spec-prepare") if async_prepare else None
         self.num_proposer_errors = 0
         self.num_prepare_errors = 0
 
     # -- 1. propose ---------------------------------------------------------------------------
 
     def max_drafts(self, seq: Sequence) -> int:
-        """Drafts ``seq`` may verify: the emitted burst (drafts + 1) must fit ``max_tokens``
-        and the context, so no burst ever overshoots either."""
-        k = self.config.k
-        p = seq.params
-        if p.max_tokens is not None:
-            k = min(k, p.max_tokens - seq.num_output_tokens - 1)
-        return min(k, self.max_model_len - seq.num_tokens - 1)
+        """Drafts ``seq`` may verify: the emitted burst (drafts + 1) must fit its length
+        limit (``max_tokens`` and the context), so no burst ever overshoots either."""
+        return min(self.config.k, seq.max_len - seq.num_tokens - 1)
 
-    def propose(self, out: SchedulerOutput) -> SpecStep:
+    def propose(self, candidates: list[Sequence], budget: int) -> SpecStep:
+        """Drafts for those of ``candidates`` (decoding rows of this step) that speculate,
+        within ``budget`` extra tokens."""
         step = SpecStep()
-        for seq in out.preempted:  # their blocks are gone: so is any draft KV
-            self.proposer.forget(seq.seq_id)
-            self.adaptive.forget(seq.seq_id)
-        budget = self.max_num_batched_tokens - out.num_batched_tokens
         requests: list[DraftRequest] = []
-        for s in out.scheduled[: out.num_decodes]:
-            seq = s.seq
+        for seq in candidates:
             if budget <= 0:
                 break
-            if s.num_tokens != 1 or s.num_samples != 1 or seq.pending_forks:
-                continue
             k = min(self.max_drafts(seq), budget)
             if k < 1 or not self.adaptive.should_speculate(seq.seq_id):
                 continue
@@ -145,9 +153,8 @@ class SpecDecoder:
             log.exception("%s proposer failed for %d sequences", self.proposer.name, len(requests))
             self.num_proposer_errors += 1
             for r in requests:
-                self._release(r.seq)
+                self.release(r.seq)
                 step.failed.append((r.seq.request_id, e))
-            _drop(out, {rid for rid, _ in step.failed})
             return step
         verifying: list[int] = []
         for i, (r, d) in enumerate(zip(requests, drafts.token_ids)):
@@ -158,37 +165,17 @@ class SpecDecoder:
                 step.failed.append((r.seq.request_id, err))
             d = list(d[: r.max_drafts])
             if err is not None or not d:
-                self._release(r.seq)
+                self.release(r.seq)
                 continue
             if len(d) < r.max_drafts:
                 self.bm.trim(r.seq, r.seq.num_computed_tokens + 1 + len(d))
-            step.drafts[r.seq.seq_id] = d
             verifying.append(i)
-        failed_ids = {rid for rid, _ in step.failed}
-        if failed_ids:
-            _drop(out, failed_ids)
-            for i in list(verifying):
-                if requests[i].seq.request_id in failed_ids:  # a sibling failed: its blocks go
-                    step.drafts.pop(requests[i].seq.seq_id, None)
-                    verifying.remove(i)
-        if not verifying:
-            return step
-        # Decode part: plain decodes first, then the verifying ones (prefill-shaped chunks).
-        spec_ids = set(step.drafts)
-        decodes = out.scheduled[: out.num_decodes]
-        plain = [s for s in decodes if s.seq.seq_id not in spec_ids]
-        spec = [s for s in decodes if s.seq.seq_id in spec_ids]
-        for s in spec:
-            s.num_tokens = 1 + len(step.drafts[s.seq.seq_id])
-        out.scheduled = plain + spec + out.scheduled[out.num_decodes :]
-        out.num_decodes = len(plain)
-        step.seqs = [s.seq for s in spec]
-        step.base_computed = {s.seq_id: s.num_computed_tokens for s in step.seqs}
-        order = {requests[i].seq.seq_id: i for i in verifying}
-        if drafts.probs is not None:
-            idx = torch.tensor([order[s.seq_id] for s in step.seqs], device=drafts.probs.device)
-            step.draft_probs = drafts.probs[idx]
-        step.rows = tuple(_row(s, step.drafts[s.seq_id]) for s in step.seqs)
+        failed = {rid for rid, _ in step.failed}
+        verifying = [i for i in verifying if requests[i].seq.request_id not in failed]  # a sibling failed
+        step.seqs = [requests[i].seq for i in verifying]
+        step.drafts = [list(drafts.token_ids[i][: requests[i].max_drafts]) for i in verifying]
+        if drafts.probs is not None and verifying:
+            step.draft_probs = drafts.probs[torch.tensor(verifying, device=drafts.probs.device)]
         return step
 
     def _reserve(self, seq: Sequence, k: int) -> int:
@@ -202,124 +189,60 @@ class SpecDecoder:
             k -= 1
         return 0
 
-    def _release(self, seq: Sequence) -> None:
+    def release(self, seq: Sequence) -> None:
         """Give back the draft slots of a sequence that will not verify this step."""
         self.bm.trim(seq, seq.num_computed_tokens + 1)
 
-    # -- 2. prepare -----------------------------------------------------------------------------
+    # -- 2, 3. the verification on the device -----------------------------------------------------
 
-    def prepare(self, step: SpecStep, runner: AsyncRunner | None) -> None:
-        """Start building the verification inputs (on ``runner``'s thread if given)."""
-        if not step.verifying:
-            return
-        if runner is not None:
-            runner.submit(build_verify_batch, step.rows, self.device)
-            step.pending = True
-            return
-        try:
-            step.prepared = build_verify_batch(step.rows, self.device)
-        except Exception as e:  # noqa: BLE001 - handled as the threaded one is
-            self._prepare_failed(step, e)
-
-    def collect(self, step: SpecStep, runner: AsyncRunner | None) -> None:
-        if step.pending:
-            step.pending = False
+    def verification(self, step: SpecStep, first_row: int) -> Verification:
+        """The device side of ``step``, whose positions are the sample rows from
+        ``first_row`` on; its inputs start building now (on the prepare thread if on)."""
+        forced = self.config.forced_accepts if self.config.forced_acceptance is not None else None
+        rows = tuple(
+            VerifyRow(tuple(d), s.params.greedy, s.params.has_penalties, None if forced is None else forced(len(d)))
+            for s, d in zip(step.seqs, step.drafts)
+        )
+        v = Verification(first_row, sum(len(d) + 1 for d in step.drafts), step.draft_probs, [s.generator for s in step.seqs], self.prepare_runner)
+        if self.prepare_runner is not None:
+            self.prepare_runner.submit(rejection.build_verify_batch, rows, first_row, self.device)
+        else:
             try:
-                step.prepared = runner.sync()  # re-raises the task's exception here
-            except Exception as e:  # noqa: BLE001
-                self._prepare_failed(step, e)
+                v.batch = rejection.build_verify_batch(rows, first_row, self.device)
+            except Exception as e:  # noqa: BLE001 - handled as the threaded one is
+                v.error = e
+        return v
 
-    def _prepare_failed(self, step: SpecStep, error: Exception) -> None:
-        log.error("building verification inputs failed: %s", error, exc_info=error)
-        self.num_prepare_errors += 1
-        err = SpecPrepareError(f"speculative verification failed: {type(error).__name__}: {error}")
-        step.failed.extend((s.request_id, err) for s in step.seqs)
-
-    # -- 3. sample ------------------------------------------------------------------------------
-
-    def sample(self, step: SpecStep, logits: torch.Tensor, plan: StepPlan, sample_seqs: list[Sequence], sample_plain) -> list[Emitted | None]:
-        """Per sampled sequence (``sample_seqs``, the plan's order): the tokens it emits, or
-        None when its request failed. ``sample_plain(logits, seqs)`` is the engine's sampler."""
-        plain_rows: list[int] = []
-        plain_seqs: list[Sequence] = []
-        spec_rows: list[int] = []
-        for sp, row, seq in zip(self._sampled_plans(plan), self.sample_rows(plan), sample_seqs):
-            if sp.verify:
-                assert seq.seq_id == sp.seq_id
-                spec_rows.extend(range(row, row + sp.num_tokens))
-            else:
-                plain_rows.append(row)
-                plain_seqs.append(seq)
-        emitted: dict[int, Emitted | None] = {}
-        if plain_seqs:
-            rows = torch.tensor(plain_rows, device=logits.device)
-            sampled = sample_plain(logits[rows], plain_seqs)
-            for seq, tok, lp in zip(plain_seqs, sampled.token_ids, sampled.logprobs):
-                emitted[id(seq)] = [(tok, lp)]
-        if step.prepared is not None:
-            rows = torch.tensor(spec_rows, device=logits.device)
-            verified = self.rejection(logits[rows], step.prepared, [s.generator for s in step.seqs], step.draft_probs)
-            for seq, v in zip(step.seqs, verified):
-                step.verified[seq.seq_id] = v
-                emitted[id(seq)] = list(zip(v.token_ids, v.logprobs))
-        for seq in step.seqs:
-            emitted.setdefault(id(seq), None)
-        return [emitted[id(s)] for s in sample_seqs]
-
-    @staticmethod
-    def _sampled_plans(plan: StepPlan) -> list:
-        """The plan entry of each sampled sequence (a parent's once per fork)."""
-        return [sp for sp in plan.seqs for _ in range(1 if sp.verify else sp.num_samples)]
-
-    @staticmethod
-    def sample_rows(plan: StepPlan) -> list[int]:
-        """The logits row of each sampled sequence (a verifying one's first row): a verifying
-        sequence has a row per fed token, the others one per sample."""
-        rows, row = [], 0
-        for sp in plan.seqs:
-            if sp.verify:
-                rows.append(row)
-                row += sp.num_tokens
-            else:
-                rows.extend(range(row, row + sp.num_samples))
-                row += sp.num_samples
-        return rows
+    def drain(self) -> None:
+        """A step failed before its verification was collected: drop the prepare task."""
+        while self.prepare_runner is not None and self.prepare_runner.pending:
+            try:
+                self.prepare_runner.sync()
+            except Exception:  # noqa: BLE001 - the step's own error is the one reported
+                pass
 
     # -- 4. settle ------------------------------------------------------------------------------
 
-    def settle(self, step: SpecStep, seq: Sequence) -> None:
-        """After the emitted tokens were appended: computed tokens, rejected slots, cache."""
-        v = step.verified.pop(seq.seq_id, None)
-        if v is None:
+    def settle(self, seq: Sequence, num_emitted: int, num_drafts: int, batch, scheduler) -> None:
+        """After ``seq``'s emitted tokens were appended (``num_emitted`` before any stop
+        cut): computed tokens, rejected slots, the prefix cache, the scheduler's wheel."""
+        accepted = num_emitted - 1
+        self.metrics.observe(num_drafts, accepted)
+        self.adaptive.observe(seq.seq_id, num_drafts, accepted)
+        if seq.batch is None:  # it stopped inside the burst: its blocks are gone already
             return
-        base = step.base_computed[seq.seq_id]
-        # The last token and the accepted drafts have KV; the token after them does not.
-        seq.num_computed_tokens = min(base + 1 + v.num_accepted, seq.num_tokens - 1)
+        # The last token and the accepted drafts have KV now; the token after them has not.
+        seq.num_computed_tokens += num_emitted
+        batch.num_tokens[seq.row] = seq.num_tokens
         self.bm.trim(seq, seq.num_computed_tokens)
+        batch.sync_blocks(seq)
         self.bm.commit(seq)
-        self.metrics.observe(v.num_drafts, v.num_accepted)
-        self.adaptive.observe(seq.seq_id, v.num_drafts, v.num_accepted)
+        scheduler.start_decoding(seq)
 
     def forget(self, seq: Sequence) -> None:
         self.proposer.forget(seq.seq_id)
         self.adaptive.forget(seq.seq_id)
 
-
-def _row(seq: Sequence, drafts: list[int]) -> VerifyRow:
-    p = seq.params
-    return VerifyRow(
-        params=p,
-        prompt_ids=tuple(seq.prompt_token_ids) if p.repetition_penalty != 1 else (),
-        output_ids=tuple(seq.output_token_ids) if p.has_penalties else (),
-        drafts=tuple(drafts),
-        num_output_tokens=seq.num_output_tokens,
-        min_tokens_ban=(*p.stop_token_ids, *(() if p.ignore_eos else seq.eos_token_ids)),
-    )
-
-
-def _drop(out: SchedulerOutput, request_ids: set[str]) -> None:
-    """Remove failed requests' sequences from the step (the engine aborts them)."""
-    decodes = [s for s in out.scheduled[: out.num_decodes] if s.seq.request_id not in request_ids]
-    rest = [s for s in out.scheduled[out.num_decodes :] if s.seq.request_id not in request_ids]
-    out.scheduled = decodes + rest
-    out.num_decodes = len(decodes)
+    def close(self) -> None:
+        if self.prepare_runner is not None:
+            self.prepare_runner.close()
