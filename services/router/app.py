@@ -156,8 +156,9 @@ def create_router_app(settings: RouterSettings, tokenizer: Tokenizer | None = No
     the model's own name, and instances may register under either."""
     if tokenizer is None or model_name is None:
         from libs.model.source import load_tokenizer, model_name as name_of, resolve_model_path
+        from libs.model.weight_cache import resolve_cache_dir
 
-        tokenizer = tokenizer or load_tokenizer(settings.model)
+        tokenizer = tokenizer or load_tokenizer(settings.model, resolve_cache_dir(settings.cache_dir))
         model_name = model_name or name_of(resolve_model_path(settings.model))
     served = settings.served_model_name or model_name
     metrics_registry = CollectorRegistry()

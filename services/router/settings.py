@@ -16,6 +16,11 @@ class RouterSettings(BaseSettings):
         help="tokenizer and chat template source: a .gguf file or Hugging Face folder (no weights "
         "are loaded); default: the embedded SmolLM2-135M-Instruct",
     )
+    cache_dir: str | None = setting(
+        "auto",
+        help="where a GGUF's metadata (the tokenizer) is cached for fast restarts; auto: "
+        "$XDG_CACHE_HOME/tidepool or ~/.cache/tidepool; none: off",
+    )
     served_model_name: str | None = setting(
         None, help="the model name clients send and /v1/models lists; default: the model's own name"
     )

@@ -24,6 +24,7 @@ from libs.kvpool.codec import BlockCodec
 from libs.kvpool.config import PoolConfig
 from libs.kvpool.redis_pool import RedisPool
 from libs.kvpool.writer import AsyncWriter
+from libs.model.weight_cache import resolve_cache_dir
 from libs.protocol import encode
 from libs.protocol.messages import Heartbeat, RegisterInstance
 from services.common import configure_torch_threads
@@ -108,6 +109,7 @@ class WorkerRuntime:
             moe_strategy=settings.moe_strategy,
             moe_fake_balance=settings.moe_fake_balance,
             quantization=settings.quantization,
+            weight_cache_dir=str(cache) if (cache := resolve_cache_dir(settings.cache_dir)) else None,
             num_threads=settings.threads,
             swap_buffers=settings.swap_buffers,
             swap_max_blocks=settings.swap_max_blocks,

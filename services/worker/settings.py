@@ -25,6 +25,11 @@ class WorkerSettings(BaseSettings):
     max_num_batched_tokens: int | None = setting(None, help="tokens per step at most (chunked prefill); default 1024 CPU / 8192 CUDA")
     enable_prefix_caching: bool = setting(True, help="reuse KV blocks of identical prefixes inside this instance")
     attention_backend: Literal["auto", "torch", "triton"] = setting("auto", help="attention kernels")
+    cache_dir: str | None = setting(
+        "auto",
+        help="where a GGUF's converted weights are cached and memory-mapped on the next start "
+        "(a warm start skips conversion); auto: $XDG_CACHE_HOME/tidepool or ~/.cache/tidepool; none: off",
+    )
     quantized_weights: bool = setting(False, help="CPU + GGUF: decode with the file's 4-bit weights (approximate, ~2x faster decode)")
     moe_strategy: Literal[STRATEGIES] = setting("auto", help="MoE models: how experts run (libs/model/moe/strategy.py)")
     moe_fake_balance: bool = setting(False, help="MoE models: FakeBalanceExpert routing, for load benchmarks only (changes the output)")
