@@ -61,7 +61,9 @@ class RouterSettings(BaseSettings):
         2, help="times a broken decode stream is resumed on another (or a re-registered) instance"
     )
     retry_wait_s: float = setting(
-        5.0, help="how long a resumed stream waits for a usable decode instance to (re)appear"
+        30.0,
+        help="how long a request waits for a usable decode instance to (re)appear: long enough for a "
+        "supervisor to restart a crashed one (a resumed stream continues on it)",
     )
 
     def __post_init__(self) -> None:
