@@ -40,6 +40,7 @@ class ClusterConfig:
     threads: int | None = None  # per model process; default: the cores split between them
     redis_url: str | None = None  # an existing Redis; default: start one
     redis_cluster: int = 0  # start a local Redis Cluster of this many nodes instead of one Redis
+    redis_port: int | None = None  # the port of the Redis started here; default: a free one
     pool_url: str | None = None  # where services reach Redis (e.g. a proxy in front of it); default: Redis itself
     pool_gb: float = 1.0  # Redis maxmemory; cache_store's budget is 80% of it
     api_key: str | None = None  # the router requires it when set
@@ -113,7 +114,7 @@ class LocalCluster:
 
     def start_redis(self) -> None:
         """Start (or, with the same port, start again) the pool's Redis."""
-        self._redis_port = self._redis_port or free_port()
+        self._redis_port = self._redis_port or self.config.redis_port or free_port()
         if self.redis is None:
             self.redis = redis_child(
                 "redis", self._redis_port, maxmemory_bytes=int(self.config.pool_gb * 2**30),
