@@ -65,12 +65,12 @@ def default_cache_dir() -> Path:
 
 
 def resolve_cache_dir(setting: str | None) -> Path | None:
-    """A ``cache_dir`` setting as a path: ``None``/``"auto"`` is the default directory,
-    ``"none"``/``"off"``/``""`` turns the cache off."""
-    if setting is None or setting == "auto":
-        return default_cache_dir()
-    if setting.strip().lower() in ("", "none", "off"):
+    """A ``cache_dir`` setting as a path: ``"auto"`` is the default directory; ``None``
+    (what the settings parser makes of ``none``), ``"off"`` or ``""`` turns the cache off."""
+    if setting is None or setting.strip().lower() in ("", "none", "off"):
         return None
+    if setting == "auto":
+        return default_cache_dir()
     return Path(setting).expanduser()
 
 

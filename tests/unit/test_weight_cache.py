@@ -113,9 +113,14 @@ def test_the_key_follows_the_conversion_code(tmp_path, monkeypatch):
 def test_cache_dir_setting(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert resolve_cache_dir("auto") == tmp_path / "tidepool"
-    assert resolve_cache_dir(None) == tmp_path / "tidepool"
-    assert resolve_cache_dir("none") is None and resolve_cache_dir("") is None
-    assert resolve_cache_dir("/x/y") is not None and str(resolve_cache_dir("/x/y")) == "/x/y"
+    assert resolve_cache_dir(None) is None  # what --cache-dir none parses to
+    assert resolve_cache_dir("none") is None and resolve_cache_dir("") is None and resolve_cache_dir("off") is None
+    assert str(resolve_cache_dir("/x/y")) == "/x/y"
+    from services.common import parse_settings
+    from services.worker.settings import WorkerSettings
+
+    assert parse_settings(WorkerSettings, argv=[], env={}).cache_dir == "auto"
+    assert resolve_cache_dir(parse_settings(WorkerSettings, argv=["--cache-dir", "none"], env={}).cache_dir) is None
 
 
 def test_an_unwritable_cache_costs_speed_not_the_load(tmp_path):
