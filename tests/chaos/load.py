@@ -9,7 +9,8 @@ with exactly ``max_tokens`` tokens and a finish reason. An outcome is one of:
 - failed: anything else, a 5xx, an error event, a stream that ended short, a hang past
   ``timeout_s``, a dropped connection. With ``retry_connection_errors`` (only the row that
   kills the router, the client's own endpoint) a request whose connection failed is sent
-  again, as a client would, and counted in ``client_retries``; it fails after 5 tries.
+  again, as a client would (backing off 0.25 s doubling to 4 s), and counted in
+  ``client_retries``; it fails after ``_TRIES`` tries (about 30 s).
 
 The load runs on its own thread and event loop, so a row injects its faults with plain
 blocking calls meanwhile.
@@ -26,6 +27,9 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from bench.loadgen import HttpStatusError, HttpTarget, Request, StreamError, sse_chunks, workload
+
+
+_TRIES = 10
 
 
 @dataclass
@@ -107,7 +111,7 @@ class SteadyLoad:
         s = self.stats
         s.sent += 1
         t0 = time.monotonic()
-        for attempt in range(5):
+        for attempt in range(_TRIES):
             try:
                 res = await asyncio.wait_for(target.send(req), self.timeout_s)
             except HttpStatusError as e:
@@ -121,9 +125,9 @@ class SteadyLoad:
             except asyncio.TimeoutError:
                 return self._fail("timeout")
             except aiohttp.ClientError as e:
-                if self.retry_connection_errors and attempt < 4:
+                if self.retry_connection_errors and attempt < _TRIES - 1:
                     s.client_retries += 1
-                    await asyncio.sleep(0.5)
+                    await asyncio.sleep(min(4.0, 0.25 * 2**attempt))
                     continue
                 return self._fail(f"connection:{type(e).__name__}")
             if res.output_tokens != req.max_tokens or res.finish_reason != "length":
