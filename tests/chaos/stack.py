@@ -77,7 +77,7 @@ class Leaks:
 
 
 class ChaosStack:
-    def __init__(self, log_dir: Path, *, lease_ttl_s: float = 10.0, num_blocks: int = 1024) -> None:
+    def __init__(self, log_dir: Path, *, lease_ttl_s: float = 10.0, num_blocks: int = 512) -> None:
         self.redis_port = free_port()
         self.proxy = LatencyProxy(self.redis_port)
         self.lease_ttl_s = lease_ttl_s
