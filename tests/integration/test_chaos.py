@@ -3,6 +3,8 @@ stack, SIGKILL one process of each kind (Redis, cache_store, router, prefill, de
 launcher's supervisor brings each back; no request fails, nothing leaks, and the stack is
 fully healthy again (tests/chaos/matrix.py has the pass bar)."""
 
+import time
+
 import pytest
 
 from tests.chaos.faults import REDUCED
@@ -19,8 +21,6 @@ def test_reduced_chaos_matrix(tmp_path):
 
 
 def test_latency_proxy_adds_its_delay_per_round_trip_and_passes_outages_through(redis_factory):
-    import time
-
     import redis
 
     from tests.chaos.proxy import LatencyProxy
@@ -53,3 +53,28 @@ def test_latency_proxy_adds_its_delay_per_round_trip_and_passes_outages_through(
         assert client.ping()  # the client reconnects through the proxy
     finally:
         proxy.stop()
+
+
+def test_a_killed_redis_cluster_node_is_restarted_and_rejoins(tmp_path):
+    """Supervision covers ``--redis-cluster N`` too: a node is ready once it answers PING,
+    and it rejoins the cluster from its nodes.conf with its slots."""
+    from services.launch.redis_cluster import LocalRedisCluster
+    from services.launch.supervisor import RestartPolicy, Supervisor
+
+    supervisor = Supervisor(RestartPolicy(initial_backoff_s=0.1, ready_timeout_s=20, poll_s=0.05))
+    with LocalRedisCluster(3, maxmemory=64 << 20, log_dir=tmp_path) as cluster:
+        for node in cluster.nodes:
+            supervisor.watch(node)
+        supervisor.start()
+        try:
+            victim = cluster.nodes[1]
+            first = victim.pid
+            cluster.kill(1)
+            deadline = time.monotonic() + 30
+            while supervisor.restarts(victim.name) < 1:
+                assert time.monotonic() < deadline, "the node was not restarted"
+                time.sleep(0.05)
+            assert victim.running and victim.pid != first
+            cluster.wait_ok(30)  # every node sees cluster_state:ok again
+        finally:
+            supervisor.stop()
