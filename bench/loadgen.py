@@ -33,11 +33,24 @@ class Request:
     max_tokens: int
 
 
+class HttpStatusError(RuntimeError):
+    """The server answered with an error status (a 429 is load shedding, not a failure)."""
+
+    def __init__(self, status: int, body: str) -> None:
+        super().__init__(f"HTTP {status}: {body[:300]}")
+        self.status = status
+
+
+class StreamError(RuntimeError):
+    """The stream carried an error event, or ended without its final chunk."""
+
+
 @dataclass
 class Result:
     ttft_s: float
     token_times: list[float] = field(default_factory=list)  # arrival of each token (s since send)
     output_tokens: int = 0
+    finish_reason: str | None = None
 
     @property
     def tpot_s(self) -> float | None:
@@ -95,15 +108,22 @@ class HttpTarget:
         res = Result(ttft_s=float("nan"))
         async with self.session.post(self.url + "/v1/completions", json=body) as r:
             if r.status != 200:
-                raise RuntimeError(f"HTTP {r.status}: {await r.text()}")
+                raise HttpStatusError(r.status, await r.text())
             async for chunk in sse_chunks(r):
+                if "error" in chunk:
+                    raise StreamError(f"error event: {chunk['error']}")
                 if chunk.get("usage"):
                     res.output_tokens = chunk["usage"]["completion_tokens"]
-                if chunk.get("choices") and chunk["choices"][0].get("text"):
-                    now = time.perf_counter() - t0
-                    if not res.token_times:
-                        res.ttft_s = now
-                    res.token_times.append(now)
+                if chunk.get("choices"):
+                    choice = chunk["choices"][0]
+                    res.finish_reason = choice.get("finish_reason") or res.finish_reason
+                    if choice.get("text"):
+                        now = time.perf_counter() - t0
+                        if not res.token_times:
+                            res.ttft_s = now
+                        res.token_times.append(now)
+        if res.finish_reason is None:
+            raise StreamError("the stream ended without a finish reason")
         # A text chunk can carry several tokens: the count comes from the usage chunk.
         return res
 

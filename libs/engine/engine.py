@@ -11,6 +11,7 @@ and single-threaded by design (services drive it from a worker thread, see
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Sequence as Seq
 
 import torch
@@ -46,6 +47,7 @@ class LLMEngine:
                 config.model, dtype=dtype, device=device, backend=make_backend(config.attention_backend, device),
                 quantized_weights=config.quantized_weights, quantization=config.quantization,
                 moe=MoEOptions(strategy=config.moe_strategy, fake_balance=config.moe_fake_balance),
+                cache_dir=Path(config.weight_cache_dir) if config.weight_cache_dir else None,
             )
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer

@@ -61,10 +61,12 @@ async def _prefill(rt: WorkerRuntime, msg: PrefillRequest, params, t0: float, gr
     lease_id = None
     pool_run = 0
     try:
-        lease_id = await rt.pool.create_lease(rt.namespace, keys, msg.lease_ttl_s)
-        pool_run = await rt.pool.exists_prefix(rt.namespace, full)
+        if rt.pool_health.usable:  # known down: compute everything without waiting for it
+            lease_id = await rt.pool.create_lease(rt.namespace, keys, msg.lease_ttl_s)
+            pool_run = await rt.pool.exists_prefix(rt.namespace, full)
     except (PoolError, OSError) as e:
         log.info("pool unavailable for %s (%s): computing everything", msg.request_id, e)
+        rt.pool_health.report_failure(e)
     local = rt.cached_prefix_blocks(prompt)
     load = LoadResult(None)
     if pool_run > local:

@@ -16,6 +16,11 @@ class RouterSettings(BaseSettings):
         help="tokenizer and chat template source: a .gguf file or Hugging Face folder (no weights "
         "are loaded); default: the embedded SmolLM2-135M-Instruct",
     )
+    cache_dir: str | None = setting(
+        "auto",
+        help="where a GGUF's metadata (the tokenizer) is cached for fast restarts; auto: "
+        "$XDG_CACHE_HOME/tidepool or ~/.cache/tidepool; none: off",
+    )
     served_model_name: str | None = setting(
         None, help="the model name clients send and /v1/models lists; default: the model's own name"
     )
@@ -56,7 +61,9 @@ class RouterSettings(BaseSettings):
         2, help="times a broken decode stream is resumed on another (or a re-registered) instance"
     )
     retry_wait_s: float = setting(
-        5.0, help="how long a resumed stream waits for a usable decode instance to (re)appear"
+        30.0,
+        help="how long a request waits for a usable decode instance to (re)appear: long enough for a "
+        "supervisor to restart a crashed one (a resumed stream continues on it)",
     )
 
     def __post_init__(self) -> None:

@@ -24,9 +24,11 @@ from libs.kvpool.codec import BlockCodec
 from libs.kvpool.config import PoolConfig
 from libs.kvpool.redis_pool import RedisPool
 from libs.kvpool.writer import AsyncWriter
+from libs.model.weight_cache import resolve_cache_dir
 from libs.protocol import encode
 from libs.protocol.messages import Heartbeat, RegisterInstance
 from services.common import configure_torch_threads
+from services.worker.pool_health import PoolHealth
 from services.worker.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
@@ -65,6 +67,12 @@ class WorkerMetrics:
             Gauge(name, help_, registry=registry).set_function(snap(attr))
         Gauge("tidepool_kv_blocks_used", "KV cache blocks in use", registry=registry).set_function(
             lambda: runtime.engine.snapshot.total_blocks - runtime.engine.snapshot.free_blocks
+        )
+        Gauge("tidepool_pool_up", "1 while the pool's Redis answers, 0 while it is known to be down", registry=registry).set_function(
+            lambda: 1.0 if runtime.pool_health.up else 0.0
+        )
+        Gauge("tidepool_pool_outages", "times the pool became unreachable (cumulative)", registry=registry).set_function(
+            lambda: runtime.pool_health.outages
         )
         Gauge("tidepool_prefix_cache_hit_blocks", "blocks served by the local prefix cache (cumulative)", registry=registry).set_function(snap("prefix_hit_blocks"))
         Gauge("tidepool_generated_tokens", "tokens generated (cumulative)", registry=registry).set_function(snap("generated_tokens"))
@@ -108,6 +116,7 @@ class WorkerRuntime:
             moe_strategy=settings.moe_strategy,
             moe_fake_balance=settings.moe_fake_balance,
             quantization=settings.quantization,
+            weight_cache_dir=str(cache) if (cache := resolve_cache_dir(settings.cache_dir)) else None,
             num_threads=settings.threads,
             swap_buffers=settings.swap_buffers,
             swap_max_blocks=settings.swap_max_blocks,
@@ -125,6 +134,7 @@ class WorkerRuntime:
                 bulk_model=settings.pool_bulk_model,
             )
         )
+        self.pool_health = PoolHealth(self.pool, check_s=settings.pool_check_s, timeout_s=settings.pool_check_s)
         self.writer: AsyncWriter | None = None
         self.in_flight = 0  # HTTP requests inside this instance (queue depth for the router)
         self._tasks: list[asyncio.Task[Any]] = []
@@ -149,6 +159,7 @@ class WorkerRuntime:
         self.writer = AsyncWriter(self.pool, workers=self.settings.pool_workers)
         if self.url is None and app_url is not None:
             self.url = app_url
+        self._tasks.append(asyncio.create_task(self.pool_health.run(), name="pool health"))
         if self.settings.router_url:
             self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5))
             self._tasks.append(asyncio.create_task(self._heartbeat_loop(), name="heartbeat"))
@@ -177,6 +188,7 @@ class WorkerRuntime:
             "in_flight": self.in_flight,
             "staging_in_use": self.llm.swapper.in_use,
             "writer": self.writer.stats() if self.writer is not None else None,
+            "pool": self.pool_health.stats(),
         }
 
     def healthy(self) -> bool:

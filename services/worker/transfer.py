@@ -79,6 +79,9 @@ async def load_blocks(rt: WorkerRuntime, keys: list[BlockKey], start: int, *, ma
     misses: Counter[str] = Counter()
     if not wanted:
         return result
+    if not rt.pool_health.usable:  # known down: do not wait for its timeouts
+        misses["unavailable"] += len(wanted)
+        return _finish(rt, result, misses, t0)
     buffers = await _acquire_staging(rt, len(wanted), misses)
     try:
         rows = sum(b.n for b in buffers)
@@ -99,10 +102,12 @@ async def load_blocks(rt: WorkerRuntime, keys: list[BlockKey], start: int, *, ma
                 rt.pool.get_blocks_into(rt.namespace, wanted[:rows], dests, on_landed=verify), rt.settings.load_timeout_s
             )
             reasons = [verdicts[i] if o is None else _miss_reason(o) for i, o in enumerate(outcomes)]
-        except asyncio.TimeoutError:  # what landed (and was verified) before the timeout is good
+        except asyncio.TimeoutError as e:  # what landed (and was verified) before the timeout is good
+            rt.pool_health.report_failure(e)
             reasons = [None if v is None else "unavailable:timeout" for v in verdicts]
         except (PoolError, OSError) as e:
             log.info("pool read failed (%s): recomputing %d blocks", e, rows)
+            rt.pool_health.report_failure(e)
             reasons = [None if v is None else "unavailable" for v in verdicts]
         ok = 0
         while ok < rows and reasons[ok] is None:
@@ -189,6 +194,13 @@ async def store_blocks(rt: WorkerRuntime, exported: ExportedKV, keys: list[Block
     """
     t0 = time.perf_counter()
     result = StoreResult()
+    if not rt.pool_health.usable:  # known down: decode recomputes these blocks
+        n = max(0, exported.num_blocks - skip)
+        await asyncio.to_thread(lambda: [b.host for b in exported.buffers])  # device copies land first
+        exported.release()
+        result.blocks_failed = n
+        result.fail_reasons = {"unavailable": n} if n else {}
+        return _stored(rt, result, t0)
     encodes: list[asyncio.Future[list[list[memoryview]]]] = []
     sizes: dict[str, int] = {}
     try:
@@ -211,6 +223,7 @@ async def store_blocks(rt: WorkerRuntime, exported: ExportedKV, keys: list[Block
             session.cancel()
             await session.settled()
             log.warning("pool writer unavailable: %s", e)
+            rt.pool_health.report_failure(e)
             result.blocks_failed = len(blocks)
             result.fail_reasons = {"unavailable": len(blocks)}
             return _stored(rt, result, t0)
