@@ -178,6 +178,7 @@ def _trace(rt, load, local_blocks, out, t0, t_queued, first_token_at, n_out) -> 
         "pool_miss_reasons": load.miss_reasons,
         "bytes_read": load.bytes_read,
         "load_s": load.seconds,
+        "load_done_at": load.done_at,
         "queue_s": out.metrics.get("queue_s", 0.0),
         "first_token_s": (first_token_at - t0) if first_token_at else None,
         "decode_s": now - t_queued,
