@@ -78,6 +78,9 @@ async def handle_decode(request: web.Request) -> web.StreamResponse:
                 rt.metrics.requests.labels("aborted").inc()
                 reason = "abort" if wait.aborted else "error"
                 return await _end(resp, TokenEvent(request_id=msg.request_id, finish_reason=reason, error=str(e)))
+            except asyncio.CancelledError:  # the router closed the stream (handler cancellation)
+                rt.metrics.requests.labels("disconnected").inc()
+                raise
             finally:
                 rt.handoffs.pop(msg.request_id, None)
             lease_id = wait.lease_id or lease_id

@@ -211,3 +211,33 @@ def test_progress_is_monotonic_and_leases_expiring_cost_only_a_recompute(cluster
     assert 0 < progress[-1].durable_blocks < len(result.block_keys)
     assert trace["pool_hit_blocks"] <= progress[-1].durable_blocks
     assert trace["pool_miss_reasons"].get("absent") == 1
+
+
+def test_client_leaving_mid_handoff_frees_every_block_and_staging_buffer(cluster, client):
+    model = client.models.list().data[0].id
+    pre, dec = cluster.prefills[0].url, cluster.decodes[0].url
+    progress = lambda: metric(metrics(dec), "tidepool_handoff_updates_total", kind="progress")  # noqa: E731
+    start = progress()
+
+    async def leave_mid_handoff():
+        body = {"model": model, "prompt": long_prompt("ferry timetable", 30), "max_tokens": 8, "stream": True}
+        async with aiohttp.ClientSession() as s:
+            request = asyncio.ensure_future(s.post(cluster.url + "/v1/completions", json=body))
+            deadline = time.monotonic() + 60
+            while progress() < start + 2:  # decode is loading while prefill computes
+                assert time.monotonic() < deadline and not request.done(), "no streamed handoff under way"
+                await asyncio.sleep(0.05)
+            request.cancel()  # the client goes away before its first token
+            await asyncio.gather(request, return_exceptions=True)
+
+    ended = lambda: sum(metric(metrics(dec), "tidepool_worker_requests_total", outcome=o) for o in ("aborted", "disconnected"))  # noqa: E731
+    before = ended()
+    asyncio.run(leave_mid_handoff())
+
+    def idle(url: str) -> bool:
+        s = cluster.get_json(url + "/stats")
+        e = s["engine"]
+        return s["staging_in_use"] == 0 and e["running"] == e["waiting"] == 0 and e["free_blocks"] == e["total_blocks"]
+
+    wait_until(lambda: idle(pre) and idle(dec), 30, "prefill and decode to drop the request and its staging")
+    assert ended() == before + 1  # decode ended the waiting request (aborted, or its stream closed)
