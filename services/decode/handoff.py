@@ -47,11 +47,12 @@ class HandoffStats:
     updates: int = 0
     wait_s: float = 0.0  # request arrival to the last update
     load_tail_s: float = 0.0  # the last update to the end of loading: not overlapped with prefill
+    first_load_done_at: float | None = None  # wall clock when the first blocks were in staging
     prefill_error: str | None = None
 
     def trace(self) -> dict:
         out = {"streamed": True, "early_blocks": self.early_blocks, "handoff_updates": self.updates,
-               "handoff_wait_s": self.wait_s, "load_tail_s": self.load_tail_s}
+               "handoff_wait_s": self.wait_s, "load_tail_s": self.load_tail_s, "first_load_done_at": self.first_load_done_at}
         if self.prefill_error is not None:
             out["prefill_error"] = self.prefill_error
         return out
@@ -115,7 +116,8 @@ async def load_streamed(rt: WorkerRuntime, wait: HandoffWait, keys: list[BlockKe
         while not wait.done:
             target = min(wait.durable_blocks - start, len(wanted))
             if run.filled < target and not run.broken:
-                await run.fetch(wanted[run.filled : target])
+                if await run.fetch(wanted[run.filled : target]) and stats.first_load_done_at is None:
+                    stats.first_load_done_at = time.time()
                 continue
             await wait.changed(deadline)
         t_final = time.perf_counter()

@@ -8,6 +8,7 @@ import time
 
 import aiohttp
 import pytest
+import redis.asyncio as aioredis
 
 from libs.kvpool.config import PoolConfig
 from libs.kvpool.redis_pool import RedisPool
@@ -60,8 +61,10 @@ def test_decode_loads_blocks_before_prefill_finishes(cluster, client, reference_
     # prefill: blocks were durable before its last chunk was computed
     assert 0 < pre["worker"]["streamed_blocks"] < n_blocks
     assert pre["worker"]["durable_blocks"] == n_blocks
-    # decode: loaded blocks before prefill's result came, and the rest after it, missing none
-    assert 0 < dec["early_blocks"] < n_blocks
+    # decode: loaded blocks while prefill was still computing (one host: wall clocks compare),
+    # more before prefill's result came, the rest after it, missing none
+    assert dec["first_load_done_at"] < pre["worker"]["compute_done_at"]
+    assert 0 < dec["early_blocks"] <= n_blocks
     assert dec["pool_hit_blocks"] == n_blocks and not dec["pool_miss_reasons"]
     assert dec["handoff_updates"] == a["handoff_updates"] >= 2  # progress..., then the last one
     assert dec["load_tail_s"] <= dec["load_s"] + 1e-6  # part of the loading overlapped prefill
@@ -142,9 +145,10 @@ def test_prefill_killed_mid_stream_decode_recomputes_the_tail(cluster, client, r
     wait_until(lambda: any(w.get("role") == "prefill" and w.get("usable", True) for w in cluster.workers()), 30, "prefill to re-register")
 
 
-def by_hand(cluster, prompt: list[int], *, lease_ttl_s: float, between=None, max_tokens: int = 8) -> tuple[list[int], list, PrefillResult, dict]:
-    """A streamed handoff driven by hand: prefill's progress stream read to its end, then
-    ``between(result)``, then decode with ``await_handoff`` fed the last update."""
+def by_hand(cluster, prompt: list[int], *, lease_ttl_s: float, between=None, on_progress=None, max_tokens: int = 8) -> tuple[list[int], list, PrefillResult, dict]:
+    """A streamed handoff driven by hand: prefill's progress stream read to its end (each
+    progress event passed to ``on_progress``), then ``between(result)``, then decode with
+    ``await_handoff`` fed the last update."""
 
     async def go():
         spec = SamplingSpec(temperature=0, max_tokens=max_tokens)
@@ -156,6 +160,8 @@ def by_hand(cluster, prompt: list[int], *, lease_ttl_s: float, between=None, max
                 assert r.status == 200, await r.text()
                 async for m in iter_messages(r):
                     msgs.append(m)
+                    if on_progress is not None and isinstance(m, PrefillProgress):
+                        await on_progress(m)
             progress, result = msgs[:-1], msgs[-1]
             assert isinstance(result, PrefillResult) and all(isinstance(m, PrefillProgress) for m in progress)
             if between is not None:
@@ -201,12 +207,25 @@ def test_progress_is_monotonic_and_leases_expiring_cost_only_a_recompute(cluster
     assert trace["pool_hit_blocks"] == 0 and trace["pool_miss_reasons"].get("absent") == 1
     assert trace["early_blocks"] == 0
 
-    # 2. The lease expires while prefill still writes: the later blocks are refused
-    #    ("lease"), so they never become durable, and decode recomputes from there.
+    # 2. The lease expires while prefill still writes (its expiry moved into the past in
+    #    Redis once the first blocks are durable): the later blocks are refused ("lease"),
+    #    so they never become durable, and decode recomputes from there.
     prompt = tok.encode(long_prompt("river delta", 30))
     ref = engine_tokens(reference_engine, prompt, 8)
-    tokens, progress, result, trace = by_hand(cluster, prompt, lease_ttl_s=0.4)
-    assert tokens == ref
+
+    async def expire_early(p: PrefillProgress) -> None:
+        if p.durable_blocks > 0 and not expired:
+            expired.append(p.durable_blocks)
+            r = aioredis.Redis.from_url(cluster.redis_url)
+            try:
+                assert await r.zscore("tidepool:leases", p.lease_id) is not None  # the live lease...
+                await r.zadd("tidepool:leases", {p.lease_id: 0}, xx=True)  # ...now expired (ms of Redis TIME)
+            finally:
+                await r.aclose()
+
+    expired: list[int] = []
+    tokens, progress, result, trace = by_hand(cluster, prompt, lease_ttl_s=30, on_progress=expire_early)
+    assert expired and tokens == ref
     assert result.blocks_failed > 0 and result.trace["write_fail_reasons"].get("lease") == result.blocks_failed
     assert 0 < progress[-1].durable_blocks < len(result.block_keys)
     assert trace["pool_hit_blocks"] <= progress[-1].durable_blocks
