@@ -113,6 +113,9 @@ def test_prefill_killed_mid_stream_decode_recomputes_the_tail(cluster, client, r
     prefill = cluster.prefills[0]
     written = lambda: metric(metrics(prefill.url), "tidepool_pool_written_blocks_total")  # noqa: E731
     start = written()
+    failed = lambda: (metric(metrics(cluster.decodes[0].url), "tidepool_handoff_updates_total", kind="failed"),  # noqa: E731
+                      metric(metrics(cluster.url), "tidepool_router_handoff_updates_total", kind="failed"))
+    failed_before = failed()
     out: dict = {}
 
     def call():
@@ -139,6 +142,7 @@ def test_prefill_killed_mid_stream_decode_recomputes_the_tail(cluster, client, r
         n_blocks = -(-len(prompt) // 16)
         assert 8 <= dec["pool_hit_blocks"] < n_blocks  # what prefill made durable was loaded...
         assert resp.usage.prompt_tokens_details.cached_tokens == dec["pool_hit_blocks"] * 16  # ...the tail recomputed
+        assert [b - a for a, b in zip(failed_before, failed())] == [1, 1]  # decode got, the router forwarded, one "failed"
     finally:
         t.join(5)
         cluster.restart(prefill)
