@@ -167,7 +167,8 @@ def cluster_config(args: argparse.Namespace, model: str | None, chunk: int) -> C
         log_dir=Path("/tmp/tidepool-gpu-pd-logs"),
         worker_args=["--max-model-len", "4096", *(["--kv-cache-gb", "4"] if cuda else ["--num-blocks", "512"])],
         prefill_args=["--max-num-batched-tokens", str(chunk)],
-        router_args=["--prefill-threshold-tokens", "0"],
+        # A generous heartbeat timeout: on a shared, loaded box a missed beat must not drop an instance mid-run.
+        router_args=["--prefill-threshold-tokens", "0", "--heartbeat-timeout-s", "60"],
     )
 
 

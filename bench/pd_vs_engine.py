@@ -123,7 +123,8 @@ def main() -> None:
     extra = ["--quantized-weights"] if args.quantized else []
     chunk = ["--max-num-batched-tokens", str(args.prefill_chunk)] if args.prefill_chunk else []
     cfg = ClusterConfig(router_port=free_port(), device="cpu", threads=args.threads, log_dir=Path(".run/bench-logs"),
-                        worker_args=["--num-blocks", "2048", *extra], prefill_args=chunk)
+                        worker_args=["--num-blocks", "2048", *extra], prefill_args=chunk,
+                        router_args=["--heartbeat-timeout-s", "60"])  # a loaded box must not drop instances mid-run
     modes = {"both": (True, False), "on": (True,), "off": (False,)}[args.stream_handoff]
     hand, pd = {}, {}
     with LocalCluster(cfg) as cluster:
