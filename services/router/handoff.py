@@ -190,9 +190,17 @@ class PromptJob:
             return handoff
         # Streamed: the choices start once prefill has announced its progress (or is done).
         handoff.progress = HandoffProgress()
-        self._prefill_task = asyncio.create_task(self._call_prefill(prefill, handoff), name=f"prefill {self.id}")
+        self._prefill_task = asyncio.create_task(self._prefill_in_background(prefill, handoff), name=f"prefill {self.id}")
         await handoff.progress.wait_started()
         return handoff
+
+    async def _prefill_in_background(self, inst: Instance, handoff: Handoff) -> None:
+        assert handoff.progress is not None
+        try:
+            await self._call_prefill(inst, handoff)
+        finally:
+            if not handoff.progress.final:  # a bug, not a prefill failure: never leave the choices waiting
+                handoff.progress.fail("internal")
 
     async def _call_prefill(self, inst: Instance, handoff: Handoff | None) -> PrefillResult | None:
         """Prefill's result, or None (decided and traced) when decode must do it all.
