@@ -40,9 +40,9 @@ from services.launch.cluster import ClusterConfig, LocalCluster
 from services.launch.processes import free_port
 
 
-async def in_process(reqs, concurrency: int, threads: int, quantized: bool):
+async def in_process(reqs, concurrency: int, threads: int, quantized: bool, num_blocks: int):
     torch.set_num_threads(threads)
-    target = EngineTarget(LLM(EngineConfig(device="cpu", num_threads=threads, num_blocks=2048, quantized_weights=quantized)))
+    target = EngineTarget(LLM(EngineConfig(device="cpu", num_threads=threads, num_blocks=num_blocks, quantized_weights=quantized)))
     try:
         await run(target, reqs[:4], 4)  # warm-up
         return await run(target, reqs, concurrency)
@@ -97,7 +97,7 @@ def in_process_subprocess(args: argparse.Namespace) -> Report:
     benchmark's own process, the engine was seen to leave the services behind it slower."""
     argv = [sys.executable, "-m", "bench.pd_vs_engine", "--in-process-only", "--threads", str(args.threads),
             "--concurrency", str(args.concurrency), "--requests", str(args.requests), "--prompt-len", args.prompt_len,
-            "--output-len", args.output_len, *(["--quantized"] if args.quantized else [])]
+            "--output-len", args.output_len, "--num-blocks", str(args.num_blocks), *(["--quantized"] if args.quantized else [])]
     out = subprocess.run(argv, check=True, capture_output=True, text=True).stdout
     return Report(**json.loads(out.strip().splitlines()[-1]))
 
@@ -111,19 +111,20 @@ def main() -> None:
     ap.add_argument("--output-len", default="uniform:48-96")
     ap.add_argument("--quantized", action="store_true", help="both sides decode with the GGUF's 4-bit weights")
     ap.add_argument("--handoff-requests", type=int, default=7)
+    ap.add_argument("--num-blocks", type=int, default=2048, help="KV cache blocks of each engine (in-process, prefill, decode)")
     ap.add_argument("--prefill-chunk", type=int, default=None, help="prefill's --max-num-batched-tokens (default: the engine's, 1024 on the CPU)")
     ap.add_argument("--stream-handoff", choices=["both", "on", "off"], default="both", help="PD with the streamed handoff, the serial one, or both")
     ap.add_argument("--in-process-only", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     reqs = workload(args.requests + 4, args.prompt_len, args.output_len, seed=1)
     if args.in_process_only:
-        print(json.dumps(asdict(asyncio.run(in_process(reqs[4:], args.concurrency, args.threads, args.quantized)))))
+        print(json.dumps(asdict(asyncio.run(in_process(reqs[4:], args.concurrency, args.threads, args.quantized, args.num_blocks)))))
         return
     local = in_process_subprocess(args)
     extra = ["--quantized-weights"] if args.quantized else []
     chunk = ["--max-num-batched-tokens", str(args.prefill_chunk)] if args.prefill_chunk else []
     cfg = ClusterConfig(router_port=free_port(), device="cpu", threads=args.threads, log_dir=Path(".run/bench-logs"),
-                        worker_args=["--num-blocks", "2048", *extra], prefill_args=chunk,
+                        worker_args=["--num-blocks", str(args.num_blocks), *extra], prefill_args=chunk,
                         router_args=["--heartbeat-timeout-s", "60"])  # a loaded box must not drop instances mid-run
     modes = {"both": (True, False), "on": (True,), "off": (False,)}[args.stream_handoff]
     hand, pd = {}, {}
