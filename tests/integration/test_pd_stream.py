@@ -124,9 +124,10 @@ def test_prefill_killed_mid_stream_decode_recomputes_the_tail(cluster, client, r
         except Exception as e:  # noqa: BLE001 - reported below
             out["error"] = e
 
+    restarts = cluster.supervisor.restarts(prefill.name)
     t = threading.Thread(target=call)
     t.start()
-    try:
+    with cluster.supervisor.paused(prefill):  # held down until the request is answered
         wait_until(lambda: written() >= start + 8, 60, "prefill to write its first chunks")
         prefill.kill()  # SIGKILL mid-stream: the rest of the prompt is never written
         t.join(180)
@@ -143,9 +144,8 @@ def test_prefill_killed_mid_stream_decode_recomputes_the_tail(cluster, client, r
         assert 8 <= dec["pool_hit_blocks"] < n_blocks  # what prefill made durable was loaded...
         assert resp.usage.prompt_tokens_details.cached_tokens == dec["pool_hit_blocks"] * 16  # ...the tail recomputed
         assert [b - a for a, b in zip(failed_before, failed())] == [1, 1]  # decode got, the router forwarded, one "failed"
-    finally:
-        t.join(5)
-        cluster.restart(prefill)
+    # The supervisor starts it again; it re-registers under its id.
+    wait_until(lambda: cluster.supervisor.restarts(prefill.name) == restarts + 1, 120, "the supervisor to restart prefill")
     wait_until(lambda: any(w.get("role") == "prefill" and w.get("usable", True) for w in cluster.workers()), 30, "prefill to re-register")
 
 
