@@ -91,19 +91,21 @@ class Target(Protocol):
 
 
 class HttpTarget:
-    def __init__(self, url: str, model: str, session: aiohttp.ClientSession):
-        self.url, self.model, self.session = url.rstrip("/"), model, session
+    """``extra``: more body fields for every request (e.g. ``{"tidepool": {"stream_handoff": False}}``)."""
+
+    def __init__(self, url: str, model: str, session: aiohttp.ClientSession, extra: dict | None = None):
+        self.url, self.model, self.session, self.extra = url.rstrip("/"), model, session, extra or {}
 
     @classmethod
-    async def connect(cls, url: str) -> "HttpTarget":
+    async def connect(cls, url: str, extra: dict | None = None) -> "HttpTarget":
         session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600), connector=aiohttp.TCPConnector(limit=0))
         async with session.get(url.rstrip("/") + "/v1/models") as r:
             model = (await r.json())["data"][0]["id"]
-        return cls(url, model, session)
+        return cls(url, model, session, extra)
 
     async def send(self, req: Request) -> Result:
         body = {"model": self.model, "prompt": req.prompt, "max_tokens": req.max_tokens, "temperature": 0,
-                "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
+                "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}, **self.extra}
         t0 = time.perf_counter()
         res = Result(ttft_s=float("nan"))
         async with self.session.post(self.url + "/v1/completions", json=body) as r:

@@ -46,6 +46,11 @@ class RouterSettings(BaseSettings):
     cache_store_timeout_s: float = setting(
         0.5, help="longest wait for cache_store's answer before prefilling anyway"
     )
+    stream_handoff: bool = setting(
+        True,
+        help="streamed handoff: prefill reports its progress and decode loads the blocks already "
+        "durable while prefill computes the rest (docs/HANDOFF.md); off: decode starts after prefill's result",
+    )
     prefill_timeout_s: float = setting(
         60.0, help="longest wait for a PrefillResult; after it decode serves the whole request"
     )

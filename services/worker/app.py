@@ -36,7 +36,7 @@ def create_worker_app(settings: WorkerSettings, role: Role, routes: Callable[[we
 
     async def abort(request: web.Request) -> web.Response:
         msg = await read_message(request, AbortRequest)
-        runtime.engine.abort(msg.request_id)
+        runtime.abort(msg.request_id)
         return web.json_response({"aborted": msg.request_id})
 
     app.on_startup.append(on_startup)

@@ -53,6 +53,9 @@ class WorkerMetrics:
     handoff_seconds: Histogram
     ttft_seconds: Histogram
     tpot_seconds: Histogram
+    streamed_blocks: Counter
+    early_blocks: Counter
+    handoff_updates: Counter
 
     @classmethod
     def create(cls, registry: CollectorRegistry, runtime: "WorkerRuntime") -> "WorkerMetrics":
@@ -91,6 +94,9 @@ class WorkerMetrics:
             handoff_seconds=Histogram("tidepool_handoff_seconds", "pool transfer time of one request, by phase", ["phase"], buckets=_LATENCY_BUCKETS, registry=registry),
             ttft_seconds=Histogram("tidepool_worker_ttft_seconds", "arrival to first token produced here", buckets=_LATENCY_BUCKETS, registry=registry),
             tpot_seconds=Histogram("tidepool_worker_tpot_seconds", "time per output token after the first", buckets=_LATENCY_BUCKETS, registry=registry),
+            streamed_blocks=Counter("tidepool_prefill_streamed_blocks", "prefill: blocks durable in the pool before their prompt finished computing (streamed handoff)", registry=registry),
+            early_blocks=Counter("tidepool_handoff_early_blocks", "decode: blocks loaded before prefill finished (streamed handoff)", registry=registry),
+            handoff_updates=Counter("tidepool_handoff_updates", "decode: prefill progress updates received, by kind (progress, final, failed)", ["kind"], registry=registry),
         )
 
 
@@ -137,6 +143,8 @@ class WorkerRuntime:
         self.pool_health = PoolHealth(self.pool, check_s=settings.pool_check_s, timeout_s=settings.pool_check_s)
         self.writer: AsyncWriter | None = None
         self.in_flight = 0  # HTTP requests inside this instance (queue depth for the router)
+        # decode: requests waiting on a streamed handoff, by id (services/decode/handoff.py)
+        self.handoffs: dict[str, Any] = {}
         self._tasks: list[asyncio.Task[Any]] = []
         self._http: aiohttp.ClientSession | None = None
         self.url: str | None = settings.advertise_url
@@ -144,6 +152,13 @@ class WorkerRuntime:
 
     def _on_step(self, seconds: float, running: int) -> None:
         self.metrics.step_seconds.observe(seconds)
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request wherever it is: in the engine, or waiting on its handoff."""
+        waiting = self.handoffs.get(request_id)
+        if waiting is not None:
+            waiting.abort()
+        self.engine.abort(request_id)
 
     def keys(self, token_ids: list[int]) -> list[BlockKey]:
         return block_keys(self.namespace, token_ids)

@@ -53,10 +53,13 @@ class WorkerSettings(BaseSettings):
     instance_id: str | None = setting(None, help="stable id for this instance; default: random")
     heartbeat_s: float = setting(1.0, help="seconds between heartbeats to the router")
     load_timeout_s: float = setting(10.0, help="longest wait for pool reads or staging before recomputing instead")
+    handoff_timeout_s: float = setting(
+        120.0, help="decode: longest wait for prefill's last progress update in a streamed handoff before failing the request (the router resumes it)"
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.threads < 1:
             raise ValueError("threads must be >= 1")
-        if self.heartbeat_s <= 0 or self.load_timeout_s <= 0 or self.pool_check_s <= 0:
-            raise ValueError("heartbeat_s, load_timeout_s and pool_check_s must be > 0")
+        if min(self.heartbeat_s, self.load_timeout_s, self.pool_check_s, self.handoff_timeout_s) <= 0:
+            raise ValueError("heartbeat_s, load_timeout_s, pool_check_s and handoff_timeout_s must be > 0")
