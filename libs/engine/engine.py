@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from pathlib import Path
 from typing import Sequence as Seq
 
 import numpy as np
@@ -47,7 +48,7 @@ from libs.engine.device_queue import DeviceQueue, Pending
 from libs.engine.errors import DuplicateRequestError, InvalidRequestError, PromptTooLongError, TokenOutOfRangeError
 from libs.engine.forks import Forks
 from libs.engine.input_batch import InputBatch
-from libs.engine.kv_export import ExportedKV, ExportQueue
+from libs.engine.kv_export import ExportQueue
 from libs.engine.model_runner import ModelRunner, StepResult
 from libs.engine.outputs import CompletionOutput, RequestOutput
 from libs.engine.params import SamplingParams
@@ -76,6 +77,7 @@ class LLMEngine:
                 config.model, dtype=dtype, device=device, backend=make_backend(config.attention_backend, device),
                 quantized_weights=config.quantized_weights, quantization=config.quantization,
                 moe=MoEOptions(strategy=config.moe_strategy, fake_balance=config.moe_fake_balance),
+                cache_dir=Path(config.weight_cache_dir) if config.weight_cache_dir else None,
             )
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
@@ -213,14 +215,17 @@ class LLMEngine:
         kv_import: KVImport | None = None,
         export_kv: bool = False,
         grammar: GrammarMatcher | None = None,
+        stream_export: bool = False,
     ) -> None:
         """Queue a request.
 
         ``output_prefix``: tokens already generated elsewhere (decode continues after the
         prefill's first token). ``kv_import``: KV of the leading blocks loaded from the
-        pool. ``export_kv``: gather the prompt's KV when the request finishes (prefill).
-        ``grammar``: constrain the output (structured outputs); a fresh matcher from
-        :meth:`start_grammar` that has already accepted ``output_prefix``.
+        pool. ``export_kv``: gather the prompt's KV when the request finishes (prefill);
+        with ``stream_export`` its full blocks are handed out as chunks complete them
+        (libs/engine/kv_export.py). ``grammar``: constrain the output (structured
+        outputs); a fresh matcher from :meth:`start_grammar` that has already accepted
+        ``output_prefix``.
         """
         if request_id in self._requests:
             raise DuplicateRequestError(f"request id {request_id!r} is already running", param="request_id")
@@ -235,6 +240,8 @@ class LLMEngine:
         seq.kv_import = kv_import
         seq.export_kv = export_kv
         seq.grammar = grammar
+        if export_kv and stream_export:
+            self.exports.stream(seq)
         self._requests[request_id] = [seq]
         self._params[request_id] = params
         reason = self._stop_reason(seq) if output_prefix else None
@@ -353,7 +360,7 @@ class LLMEngine:
         if self._in_flight and self._in_flight[-1][0].bitmask is not None:
             # Structured outputs: a grammar's next mask depends on the token in flight, so
             # that token is read before anything else is scheduled (no overlap for them).
-            forward, _ = self._read(touched)
+            forward, _ = self._read(touched, outputs)
         out = self.scheduler.schedule()
         t1 = time.perf_counter()
         t2 = t3 = t1
@@ -372,7 +379,7 @@ class LLMEngine:
         touched.update((s.request_id, None) for s in out.preempted)
         t4 = t5 = t3
         if self._in_flight and (not self.async_scheduling or len(self._in_flight) > 1 or not launched):
-            forward, t4 = self._read(touched)
+            forward, t4 = self._read(touched, outputs)
         outputs.extend(self._request_output(rid) for rid in touched if rid in self._requests)
         if self._failed:
             outputs.extend(self._failed)
@@ -384,9 +391,10 @@ class LLMEngine:
             )
         return outputs
 
-    def _read(self, touched: dict[str, None]) -> tuple[float, float]:
-        """Wait for the oldest step in flight and process its ids. Returns its forward
-        time and when its ids were on the host."""
+    def _read(self, touched: dict[str, None], outputs: list[RequestOutput]) -> tuple[float, float]:
+        """Wait for the oldest step in flight and process its ids (streamed KV pieces it
+        completed go to ``outputs``). Returns its forward time and when its ids were on
+        the host."""
         done, pending = self._in_flight.popleft()
         try:
             res = pending.result()
@@ -395,6 +403,14 @@ class LLMEngine:
             raise
         synced = time.perf_counter()
         self._process(done, res, touched)
+        if done.chunks and self.exports.streaming:
+            # PD streamed export: hand out the full blocks this step's chunks completed
+            # (the step's KV is in the cache; a sequence preempted since has no blocks).
+            outputs.extend(
+                self.exports.export_completed_blocks(
+                    (c.seq, c.start + c.num_tokens) for c in done.chunks if c.seq.status is SequenceStatus.RUNNING and not c.verify
+                )
+            )
         self.num_steps += 1
         return res.forward_s, synced
 
@@ -682,7 +698,7 @@ class LLMEngine:
             head.num_prompt_tokens,
             head.num_cached_tokens,
             head.num_imported_tokens,
-            ExportedKV(head.export_buffers, head.num_prompt_tokens, self.config.block_size) if finished and head.export_buffers else None,
+            self.exports.result(head) if finished else None,
             metrics,
         )
 

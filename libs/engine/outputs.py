@@ -26,8 +26,10 @@ class CompletionOutput:
 class RequestOutput:
     """One step's news about one request: new tokens of each sequence, and whether it ended.
 
-    ``exported_kv`` is set on the final output of a prefill-only (``export_kv``) request;
-    ``metrics`` (``queue_s``, ``ttft_s``) on the final output of every request."""
+    ``exported_kv`` is set on the final output of a prefill-only (``export_kv``) request,
+    and, with ``stream_export``, on unfinished outputs carrying the blocks a chunk completed
+    (libs/engine/kv_export.py); ``metrics`` (``queue_s``, ``ttft_s``) on the final output
+    of every request."""
 
     request_id: str
     outputs: list[CompletionOutput]

@@ -30,7 +30,7 @@ StatsFn = Callable[[], "Mapping[str, Any] | Awaitable[Mapping[str, Any]]"]
 HealthFn = Callable[[], "bool | Awaitable[bool]"]
 
 # Scraped and polled constantly: logged at DEBUG so the INFO log shows real traffic.
-_OPS_PATHS = frozenset({"/health", "/metrics", "/stats", "/internal/v1/heartbeat"})
+_OPS_PATHS = frozenset({"/health", "/ready", "/metrics", "/stats", "/internal/v1/heartbeat"})
 DEFAULT_CLIENT_MAX_SIZE = 64 * 1024 * 1024
 
 

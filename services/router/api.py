@@ -23,7 +23,8 @@ Rules worth knowing:
   chat defaults to the whole context left.
 - vLLM extensions: ``top_k`` (-1 or 0 = off), ``min_p``, ``repetition_penalty``,
   ``ignore_eos``, ``min_tokens``, ``stop_token_ids``. Tidepool's own: ``"tidepool":
-  {"trace": true}`` asks for the handoff trace in the response.
+  {"trace": true}`` asks for the handoff trace in the response; ``{"stream_handoff":
+  false}`` (or true) overrides the router's ``--stream-handoff`` for this request.
 """
 
 from __future__ import annotations
@@ -83,6 +84,7 @@ class GenerateRequest:
     constraint: Constraint | None = None
     tools: ToolRequest | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()
+    stream_handoff: bool | None = None  # None: the router's setting
 
     @property
     def num_prompts(self) -> int:
@@ -212,6 +214,7 @@ def parse_request(body: Any, kind: Kind, *, served_model: str, vocab_size: int) 
     include_usage = options.boolean("include_usage", False)
     ext = f.obj("tidepool")
     want_trace = ext.boolean("trace", False)
+    stream_handoff = ext._typed("stream_handoff", bool, "a boolean")
 
     if kind == "chat":
         messages = _messages(f)
@@ -289,6 +292,7 @@ def parse_request(body: Any, kind: Kind, *, served_model: str, vocab_size: int) 
         constraint=constraint,
         tools=tools,
         logit_bias=_logit_bias(f.raw("logit_bias"), vocab_size),
+        stream_handoff=stream_handoff,
     )
 
 

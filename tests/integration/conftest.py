@@ -71,7 +71,8 @@ def pool_url(request: pytest.FixtureRequest) -> str:
 
 
 def cluster_config(log_dir, *, num_blocks: int = 768, **overrides):
-    """The test clusters' settings: CPU, one thread each, fast heartbeats."""
+    """A test cluster's settings: CPU, one thread each, fast heartbeats (the clusters that
+    tests start for themselves, e.g. test_pd_spec.py)."""
     from services.launch.cluster import ClusterConfig
     from services.launch.processes import free_port
 
@@ -90,9 +91,21 @@ def cluster_config(log_dir, *, num_blocks: int = 768, **overrides):
 def cluster(tmp_path_factory: pytest.TempPathFactory):
     """Redis, cache_store, router, one prefill and one decode, as real processes, started
     the way ``make run`` starts them (services.launch.LocalCluster), on the real model."""
-    from services.launch.cluster import LocalCluster
+    from services.launch.cluster import ClusterConfig, LocalCluster
+    from services.launch.processes import free_port
 
-    with LocalCluster(cluster_config(tmp_path_factory.mktemp("cluster-logs"))) as c:
+    cfg = ClusterConfig(
+        router_port=free_port(),
+        device="cpu",
+        threads=1,
+        log_dir=tmp_path_factory.mktemp("cluster-logs"),
+        worker_args=["--num-blocks", "768", "--heartbeat-s", "0.2"],
+        # 64-token chunks: a long prompt's prefill takes many steps, so the streamed
+        # handoff (test_pd_stream.py) has blocks to hand over while prefill still computes.
+        prefill_args=["--max-num-batched-tokens", "64"],
+        router_args=["--heartbeat-timeout-s", "3"],
+    )
+    with LocalCluster(cfg) as c:
         yield c
 
 
