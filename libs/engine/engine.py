@@ -152,6 +152,10 @@ class LLMEngine:
         )
         b = self.builder
         b.decode_graph_sizes, b.prefill_graph_tokens, b.graph_seqs, b.graph_width = g.decode_sizes, g.prefill_tokens, g.prefill_seqs, g.width
+        draft_graphs = getattr(self.spec.proposer, "enable_graphs", None) if self.spec is not None else None
+        if draft_graphs is not None:  # a drafting network's decode steps (libs/engine/spec/model_proposer.py)
+            draft_graphs(max_batch=min(cfg.max_num_seqs, cfg.graph_max_batch), width=g.width, emulate=emulate)
+            self.runner._bind()
 
     def _num_blocks(self, device: torch.device, extra_block_nbytes: int = 0) -> int:
         cfg = self.config

@@ -1,6 +1,7 @@
-"""Speculative decoding on CUDA: the verify step in the prefill CUDA graphs, the Triton
-rejection sampler and async prepare, all on the engine's real GPU path; greedy output must
-equal decoding without speculation on the same weights."""
+"""Speculative decoding on CUDA: the verify step in the prefill CUDA graphs, the draft's
+decode steps in its own graphs, the Triton rejection sampler and async prepare, all on the
+engine's real GPU path; greedy output must equal decoding without speculation on the same
+weights."""
 
 import json
 
@@ -58,6 +59,8 @@ def test_greedy_equals_plain_on_cuda_with_graphs(models, cfg):
         m = eng.spec.metrics
         assert m.num_accepted_tokens == m.num_draft_tokens > 0
     assert paths and all(p == "prefill_graph" for p in paths)  # every verify step replayed a graph
+    if cfg["method"] == "self_draft":
+        assert eng.spec.proposer.graphs.replays["decode"] > 0  # and the draft's decode steps theirs
     assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
     eng.close()
 

@@ -51,6 +51,9 @@ class Corrupting:
     def forget(self, seq_id):
         self.inner.forget(seq_id)
 
+    def enable_graphs(self, **kw):
+        self.inner.enable_graphs(**kw)
+
 
 def with_oracle(eng, corrupt_at: int | None = None):
     """Draft with the target itself (every greedy draft is what decoding produces)."""
@@ -474,8 +477,9 @@ def test_a_prompt_beside_verifying_sequences_gets_its_own_logits_row(plain, prom
 
 def test_verify_steps_run_the_prefill_graph_layout(plain, prompts):
     """On CUDA a verify step replays a prefill graph (its speculating sequences are chunks
-    of k + 1 tokens over a padded token bucket). Run eagerly on exactly that layout here
-    (``emulate``), greedy output must still be plain decoding's; tests/gpu replays it."""
+    of k + 1 tokens over a padded token bucket), and the draft network's decode steps
+    replay its own decode graphs. Run eagerly on exactly those layouts here (``emulate``),
+    greedy output must still be plain decoding's; tests/gpu replays them."""
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (14, 9, 17)]
     want = [r.token_ids for r in plain.generate(prompts, params)]
     eng = with_oracle(spec_engine(max_num_batched_tokens=64, max_num_seqs=8), corrupt_at=2)
@@ -493,4 +497,5 @@ def test_verify_steps_run_the_prefill_graph_layout(plain, prompts):
     assert paths and all(p == "prefill_graph" and tokens >= t for p, _, tokens, t in paths)
     assert any(tokens > t for _, _, tokens, t in paths)  # padded buckets really ran
     assert eng.runner.graphs.replays["prefill"] >= len(paths)
+    assert eng.spec.proposer.inner.graphs.replays["decode"] > 0  # padded draft steps (3 rows in a graph of 4)
     assert_no_leaks(eng)

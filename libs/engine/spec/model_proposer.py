@@ -17,11 +17,15 @@ Where the draft's KV lives:
   blocks, tokens emitted by plain decode steps) is caught up in the first draft step, which
   is then a chunked prefill of the draft.
 
-Each step is laid out by ``draft_step`` (positions, slots and block tables of a few
-sequences, decode-shaped rows first, as the attention backends expect) and runs through
-the target's attention backend, eagerly: the draft's steps are not captured in CUDA graphs
-(the target's verify forward is, libs/engine/cuda_graphs.py). Draft tokens stay on the
-device between steps; one host sync reads all of them at the end.
+Each step runs through the target's attention backend. The first (mixed) one is laid out
+by ``draft_step`` and runs eagerly; the others are decode steps (one token per sequence),
+which replay CUDA graphs of the draft network when the engine captures them
+(``enable_graphs``): they are laid out in the draft's own step staging as the target's
+decode steps are (libs/engine/step_inputs.py, libs/engine/cuda_graphs.py), their input
+ids copied on the device from the previous draft step's tokens. Draft tokens stay on the
+device between steps; one host sync reads all of them at the end. A staging pack is
+rewritten two steps after its upload, so on CUDA the host first waits for that upload's
+event (the draft's steps are never read back in between).
 
 Sampling: a greedy request's drafts are the draft's argmax (``q`` unused); a sampled
 request's drafts are drawn from ``q = softmax(logits / T)`` with the request's own
@@ -30,12 +34,16 @@ generator, and ``q`` (mapped into the target vocabulary) goes to the rejection s
 
 from __future__ import annotations
 
+from collections import deque
+
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from libs.engine.cuda_graphs import ForwardGraphs, graph_batch_sizes
 from libs.engine.spec.proposer import DraftRequest, Drafts
+from libs.engine.step_inputs import Layout, StepStaging
 from libs.engine.spec.vocab import DraftVocab
 from libs.model.attention import AttentionMetadata
 from libs.model.llama import LlamaModel
@@ -77,6 +85,10 @@ class ModelProposer:
         self.device = device
         self.shares_target_cache = shares_target_cache
         self._bind = bind or (lambda: None)  # points the network's layers at its cache
+        self.graphs: ForwardGraphs | None = None  # decode-step graphs (enable_graphs)
+        self.staging: StepStaging | None = None
+        self._graph_width = 0
+        self._uploads: deque = deque()  # CUDA events of the last two staging uploads
         # Own-cache drafts: (first position, target ids fed from there) per sequence.
         self._fed: dict[int, tuple[int, list[int]]] = {}
         self.num_forwards = 0
@@ -111,7 +123,7 @@ class ModelProposer:
         greedy = [s.params.greedy for s in seqs]
         temps = torch.tensor([max(s.params.temperature, 1e-5) for s in seqs], device=self.device).unsqueeze(1)
         tokens = torch.zeros((B, K), dtype=torch.long, device=self.device)  # target ids
-        probs: torch.Tensor | None = None if all(greedy) else torch.zeros((B, K, self._width), device=self.device)
+        probs: torch.Tensor | None = None if all(greedy) else torch.zeros((B, K, self._target_width), device=self.device)
 
         # Step 0: whatever the draft has not computed yet, ending with the last token.
         firsts = []
@@ -137,7 +149,7 @@ class ModelProposer:
                 break
             keep = torch.tensor([active.index(i) for i in active_next], device=self.device)
             rows = [(seqs[i].num_tokens + j, 1, seqs[i].block_table) for i in active_next]
-            logits = self._run(target_ids[keep], *draft_step(rows, self.block_size, self.device))
+            logits = self._decode(target_ids[keep], rows)
             active = active_next
 
         drafts = [row[: r.max_drafts] for row, r in zip(tokens.tolist(), requests)]  # the host sync
@@ -151,8 +163,48 @@ class ModelProposer:
         return self.network.head_weight.shape[0]
 
     @property
-    def _width(self) -> int:
+    def _target_width(self) -> int:
         return self.vocab.target_vocab_size if self.vocab is not None else self._draft_width
+
+    def enable_graphs(self, *, max_batch: int, width: int, emulate: bool = False) -> None:
+        """Capture the draft's decode steps for batch sizes up to ``max_batch`` over block
+        tables of ``width`` columns. ``emulate``: run their padded layouts eagerly (CPU)."""
+        sizes = graph_batch_sizes(max_batch)
+        self.staging = StepStaging(self.device, Layout(sizes[-1], sizes[-1], width).sizes())
+        self._graph_width = width
+        self._bind()
+        self.graphs = ForwardGraphs(self.network, self.staging, self.device, width=width, block_size=self.block_size, emulate=emulate)
+        self.graphs.capture(sizes, [], 0)
+
+    def _decode(self, input_ids: torch.Tensor, rows: list[tuple[int, int, list[int]]]) -> torch.Tensor:
+        """A draft decode step (one token per row): a graph replay when one fits."""
+        n = len(rows)
+        if self.graphs is None or n > self.graphs.decode_sizes[-1]:
+            return self._run(input_ids, *draft_step(rows, self.block_size, self.device))
+        cap = next(s for s in self.graphs.decode_sizes if s >= n)
+        layout = Layout(cap, cap, self._graph_width)
+        if len(self._uploads) == 2:
+            self._uploads.popleft().synchronize()  # that pack's copy is done: rewrite it
+        pack, v = self.staging.host(layout)
+        bs = self.block_size
+        v.input_ids[:] = 0
+        v.positions[:] = 0
+        v.slot_mapping[:] = -1
+        v.seq_lens[:] = 0
+        v.block_tables[:] = 0
+        for i, (pos, _, table) in enumerate(rows):
+            v.block_tables[i, : len(table)] = table
+            v.positions[i] = pos
+            v.slot_mapping[i] = table[pos // bs] * bs + pos % bs
+            v.seq_lens[i] = pos + 1
+        dv = self.staging.upload(pack, layout, params=False)
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+            self._uploads.append(event)
+        dv.input_ids[:n].copy_(input_ids)
+        self.num_forwards += 1
+        return self.graphs.replay("decode", cap, dv)[:n]
 
     def _run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, last: torch.Tensor) -> torch.Tensor:
         """The draft's logits at each row's last token."""
