@@ -453,15 +453,18 @@ class LLMEngine:
         for seq in out.grown:
             if seq.batch is not None:
                 b.sync_blocks(seq)
+        num_decodes, leave = out.num_decodes, set(map(id, out.skipped))
         spec = self._propose(out, admitted) if self.spec is not None else None
         if spec is not None:
-            chunks = [c for c in chunks if not c.seq.is_finished]  # a failed request's
-        if out.skipped or spec is not None:
-            leave = set(map(id, out.skipped)) | (set(map(id, spec.seqs)) if spec is not None else set())
+            if spec.failed:  # those requests left the batch
+                chunks = [c for c in chunks if not c.seq.is_finished]
+                num_decodes = b.num_decodes - len(out.skipped)
+            leave.update(map(id, spec.seqs))  # they verify, as chunks
+        if leave:
             rows = np.asarray([r for r, s in enumerate(b.decode_seqs) if id(s) not in leave], dtype=np.int64)
             num_decodes = len(rows)
         else:
-            rows, num_decodes = slice(0, b.num_decodes), out.num_decodes
+            rows = slice(0, b.num_decodes)
         if spec is not None and spec.seqs:
             chunks = [
                 Chunk(s, s.num_computed_tokens, 1 + len(d), 1 + len(d), [], token_ids=[s.token_ids[-1], *d], verify=True)
