@@ -79,9 +79,14 @@ VOCAB_PROMPTS = [  # the draft vocabulary is counted on other prompts than the m
 ]
 
 
+# KV blocks per engine: 4096 tokens, room for a batch of four (about 0.2 GB each; three
+# engines live at once, on a shared machine).
+NUM_BLOCKS = 256
+
+
 def engine(loaded, spec: dict | None, threads: int) -> LLM:
     return LLM(
-        EngineConfig(device="cpu", dtype="float32", num_threads=threads, num_blocks=1024, enable_prefix_caching=False,
+        EngineConfig(device="cpu", dtype="float32", num_threads=threads, num_blocks=NUM_BLOCKS, enable_prefix_caching=False,
                      speculative_config=json.dumps(spec) if spec else None),
         loaded=loaded,
     )
@@ -170,7 +175,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    base = LLM(EngineConfig(device="cpu", dtype="float32", num_threads=args.threads, num_blocks=1024))
+    base = LLM(EngineConfig(device="cpu", dtype="float32", num_threads=args.threads, num_blocks=NUM_BLOCKS))
     tok = base.tokenizer
     enc = lambda msgs: [tok.encode_chat([{"role": "user", "content": m}]) for m in msgs]  # noqa: E731
     copy, chat = enc(COPY), enc(CHAT)
@@ -182,13 +187,21 @@ def main() -> None:
         "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
     }
     kw = dict(threads=args.threads, max_tokens=args.max_tokens, reps=args.reps)
+
+    def record(name: str, value: dict) -> None:  # printed and saved as each case ends
+        results[name] = value
+        print(name, json.dumps(value), flush=True)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(results, f, indent=1)
+
     if "copy" in want:
-        results["ngram_copy"] = compare(base.loaded, copy, ngram, batch=1, **kw)
+        record("ngram_copy", compare(base.loaded, copy, ngram, batch=1, **kw))
     if "chat" in want:
-        results["ngram_chat"] = compare(base.loaded, chat, ngram, batch=1, **kw)
+        record("ngram_chat", compare(base.loaded, chat, ngram, batch=1, **kw))
     if "mixed" in want:
-        results["ngram_mixed_batch"] = compare(base.loaded, copy[:3] + chat[:1], ngram, batch=4, **kw)
-        results["ngram_chat_batch"] = compare(base.loaded, chat, ngram, batch=4, **kw)
+        record("ngram_mixed_batch", compare(base.loaded, copy[:3] + chat[:1], ngram, batch=4, **kw))
+        record("ngram_chat_batch", compare(base.loaded, chat, ngram, batch=4, **kw))
     if "self_draft" in want:
         t = time.perf_counter()
         counts = count_generations(base, VOCAB_PROMPTS, max_tokens=96, temperature=1.0, seed=0)
@@ -196,15 +209,15 @@ def main() -> None:
         path = "/tmp/tidepool-spec-bench-vocab.safetensors"
         vocab.save(path)
         covered = float(counts[vocab.target_ids].sum()) / float(counts.sum())
-        results["vocab"] = {"size": vocab.size, "counted_tokens": int(counts.sum()), "coverage_of_counted": round(covered, 4), "build_s": round(time.perf_counter() - t, 1)}
-        results["draft_head_cost"] = head_cost(base.loaded, vocab, args.threads)
+        record("vocab", {"size": vocab.size, "counted_tokens": int(counts.sum()), "coverage_of_counted": round(covered, 4), "build_s": round(time.perf_counter() - t, 1)})
+        record("draft_head_cost", head_cost(base.loaded, vocab, args.threads))
         for layers in args.self_draft_layers:
             for pruned in (False, True):
                 spec = {"method": "self_draft", "num_draft_layers": layers, "num_speculative_tokens": 3, "min_acceptance_length": 0}
                 if pruned:
                     spec["draft_vocab"] = path
                 name = f"self_draft_L{layers}" + ("_pruned" if pruned else "")
-                results[name] = compare(base.loaded, chat[:2] + copy[:2], spec, batch=1, **{**kw, "reps": max(1, args.reps - 1)})
+                record(name, compare(base.loaded, chat[:2] + copy[:2], spec, batch=1, **{**kw, "reps": max(1, args.reps - 1)}))
     results["load_after"] = os.getloadavg()[0]
     rows = [[k, v["off_tok_s"], v["on_tok_s"], f"{v['speedup']}x", v["mean_acceptance_length"]] for k, v in results.items() if isinstance(v, dict) and "speedup" in v]
     print(table(["case", "off tok/s", "on tok/s", "speedup", "mean acceptance length"], rows))
