@@ -1,7 +1,8 @@
 """CPU: speculative decoding against decoding without it, same engine, same run.
 
-Real SmolLM2-135M-Instruct, float32 (the exact mode), greedy; every speculative run's
-tokens are checked against the plain run's (speculation must not change greedy output).
+Real SmolLM2-135M-Instruct, float32 (the exact mode), greedy, each answer up to its EOS
+(at most ``--max-tokens``); every speculative run's tokens are checked against the plain
+run's (speculation must not change greedy output).
 Decode tokens/s counts the tokens after each request's first (the prompt's step is not
 decode) over the wall time of those steps. Off and on alternate, ``--reps`` times, and
 each figure is the median.
@@ -9,7 +10,7 @@ each figure is the median.
 - ``ngram`` on a workload that copies from its prompt (code edits, extraction, quoting):
   goal >= 1.8x decode tokens/s;
 - ``ngram`` on chat with little repetition: goal >= 0.95x (no loss);
-- a batch of four where one sequence never pays (three copy requests and one chat
+- a batch of four where one sequence pays little (three copy requests and one chat
   request) against the same batch without speculation: the adaptive switch-off must keep
   the bad sequence from slowing the batch;
 - ``self_draft`` (the target's first layers) with and without a pruned draft vocabulary
@@ -57,11 +58,17 @@ TEXT = (
     "granite ramparts from which visitors can watch the tide, among the highest in Europe, rise by "
     "more than twelve metres."
 )
+# Code edits and extractions this model carries out by copying (checked by replaying the
+# n-gram lookup over its own outputs; a "copy, then translate" prompt of an earlier version
+# was dropped: the model translates the whole paragraph instead of copying it).
+TYPOS = TEXT.replace("busiest", "busyest").replace("travellers", "travelers").replace("merchants", "merchnts")
 COPY = [
     f"Rename the variable `items` to `products` in this code and show the full result:\n```python\n{CODE}```",
     f"Add a docstring to each function in this code and show the full result:\n```python\n{CODE}```",
-    f"Copy the following paragraph exactly, then translate its first sentence into French:\n\n{TEXT}",
+    f"Add a comment above each line of this code and show the full result:\n```python\n{CODE}```",
+    f"Add type hints to this code and show the full result:\n```python\n{CODE}```",
     f"Quote the sentence about the ramparts from this text, then summarise it:\n\n{TEXT}",
+    f"Fix the spelling mistakes in this paragraph and write it out in full:\n\n{TYPOS}",
 ]
 CHAT = [
     "Write a short story about a dragon who learns to paint.",
@@ -94,7 +101,7 @@ def engine(loaded, spec: dict | None, threads: int) -> LLM:
 
 def decode_run(eng: LLM, prompts: list[list[int]], max_tokens: int, batch: int) -> tuple[float, list[list[int]]]:
     """Decode tokens/s over ``prompts`` run ``batch`` at a time; and the tokens."""
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)  # the model's answer: up to EOS
     tokens: list[list[int]] = []
     n_decode, seconds = 0, 0.0
     for i in range(0, len(prompts), batch):
