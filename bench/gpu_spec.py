@@ -28,23 +28,11 @@ import time
 import torch
 
 from bench.common import hf_llama, ours_from_hf, table
+from bench.spec_bench import FreeDrafts
 from libs.engine import EngineConfig, LLM, SamplingParams
-from libs.engine.spec.proposer import Drafts
 
 TOKENS = 256
 PROMPT = 128
-
-
-class FreeDrafts:
-    """Drafts at no cost: the last token, ``max_drafts`` times."""
-
-    name = "free"
-
-    def propose(self, requests) -> Drafts:
-        return Drafts([[r.seq.token_ids[-1]] * r.max_drafts for r in requests])
-
-    def forget(self, seq_id: int) -> None:
-        pass
 
 
 def engine(loaded, k: int | None, max_batch: int) -> LLM:

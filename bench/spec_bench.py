@@ -13,6 +13,9 @@ each figure is the median.
 - a batch of four where one sequence pays little (three copy requests and one chat
   request) against the same batch without speculation: the adaptive switch-off must keep
   the bad sequence from slowing the batch;
+- what a verify step costs against a decode step, for k = 1, 2, 4, 8 (drafts from a
+  proposer that costs nothing, acceptance forced to 0: every step verifies ``k`` drafts
+  and emits one token), batch 1 (``verify_cost``);
 - ``self_draft`` (the target's first layers) with and without a pruned draft vocabulary
   (built with the documented count over the model's own generations): mean acceptance
   length, speedup, and the draft head's cost with and without pruning (ms per call).
@@ -34,6 +37,7 @@ import torch
 
 from bench.common import table
 from libs.engine import EngineConfig, LLM, SamplingParams
+from libs.engine.spec.proposer import Drafts
 from libs.engine.spec.vocab import DraftVocab, count_generations
 
 CODE = '''def total_price(items, tax_rate):
@@ -151,6 +155,42 @@ def compare(loaded, prompts, spec: dict, *, threads: int, max_tokens: int, batch
     return out
 
 
+class FreeDrafts:
+    """Drafts at no cost: the last token, ``max_drafts`` times (bench/gpu_spec.py's too)."""
+
+    name = "free"
+
+    def propose(self, requests) -> Drafts:
+        return Drafts([[r.seq.token_ids[-1]] * r.max_drafts for r in requests])
+
+    def forget(self, seq_id: int) -> None:
+        pass
+
+
+def verify_cost(loaded, prompt: list[int], threads: int, ks=(1, 2, 4, 8), tokens: int = 32, reps: int = 3) -> dict:
+    """Median ms per step of plain decoding and of verify steps with ``k`` drafts (all
+    rejected: one token per step either way), alternating, ``reps`` times."""
+    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+    engines = {"off": engine(loaded, None, threads)}
+    for k in ks:
+        engines[f"k{k}"] = engine(loaded, {"method": "ngram", "num_speculative_tokens": k, "forced_acceptance": 0.0, "min_acceptance_length": 0}, threads)
+        engines[f"k{k}"].spec.proposer = FreeDrafts()
+    times: dict[str, list[float]] = {name: [] for name in engines}
+    for _ in range(reps):
+        for name, eng in engines.items():
+            eng.add_request("v", prompt, params)
+            eng.step()  # the prompt
+            while eng.has_unfinished_requests():
+                t = time.perf_counter()
+                eng.step()
+                times[name].append(time.perf_counter() - t)
+    ms = {name: statistics.median(ts[:-1]) * 1e3 for name, ts in times.items()}  # (the last step cannot draft)
+    for eng in engines.values():
+        eng.close()
+    return {"decode_step_ms": round(ms["off"], 2), **{f"verify_k{k}_ms": round(ms[f"k{k}"], 2) for k in ks},
+            **{f"verify_k{k}_over_decode": round(ms[f"k{k}"] / ms["off"], 2) for k in ks}}
+
+
 def head_cost(loaded, vocab: DraftVocab, threads: int, reps: int = 50) -> dict:
     """ms per LM-head call of the draft at batch 1 and 8: full vocabulary vs pruned."""
     torch.set_num_threads(threads)
@@ -178,7 +218,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--vocab-size", type=int, default=8192)
     ap.add_argument("--self-draft-layers", type=int, nargs="+", default=[8, 16])
-    ap.add_argument("--only", nargs="*", default=None, help="run only these cases (copy, chat, mixed, self_draft)")
+    ap.add_argument("--only", nargs="*", default=None, help="run only these cases (copy, chat, mixed, verify_cost, self_draft)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -187,7 +227,7 @@ def main() -> None:
     enc = lambda msgs: [tok.encode_chat([{"role": "user", "content": m}]) for m in msgs]  # noqa: E731
     copy, chat = enc(COPY), enc(CHAT)
     ngram = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
-    want = set(args.only or ["copy", "chat", "mixed", "self_draft"])
+    want = set(args.only or ["copy", "chat", "mixed", "verify_cost", "self_draft"])
     results: dict = {
         "device": platform.processor() or platform.machine(), "threads": args.threads, "max_tokens": args.max_tokens,
         "reps": args.reps, "load_before": os.getloadavg()[0], "date": time.strftime("%Y-%m-%d %H:%M"),
@@ -209,6 +249,8 @@ def main() -> None:
     if "mixed" in want:
         record("ngram_mixed_batch", compare(base.loaded, copy[:3] + chat[:1], ngram, batch=4, **kw))
         record("ngram_chat_batch", compare(base.loaded, chat, ngram, batch=4, **kw))
+    if "verify_cost" in want:
+        record("verify_cost", verify_cost(base.loaded, copy[0], args.threads))
     if "self_draft" in want:
         t = time.perf_counter()
         counts = count_generations(base, VOCAB_PROMPTS, max_tokens=96, temperature=1.0, seed=0)
