@@ -224,7 +224,7 @@ async def handle(request: web.Request, kind: Kind) -> web.StreamResponse:
             await state.in_thread(lambda: _check_grammars(state, req))
         prompts = await state.in_thread(lambda: _tokenize(state, req))
         trace.tokenize_s = trace.elapsed()
-        limit = state.registry.max_model_len("decode")
+        limit = await state.registry.wait_for_max_model_len("decode", state.settings.retry_wait_s)
         if limit is None:
             raise no_decode_instance()
         budgets = [resolve_max_tokens(req, len(p.token_ids), limit, i) for i, p in enumerate(prompts)]

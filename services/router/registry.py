@@ -195,6 +195,20 @@ class Registry:
         lens = [i.info.max_model_len for i in self.live(role)]
         return max(lens) if lens else None
 
+    async def wait_for_max_model_len(self, role: Role, timeout: float) -> int | None:
+        """``max_model_len`` once a ``role`` instance is live, waiting up to ``timeout`` for one.
+
+        A router that just restarted knows no instance until their next heartbeat makes them
+        register again; a request arriving in that gap waits for them (a fault costs latency)
+        instead of getting a 503."""
+        deadline = asyncio.get_running_loop().time() + timeout
+        while (limit := self.max_model_len(role)) is None:
+            left = deadline - asyncio.get_running_loop().time()
+            if left <= 0:
+                return None
+            await self.wait_for_change(left)
+        return limit
+
     def describe(self) -> list[dict[str, Any]]:
         now, wall = self.clock(), self.wall_clock()
         return [i.describe(now, wall) for i in sorted(self.instances.values(), key=lambda i: (i.role, i.id))]

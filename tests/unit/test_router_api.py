@@ -3,6 +3,7 @@ prefill/decode instances behind it)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import AsyncIterator
 
@@ -380,11 +381,25 @@ async def test_malformed_bodies_are_400_and_the_router_stays_up(cluster: Cluster
 
 
 async def test_no_decode_instance_is_503() -> None:
-    c = await start_cluster(decodes=0)
+    c = await start_cluster(decodes=0, retry_wait_s=0.3)
     try:
         with pytest.raises(openai.InternalServerError) as exc:
             await c.openai().completions.create(model=MODEL, prompt="x", max_tokens=1)
         assert exc.value.status_code == 503 and exc.value.code == "no_decode_instance"
         assert c.prefills[0].requests == []
+    finally:
+        await c.close()
+
+
+async def test_a_request_waits_for_a_decode_instance_to_register() -> None:
+    """A router that just restarted knows no decode until its next heartbeat: the request waits."""
+    c = await start_cluster(decodes=0, retry_wait_s=5.0)
+    try:
+        pending = asyncio.create_task(c.openai().completions.create(model=MODEL, prompt="x", max_tokens=1))
+        await asyncio.sleep(0.5)
+        assert not pending.done()
+        await c.add_decode()
+        r = await asyncio.wait_for(pending, 5.0)
+        assert r.choices[0].text == script_text(0, 1)
     finally:
         await c.close()
