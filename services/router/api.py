@@ -361,6 +361,18 @@ def _stop(value: Any) -> tuple[str, ...]:
     return tuple(dict.fromkeys(stops))
 
 
+def prompt_too_long(req: GenerateRequest, max_model_len: int, prompt_index: int, size: str) -> ApiError:
+    """The 400 for a prompt of ``size`` (its length, in words) that leaves no room for a completion."""
+    where = "" if req.num_prompts == 1 else f" (prompt {prompt_index})"
+    return ApiError(
+        400,
+        f"This model's maximum context length is {max_model_len} tokens; the prompt{where} has {size}, "
+        "leaving no room for a completion.",
+        code="context_length_exceeded",
+        param="messages" if req.kind == "chat" else "prompt",
+    )
+
+
 def resolve_max_tokens(req: GenerateRequest, prompt_len: int, max_model_len: int, prompt_index: int = 0) -> int:
     """The completion budget of one prompt, or a 400 when the prompt does not fit.
 
@@ -368,17 +380,9 @@ def resolve_max_tokens(req: GenerateRequest, prompt_len: int, max_model_len: int
     token. An explicit ``max_tokens`` that does not fit is an error (the client asked for
     more than the model can give); the defaults are capped to what is left.
     """
-    param = "messages" if req.kind == "chat" else "prompt"
     room = max_model_len - prompt_len
     if room < 1:
-        where = "" if req.num_prompts == 1 else f" (prompt {prompt_index})"
-        raise ApiError(
-            400,
-            f"This model's maximum context length is {max_model_len} tokens; the prompt{where} has "
-            f"{prompt_len} tokens, leaving no room for a completion.",
-            code="context_length_exceeded",
-            param=param,
-        )
+        raise prompt_too_long(req, max_model_len, prompt_index, f"{prompt_len} tokens")
     if req.max_tokens is not None:
         if req.max_tokens > room:
             raise ApiError(

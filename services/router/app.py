@@ -165,9 +165,24 @@ def create_router_app(settings: RouterSettings, tokenizer: Tokenizer | None = No
             "prefill_threshold_tokens": settings.prefill_threshold_tokens,
             "cache_store_url": settings.cache_store_url,
             "api_key_required": settings.api_key is not None,
+            "admission": {
+                "running": state.admission.running,
+                "waiting": state.admission.waiting,
+                "max_running": settings.max_running_requests,
+                "max_waiting": settings.max_waiting_requests,
+            },
+            "prepare": {"pending": state.executor.pending, "max_pending": settings.prepare_queue},
         }
 
-    app = create_app("router", settings, stats=stats, health=lambda: True, registry=metrics_registry)
+    RouterMetrics.watch_limits(metrics_registry, state.admission, state.executor)
+    app = create_app(
+        "router",
+        settings,
+        stats=stats,
+        health=lambda: True,
+        registry=metrics_registry,
+        client_max_size=settings.max_body_bytes,
+    )
     if settings.api_key is not None:
         app.middlewares.append(_auth_middleware(settings.api_key))
     app[STATE] = state
@@ -183,7 +198,7 @@ def create_router_app(settings: RouterSettings, tokenizer: Tokenizer | None = No
             reaper.cancel()
             await asyncio.gather(reaper, return_exceptions=True)
             await state.client.close()
-            state.executor.shutdown(wait=False, cancel_futures=True)
+            state.executor.shutdown()
 
     app.cleanup_ctx.append(lifecycle)
     app.router.add_post("/v1/completions", _completions)
