@@ -10,9 +10,15 @@ tokenizing step, still before anything is sent downstream.
 Rules worth knowing:
 
 - ``null`` means "not given" for every optional field, as in OpenAI's API.
-- Unknown fields are ignored (clients and SDKs send extras); known fields the router does
-  not implement are refused when they would change the result (``suffix``, ``logit_bias``,
-  ``tools``, non-text ``response_format``, ``best_of`` != ``n``, ``echo`` with ``logprobs``).
+- Every field is honoured or refused with a 400 naming it. A field no endpoint knows is
+  ``unknown_parameter`` (as OpenAI answers "Unrecognized request argument supplied");
+  known fields the router does not implement are ``unsupported_parameter`` when they
+  would change the result (``suffix``, ``logit_bias``, ``tools``, ``tool_choice``,
+  non-text ``response_format``, ``store``, ``best_of`` != ``n``, ``echo`` with
+  ``logprobs``) and accepted at their no-op value. The OpenAPI document (openapi.py)
+  lists the same fields.
+- Chat messages are checked as OpenAI checks them: roles, keys per role, content parts
+  (chat_messages.py).
 - Types are strict: ``"n": 2.0`` or ``"temperature": "0.5"`` is a 400, as is ``true`` for a
   number (JSON booleans are not numbers).
 - Completions default ``max_tokens`` to 16 (OpenAI's default, capped to the context left);
@@ -24,12 +30,13 @@ Rules worth knowing:
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from libs.protocol.messages import MAX_LOGPROBS, SamplingSpec
+from services.router.chat_messages import parse_messages
 from services.router.errors import ApiError, bad_request
+from services.router.fields import Fields, json_type, missing
 
 Kind = Literal["completion", "chat"]
 
@@ -107,75 +114,34 @@ def choice_seed(seed: int | None, index: int) -> int | None:
     return (seed + index) % 2**64
 
 
-class _Fields:
-    """Typed access to a JSON object's fields; every failure is a 400 naming the field."""
-
-    def __init__(self, body: dict[str, Any]) -> None:
-        self.body = body
-
-    def raw(self, name: str) -> Any:
-        return self.body.get(name)
-
-    def given(self, name: str) -> bool:
-        return self.body.get(name) is not None
-
-    def _typed(self, name: str, py_type: type, label: str) -> Any:
-        """The field's value (None when absent or null), which must be exactly ``py_type``."""
-        value = self.body.get(name)
-        if value is not None and type(value) is not py_type:
-            raise bad_request(f"'{name}' must be {label}, got {_json_type(value)}", name, "invalid_type")
-        return value
-
-    def integer(self, name: str, default: int | None, lo: int | None = None, hi: int | None = None) -> int | None:
-        value = self._typed(name, int, "an integer")
-        if value is None:
-            return default
-        if (lo is not None and value < lo) or (hi is not None and value > hi):
-            raise bad_request(f"'{name}' must be in [{_bound(lo)}, {_bound(hi)}], got {value}", name)
-        return value
-
-    def number(self, name: str, default: float, lo: float, hi: float, *, lo_open: bool = False) -> float:
-        value = self.body.get(name)
-        if value is None:
-            return default
-        if type(value) not in (int, float):
-            raise bad_request(f"'{name}' must be a number, got {_json_type(value)}", name, "invalid_type")
-        value = float(value)
-        below = value <= lo if lo_open else value < lo
-        if not math.isfinite(value) or below or value > hi:
-            interval = f"({lo}, {hi}]" if lo_open else f"[{lo}, {hi}]"
-            raise bad_request(f"'{name}' must be in {interval}, got {value}", name)
-        return value
-
-    def boolean(self, name: str, default: bool) -> bool:
-        value = self._typed(name, bool, "a boolean")
-        return default if value is None else value
-
-    def string(self, name: str, default: str | None) -> str | None:
-        value = self._typed(name, str, "a string")
-        return default if value is None else value
-
-    def obj(self, name: str) -> "_Fields":
-        return _Fields(self._typed(name, dict, "an object") or {})
-
-
-def _json_type(value: Any) -> str:
-    if value is None:
-        return "null"
-    return {bool: "boolean", int: "integer", float: "number", str: "string", list: "array", dict: "object"}.get(
-        type(value), type(value).__name__
-    )
-
-
-def _bound(value: int | None) -> str:
-    return "-inf" if value is None else str(value)
+# Every field each endpoint reads; any other is a 400 naming it (fields.py). Fields the
+# server cannot honour are listed too, and refused with a 400 unless they hold their
+# no-op value (an empty ``tools``, ``"response_format": {"type": "text"}``, ...).
+COMMON_FIELDS = frozenset(
+    {
+        "model", "n", "stream", "stream_options", "max_tokens", "stop", "temperature", "top_p",
+        "presence_penalty", "frequency_penalty", "seed", "logprobs", "logit_bias", "user",
+        # vLLM's sampling extensions
+        "top_k", "min_p", "repetition_penalty", "ignore_eos", "min_tokens", "stop_token_ids",
+        # Tidepool's own
+        "tidepool",
+    }
+)  # fmt: skip
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "suffix", "best_of"}
+CHAT_FIELDS = COMMON_FIELDS | {
+    "messages", "max_completion_tokens", "top_logprobs", "response_format", "tools", "tool_choice",
+    "parallel_tool_calls", "functions", "function_call", "store", "modalities",
+}  # fmt: skip
+STREAM_OPTIONS_FIELDS = frozenset({"include_usage"})
+TIDEPOOL_FIELDS = frozenset({"trace"})
 
 
 def parse_request(body: Any, kind: Kind, *, served_model: str, vocab_size: int) -> GenerateRequest:
     """Validate a decoded JSON body of ``kind``; raise :class:`ApiError` naming the problem."""
     if type(body) is not dict:
-        raise bad_request(f"the request body must be a JSON object, got {_json_type(body)}", None, "invalid_type")
-    f = _Fields(body)
+        raise bad_request(f"the request body must be a JSON object, got {json_type(body)}", None, "invalid_type")
+    f = Fields(body)
+    f.only(CHAT_FIELDS if kind == "chat" else COMPLETION_FIELDS)
     model = f.string("model", served_model)
     if model != served_model:
         raise ApiError(404, f"The model `{model}` does not exist.", code="model_not_found", param="model")
@@ -184,14 +150,16 @@ def parse_request(body: Any, kind: Kind, *, served_model: str, vocab_size: int) 
     assert n is not None
     stream = f.boolean("stream", False)
     options = f.obj("stream_options")
+    options.only(STREAM_OPTIONS_FIELDS)
     if f.given("stream_options") and not stream:
         raise bad_request("'stream_options' is only allowed when 'stream' is true", "stream_options")
     include_usage = options.boolean("include_usage", False)
     ext = f.obj("tidepool")
+    ext.only(TIDEPOOL_FIELDS)
     want_trace = ext.boolean("trace", False)
 
     if kind == "chat":
-        messages = _messages(f)
+        messages = parse_messages(f.raw("messages"))
         prompts: tuple[str | tuple[int, ...], ...] = ()
         max_tokens = f.integer("max_completion_tokens", None, 1)
         if max_tokens is None:
@@ -257,22 +225,7 @@ def parse_request(body: Any, kind: Kind, *, served_model: str, vocab_size: int) 
     )
 
 
-def _messages(f: _Fields) -> tuple[dict[str, Any], ...]:
-    """Shape checks only; roles and content parts are checked when the template renders."""
-    messages = f.raw("messages")
-    if messages is None:
-        raise bad_request("'messages' is required", "messages", "missing_required_parameter")
-    if type(messages) is not list:
-        raise bad_request(f"'messages' must be an array, got {_json_type(messages)}", "messages", "invalid_type")
-    if not messages:
-        raise bad_request("'messages' must not be empty", "messages")
-    for i, m in enumerate(messages):
-        if type(m) is not dict:
-            raise bad_request(f"'messages[{i}]' must be an object, got {_json_type(m)}", f"messages[{i}]", "invalid_type")
-    return tuple(messages)
-
-
-def _chat_logprobs(f: _Fields) -> int | None:
+def _chat_logprobs(f: Fields) -> int | None:
     """Chat: ``logprobs: true`` turns them on, ``top_logprobs: k`` adds k alternatives."""
     enabled = f.boolean("logprobs", False)
     top = f.integer("top_logprobs", None, 0, MAX_LOGPROBS)
@@ -283,38 +236,47 @@ def _chat_logprobs(f: _Fields) -> int | None:
     return top or 0
 
 
-def _refuse_chat_extras(f: _Fields) -> None:
+def _refuse_chat_extras(f: Fields) -> None:
+    """OpenAI chat fields this server cannot honour: a 400 unless they hold their no-op value."""
     for name in ("tools", "functions"):
-        value = f.raw(name)
-        if value not in (None, []):
+        value = f.array(name)
+        if value:
             raise bad_request(f"'{name}' (tool calling) is not supported", name, "unsupported_parameter")
-    fmt = f.raw("response_format")
-    if fmt is not None:
-        if type(fmt) is not dict:
-            raise bad_request("'response_format' must be an object", "response_format", "invalid_type")
-        if fmt.get("type", "text") != "text":
+    for name in ("tool_choice", "function_call"):
+        value = f.raw(name)
+        if value is not None and value != "none":
+            if type(value) not in (str, dict):
+                raise bad_request(f"'{name}' must be a string or an object, got {json_type(value)}", name, "invalid_type")
+            raise bad_request(f"'{name}' (tool calling) is not supported", name, "unsupported_parameter")
+    f.boolean("parallel_tool_calls", True)  # no tools, so no calls to run in parallel
+    if f.boolean("store", False):
+        raise bad_request("'store' is not supported (this server keeps no completions)", "store", "unsupported_parameter")
+    modalities = f.array("modalities")
+    if modalities is not None and modalities != ["text"]:
+        raise bad_request("only 'modalities': [\"text\"] is supported", "modalities", "unsupported_parameter")
+    fmt = f.obj("response_format")
+    if f.given("response_format"):
+        if fmt.required_string("type") != "text":
             raise bad_request(
                 "only 'response_format': {\"type\": \"text\"} is supported", "response_format", "unsupported_parameter"
             )
+        fmt.only({"type"})
 
 
-def _refuse_logit_bias(f: _Fields) -> None:
-    bias = f.raw("logit_bias")
-    if bias is None or bias == {}:
+def _refuse_logit_bias(f: Fields) -> None:
+    if not f.obj("logit_bias").body:
         return
-    if type(bias) is not dict:
-        raise bad_request("'logit_bias' must be an object", "logit_bias", "invalid_type")
     raise bad_request("'logit_bias' is not supported", "logit_bias", "unsupported_parameter")
 
 
 def _prompts(value: Any, vocab_size: int) -> tuple[str | tuple[int, ...], ...]:
     """A string, a list of strings, a list of token ids, or a list of lists of token ids."""
     if value is None:
-        raise bad_request("'prompt' is required", "prompt", "missing_required_parameter")
+        raise missing("prompt")
     if type(value) is str:
         return (value,)
     if type(value) is not list:
-        raise bad_request(f"'prompt' must be a string or an array, got {_json_type(value)}", "prompt", "invalid_type")
+        raise bad_request(f"'prompt' must be a string or an array, got {json_type(value)}", "prompt", "invalid_type")
     if not value:
         raise bad_request("'prompt' must not be an empty array", "prompt")
     if all(type(v) is str for v in value):
@@ -334,12 +296,12 @@ def _token_ids(value: Any, name: str, vocab_size: int, *, allow_empty: bool = Fa
     if value is None and allow_empty:
         return ()
     if type(value) is not list:
-        raise bad_request(f"'{name}' must be an array of token ids, got {_json_type(value)}", name, "invalid_type")
+        raise bad_request(f"'{name}' must be an array of token ids, got {json_type(value)}", name, "invalid_type")
     if not value and not allow_empty:
         raise bad_request(f"'{name}' must not be empty", name)
     for i, t in enumerate(value):
         if type(t) is not int:
-            raise bad_request(f"'{name}[{i}]' must be an integer token id, got {_json_type(t)}", name, "invalid_type")
+            raise bad_request(f"'{name}[{i}]' must be an integer token id, got {json_type(t)}", name, "invalid_type")
         if not 0 <= t < vocab_size:
             raise bad_request(f"'{name}[{i}]' = {t} is not a token id (vocabulary size {vocab_size})", name)
     return tuple(value)
@@ -350,12 +312,12 @@ def _stop(value: Any) -> tuple[str, ...]:
         return ()
     stops = [value] if type(value) is str else value
     if type(stops) is not list:
-        raise bad_request(f"'stop' must be a string or an array of strings, got {_json_type(value)}", "stop", "invalid_type")
+        raise bad_request(f"'stop' must be a string or an array of strings, got {json_type(value)}", "stop", "invalid_type")
     if len(stops) > MAX_STOP_STRINGS:
         raise bad_request(f"'stop' has {len(stops)} strings, at most {MAX_STOP_STRINGS}", "stop")
     for s in stops:
         if type(s) is not str:
-            raise bad_request(f"'stop' entries must be strings, got {_json_type(s)}", "stop", "invalid_type")
+            raise bad_request(f"'stop' entries must be strings, got {json_type(s)}", "stop", "invalid_type")
         if not s:
             raise bad_request("'stop' strings must not be empty", "stop")
     return tuple(dict.fromkeys(stops))

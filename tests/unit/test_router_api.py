@@ -305,8 +305,8 @@ async def test_out_of_range_values_are_400(cluster: Cluster, extra: dict, param:
         ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs=true
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ({"messages": []}, "messages"),
-        ({"messages": [{"role": 5, "content": "x"}]}, "messages"),
-        ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
+        ({"messages": [{"role": 5, "content": "x"}]}, "messages[0].role"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0].type"),
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         ({"response_format": {"type": "json_object"}}, "response_format"),
     ],
@@ -352,7 +352,7 @@ async def test_unknown_model_is_404(cluster: Cluster) -> None:
         (b'{"prompt": ""}', "prompt"),
         (b'{}', "prompt"),
         (b'{"prompt": "x", "model": 7}', "model"),
-        (b'{"prompt": "x", "tidepool": {"trace": "yes"}}', "trace"),
+        (b'{"prompt": "x", "tidepool": {"trace": "yes"}}', "tidepool.trace"),
         (b'\xff\xfe', None),
     ],
 )
