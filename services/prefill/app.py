@@ -25,7 +25,7 @@ from libs.engine import InvalidRequestError
 from libs.kvpool.pool import PoolError
 from libs.protocol import msgpack_response, read_message
 from libs.protocol.messages import PrefillRequest, PrefillResult
-from services.worker.app import RUNTIME, rejected
+from services.worker.app import RUNTIME, full, rejected
 from services.worker.convert import sampling_params, wire_logprob
 from services.worker.runtime import WorkerRuntime
 from services.worker.transfer import LoadResult, load_blocks, store_blocks
@@ -35,6 +35,9 @@ log = logging.getLogger(__name__)
 
 async def handle_prefill(request: web.Request) -> web.Response:
     rt: WorkerRuntime = request.app[RUNTIME]
+    refused = full(rt)
+    if refused is not None:
+        return refused
     msg = await read_message(request, PrefillRequest)
     t0 = time.perf_counter()
     prompt = msg.prompt_token_ids

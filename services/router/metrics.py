@@ -84,6 +84,7 @@ class RouterMetrics:
     registrations: Counter
     instances_dropped: Counter
     overloaded: Counter
+    instance_full: Counter
 
     @classmethod
     def create(cls, registry: CollectorRegistry, instances: Registry) -> "RouterMetrics":
@@ -107,6 +108,7 @@ class RouterMetrics:
             handoff=Histogram("tidepool_router_handoff_seconds", "prefill's pool write time + decode's pool load time", buckets=_LATENCY, registry=registry),
             registrations=Counter("tidepool_router_registrations", "instance registrations, by role", ["role"], registry=registry),
             instances_dropped=Counter("tidepool_router_instances_dropped", "instances dropped for missed heartbeats, by role", ["role"], registry=registry),
+            instance_full=Counter("tidepool_router_instance_full", "429s from instances at their queue bound, by role", ["role"], registry=registry),
             overloaded=Counter("tidepool_router_overloaded", "requests answered 429, by reason (queue_full, queue_timeout, router_busy, instances_full)", ["reason"], registry=registry),
         )
 

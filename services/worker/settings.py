@@ -39,10 +39,18 @@ class WorkerSettings(BaseSettings):
     instance_id: str | None = setting(None, help="stable id for this instance; default: random")
     heartbeat_s: float = setting(1.0, help="seconds between heartbeats to the router")
     load_timeout_s: float = setting(10.0, help="longest wait for pool reads or staging before recomputing instead")
+    max_queue_depth: int = setting(
+        256,
+        help="requests this instance holds at once (running, waiting and loading: its queue_depth); "
+        "past it a new one gets 429 with Retry-After and the router places it elsewhere or waits",
+    )
+    retry_after_s: int = setting(1, help="the Retry-After (seconds) of a 429")
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.threads < 1:
             raise ValueError("threads must be >= 1")
+        if self.max_queue_depth < 1 or self.retry_after_s < 1:
+            raise ValueError("max_queue_depth and retry_after_s must be >= 1")
         if self.heartbeat_s <= 0 or self.load_timeout_s <= 0:
             raise ValueError("heartbeat_s and load_timeout_s must be > 0")
