@@ -11,8 +11,10 @@
 =================================  =============================================================
 
 With ``api_key`` set, every ``/v1/`` route needs ``Authorization: Bearer <key>`` (401
-otherwise). The internal routes are not behind it: instances do not hold the client key,
-and like every service the router binds to localhost unless told otherwise.
+otherwise), compared in constant time. The internal routes are not behind it: instances
+do not hold the client key. They are behind the services' shared ``internal_token``
+when one is set (services/common/app.py), and like every service the router binds to
+localhost unless told otherwise.
 """
 
 from __future__ import annotations
@@ -182,6 +184,7 @@ def create_router_app(settings: RouterSettings, tokenizer: Tokenizer | None = No
         health=lambda: True,
         registry=metrics_registry,
         client_max_size=settings.max_body_bytes,
+        internal=lambda path: path.startswith("/internal/"),
     )
     if settings.api_key is not None:
         app.middlewares.append(_auth_middleware(settings.api_key))

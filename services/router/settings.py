@@ -21,7 +21,7 @@ class RouterSettings(BaseSettings):
         None, help="the model name clients send and /v1/models lists; default: the model's own name"
     )
     api_key: str | None = setting(
-        None, help="require 'Authorization: Bearer <key>' on the /v1 API (401 otherwise); none: open"
+        None, help="require 'Authorization: Bearer <key>' on the /v1 API (401 otherwise); none: open", secret=True
     )
     heartbeat_timeout_s: float = setting(
         5.0, help="an instance without a heartbeat for this long is dropped (instances beat every ~1 s)"

@@ -24,7 +24,7 @@ from libs.kvpool.codec import BlockCodec
 from libs.kvpool.config import PoolConfig
 from libs.kvpool.redis_pool import RedisPool
 from libs.kvpool.writer import AsyncWriter
-from libs.protocol import encode
+from libs.protocol import encode, internal_headers
 from libs.protocol.messages import Heartbeat, RegisterInstance
 from services.common import configure_torch_threads
 from services.worker.settings import WorkerSettings
@@ -146,7 +146,9 @@ class WorkerRuntime:
         if self.url is None and app_url is not None:
             self.url = app_url
         if self.settings.router_url:
-            self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5))
+            self._http = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=5), headers=internal_headers(self.settings.internal_token)
+            )
             self._tasks.append(asyncio.create_task(self._heartbeat_loop(), name="heartbeat"))
 
     async def stop(self) -> None:
@@ -222,6 +224,9 @@ class WorkerRuntime:
                     self.registered = 200 <= status < 300
                     if self.registered:
                         log.info("registered with router %s as %s", self.settings.router_url, self.instance_id)
+                    elif status == 401:
+                        log.error("the router refused this instance's internal token: set the same "
+                                  "TIDEPOOL_INTERNAL_TOKEN on every service")
                 else:
                     status = await self._post("/internal/v1/heartbeat", encode(self.heartbeat()))
                     if status == 404:

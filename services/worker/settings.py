@@ -31,7 +31,7 @@ class WorkerSettings(BaseSettings):
     swap_buffers: int = setting(8, help="staging buffers for pool transfers (bounds concurrent handoffs)")
     swap_max_blocks: int = setting(64, help="blocks per staging buffer")
     redis_url: str = setting("redis://127.0.0.1:6379/0", help="the pool's Redis")
-    redis_password: str | None = setting(None, help="Redis password")
+    redis_password: str | None = setting(None, help="Redis password (prefer the env variable)", secret=True)
     key_prefix: str = setting("tidepool", help="prefix of every pool key in Redis")
     pool_workers: int = setting(4, help="concurrent pool write pipelines")
     router_url: str | None = setting(None, help="router to register with (heartbeats every heartbeat_s); none: standalone")
