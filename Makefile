@@ -7,7 +7,7 @@ STAMP := $(VENV)/.tidepool-installed
 PYTEST_FLAGS ?= -q
 export PYTHON VENV
 
-.PHONY: install system run test unit integration test-gpu bench clean
+.PHONY: install system run test unit integration fuzz test-gpu bench clean
 
 install: $(STAMP) system
 
@@ -29,6 +29,11 @@ unit: install
 
 integration: install
 	$(PY) -m pytest $(PYTEST_FLAGS) tests/integration
+
+# The long fuzzing run (make test runs a shorter one): 10,000 schemathesis requests against
+# the router's OpenAPI document, and Hypothesis on the internal msgpack endpoints.
+fuzz: install
+	TIDEPOOL_FUZZ_REQUESTS=10000 TIDEPOOL_FUZZ_EXAMPLES=2000 $(PY) -m pytest $(PYTEST_FLAGS) -p no:cacheprovider tests/integration/test_fuzz_router.py tests/integration/test_fuzz_internal.py
 
 test-gpu: install
 	$(PY) -m pytest $(PYTEST_FLAGS) tests/gpu

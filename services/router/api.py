@@ -19,8 +19,8 @@ Rules worth knowing:
   lists the same fields.
 - Chat messages are checked as OpenAI checks them: roles, keys per role, content parts
   (chat_messages.py).
-- Types are strict: ``"n": 2.0`` or ``"temperature": "0.5"`` is a 400, as is ``true`` for a
-  number (JSON booleans are not numbers).
+- Types are JSON's: ``"temperature": "0.5"`` is a 400, as is ``true`` for a number (JSON
+  booleans are not numbers) and ``"n": 2.5``; ``"n": 2.0`` is 2 (fields.py).
 - Completions default ``max_tokens`` to 16 (OpenAI's default, capped to the context left);
   chat defaults to the whole context left.
 - vLLM extensions: ``top_k`` (-1 or 0 = off), ``min_p``, ``repetition_penalty``,
@@ -36,7 +36,7 @@ from typing import Any, Literal
 from libs.protocol.messages import MAX_LOGPROBS, SamplingSpec
 from services.router.chat_messages import parse_messages
 from services.router.errors import ApiError, bad_request
-from services.router.fields import Fields, json_type, missing
+from services.router.fields import Fields, as_int, json_type, missing
 
 Kind = Literal["completion", "chat"]
 
@@ -44,7 +44,8 @@ MAX_N = 128
 MAX_CHOICES = 1024  # prompts x n in one request
 MAX_STOP_STRINGS = 32
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
-_SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+TOP_K_MAX = 2**31 - 1  # larger means "keep every token" anyway; bounded so it fits every integer type downstream
 
 
 @dataclass(frozen=True)
@@ -191,7 +192,7 @@ def parse_request(body: Any, kind: Kind, *, served_model: str, vocab_size: int) 
     if num_prompts * n > MAX_CHOICES:
         raise bad_request(f"{num_prompts} prompts x n={n} exceeds {MAX_CHOICES} choices per request", "n")
 
-    top_k = f.integer("top_k", -1, -1)
+    top_k = f.integer("top_k", -1, -1, TOP_K_MAX)
     assert top_k is not None
     min_tokens = f.integer("min_tokens", 0, 0)
     assert min_tokens is not None
@@ -216,7 +217,7 @@ def parse_request(body: Any, kind: Kind, *, served_model: str, vocab_size: int) 
         presence_penalty=f.number("presence_penalty", 0.0, -2.0, 2.0),
         frequency_penalty=f.number("frequency_penalty", 0.0, -2.0, 2.0),
         repetition_penalty=f.number("repetition_penalty", 1.0, 0.0, 10.0, lo_open=True),
-        seed=f.integer("seed", None, _SEED_MIN, _SEED_MAX),
+        seed=f.integer("seed", None, SEED_MIN, SEED_MAX),
         ignore_eos=f.boolean("ignore_eos", False),
         logprobs=logprobs,
         echo=echo,
@@ -281,7 +282,7 @@ def _prompts(value: Any, vocab_size: int) -> tuple[str | tuple[int, ...], ...]:
         raise bad_request("'prompt' must not be an empty array", "prompt")
     if all(type(v) is str for v in value):
         return tuple(value)
-    if all(type(v) is int for v in value):
+    if all(as_int(v) is not None for v in value):
         return (_token_ids(value, "prompt", vocab_size),)
     if all(type(v) is list for v in value):
         return tuple(_token_ids(v, f"prompt[{i}]", vocab_size) for i, v in enumerate(value))
@@ -299,12 +300,13 @@ def _token_ids(value: Any, name: str, vocab_size: int, *, allow_empty: bool = Fa
         raise bad_request(f"'{name}' must be an array of token ids, got {json_type(value)}", name, "invalid_type")
     if not value and not allow_empty:
         raise bad_request(f"'{name}' must not be empty", name)
-    for i, t in enumerate(value):
-        if type(t) is not int:
-            raise bad_request(f"'{name}[{i}]' must be an integer token id, got {json_type(t)}", name, "invalid_type")
+    ids = [as_int(t) for t in value]
+    for i, t in enumerate(ids):
+        if t is None:
+            raise bad_request(f"'{name}[{i}]' must be an integer token id, got {json_type(value[i])}", name, "invalid_type")
         if not 0 <= t < vocab_size:
             raise bad_request(f"'{name}[{i}]' = {t} is not a token id (vocabulary size {vocab_size})", name)
-    return tuple(value)
+    return tuple(ids)  # type: ignore[arg-type]
 
 
 def _stop(value: Any) -> tuple[str, ...]:

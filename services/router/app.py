@@ -5,6 +5,7 @@
 ``POST /v1/chat/completions``      OpenAI chat completions (generate.py)
 ``GET /v1/models``                 the served model
 ``GET /v1/workers``                registered instances: role, url, load, last seen, usable
+``GET /openapi.json``              the OpenAPI document of the public API (openapi.py)
 ``POST /internal/v1/register``     ``RegisterInstance`` -> ``InstanceAck`` (msgpack)
 ``POST /internal/v1/heartbeat``    ``Heartbeat`` -> ``InstanceAck``; 404 from an unknown instance
 ``GET /health /metrics /stats``    services/common
@@ -36,6 +37,7 @@ from services.router.detok import TokenRenderer
 from services.router.errors import ApiError
 from services.router.generate import handle
 from services.router.metrics import RouterMetrics
+from services.router.openapi import openapi_document
 from services.router.registry import Registry
 from services.router.settings import RouterSettings
 from services.router.state import STATE, RouterState
@@ -208,6 +210,12 @@ def create_router_app(settings: RouterSettings, tokenizer: Tokenizer | None = No
     app.router.add_post("/v1/chat/completions", _chat)
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/v1/workers", _workers)
+    document = openapi_document(served_model=served, vocab_size=tokenizer.vocab_size, api_key=settings.api_key is not None)
+
+    async def openapi(request: web.Request) -> web.Response:
+        return web.json_response(document)
+
+    app.router.add_get("/openapi.json", openapi)
     app.router.add_post("/internal/v1/register", _register)
     app.router.add_post("/internal/v1/heartbeat", _heartbeat)
     return app

@@ -99,7 +99,8 @@ def _message(value: Any, path: str) -> dict[str, Any]:
 
 def _refuse_tool_calls(f: Fields) -> None:
     for key in ("tool_calls", "function_call", "audio"):
-        if f.raw(key) not in (None, []):
+        value = f.raw(key)
+        if value is not None and not (key == "tool_calls" and value == []):
             what = "audio" if key == "audio" else "tool calling"
             raise bad_request(f"'{f.name(key)}' ({what}) is not supported", f.name(key), "unsupported_parameter")
 

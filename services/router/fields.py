@@ -4,8 +4,9 @@ The API's validation (api.py, chat_messages.py) reads bodies only through :class
 so the rules are the same everywhere:
 
 - ``null`` means "not given";
-- types are strict: ``2.0`` is not an integer, ``true`` is not a number, ``"0.5"`` is not a
-  number;
+- types are JSON's: ``true`` is not a number, ``"0.5"`` is not a number, ``2.5`` is not an
+  integer; ``2.0`` is the integer 2, as JSON (and JSON Schema, so the OpenAPI document)
+  defines numbers by value, whatever their spelling;
 - the error's ``param`` is the field's path (``stream_options.include_usage``,
   ``messages[2].content[0].text``), as far as the client needs to find it;
 - an object's keys must all be known (:meth:`Fields.only`): an unknown one is a 400 naming
@@ -37,6 +38,15 @@ def _bound(value: int | None) -> str:
 def missing(name: str) -> ApiError:
     """The 400 for a required field that is absent or null, worded as OpenAI words it."""
     return bad_request(f"Missing required parameter: '{name}'.", name, "missing_required_parameter")
+
+
+def as_int(value: Any) -> int | None:
+    """``value`` as an integer if it is one by JSON's rules (``2`` or ``2.0``), else None."""
+    if type(value) is int:
+        return value
+    if type(value) is float and value.is_integer():
+        return int(value)
+    return None
 
 
 class Fields:
@@ -79,9 +89,13 @@ class Fields:
         return value
 
     def integer(self, field: str, default: int | None, lo: int | None = None, hi: int | None = None) -> int | None:
-        value = self._typed(field, int, "an integer")
-        if value is None:
+        raw = self.body.get(field)
+        if raw is None:
             return default
+        value = as_int(raw)
+        if value is None:
+            name = self.name(field)
+            raise bad_request(f"'{name}' must be an integer, got {json_type(raw)} {raw!r}", name, "invalid_type")
         if (lo is not None and value < lo) or (hi is not None and value > hi):
             name = self.name(field)
             raise bad_request(f"'{name}' must be in [{_bound(lo)}, {_bound(hi)}], got {value}", name)

@@ -340,7 +340,7 @@ async def test_unknown_model_is_404(cluster: Cluster) -> None:
         (b"{not json", None),
         (b"[1, 2]", None),
         (b'{"prompt": "x", "max_tokens": "5"}', "max_tokens"),
-        (b'{"prompt": "x", "n": 2.0}', "n"),
+        (b'{"prompt": "x", "n": 2.5}', "n"),
         (b'{"prompt": "x", "temperature": "hot"}', "temperature"),
         (b'{"prompt": "x", "temperature": true}', "temperature"),
         (b'{"prompt": "x", "stream": "yes"}', "stream"),

@@ -190,12 +190,12 @@ async def test_a_full_prefill_costs_only_the_handoff() -> None:
     c = await start_cluster()
     try:
         c.prefills[0].status = 429
+        await c.prefills[0].stop_heartbeats()  # no heartbeat clears its full mark (it stays live 2 s)
         client = c.openai()
         r = await client.completions.create(model=MODEL, prompt=long_prompt(), max_tokens=3, extra_body={"tidepool": {"trace": True}})
         assert r.choices[0].text == script_text(0, 3)
         assert (await c.metrics())['tidepool_router_instance_full_total{role="prefill"}'] == 1
         assert c.decodes[0].requests[-1].first_token_id is None  # decode computed the prompt
-        await c.prefills[0].stop_heartbeats()  # no heartbeat: it stays marked full
         await client.completions.create(model=MODEL, prompt=long_prompt(), max_tokens=3)
         assert len(c.prefills[0].requests) == 1  # not tried again while full
     finally:

@@ -166,3 +166,12 @@ def test_every_field_listed_is_read() -> None:
             body = {**base, "stream": True, name: wrong.get(name, {"not": "valid"})}
             err = refused(body, kind)
             assert err.param is not None and err.param.split(".")[0].split("[")[0] == name, (kind, name, err.message)
+
+
+def test_integers_are_json_numbers_by_value() -> None:
+    """``2.0`` is the integer 2 in JSON (and in JSON Schema, hence in /openapi.json)."""
+    req = parse_request({"prompt": [1.0, 2], "n": 2.0, "max_tokens": 3.0, "stop_token_ids": [7.0]}, "completion", served_model=MODEL, vocab_size=49152)
+    assert (req.prompts, req.n, req.max_tokens, req.stop_token_ids) == (((1, 2),), 2, 3, (7,))
+    assert type(req.n) is int and all(type(t) is int for t in req.prompts[0])
+    assert refused({"prompt": "x", "n": 2.5}, "completion").param == "n"
+    assert refused({"prompt": [1.5]}, "completion").param == "prompt"
