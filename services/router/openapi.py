@@ -228,13 +228,18 @@ def _response(obj: str, choice: Schema) -> Schema:
 FINISH = {"enum": ["stop", "length", None]}
 
 
-def completion_response() -> Schema:
-    choice = {
+def _choice(name: str, schema: Schema) -> Schema:
+    """A choice carrying its output as ``name`` (text, message or delta)."""
+    return {
         "type": "object",
-        "required": ["index", "text", "finish_reason"],
-        "properties": {"index": integer(0), "text": STRING, "logprobs": nullable({"type": "object"}), "finish_reason": FINISH},
+        "required": ["index", name, "finish_reason"],
+        "properties": {"index": integer(0), name: schema, "logprobs": nullable({"type": "object"}), "finish_reason": FINISH},
     }
-    return _response("text_completion", choice)
+
+
+def completion_response() -> Schema:
+    """A whole completion, and equally each streamed chunk (OpenAI uses one shape for both)."""
+    return _response("text_completion", _choice("text", STRING))
 
 
 def chat_response() -> Schema:
@@ -243,31 +248,12 @@ def chat_response() -> Schema:
         "required": ["role", "content"],
         "properties": {"role": {"const": "assistant"}, "content": nullable(STRING)},
     }
-    choice = {
-        "type": "object",
-        "required": ["index", "message", "finish_reason"],
-        "properties": {"index": integer(0), "message": message, "logprobs": nullable({"type": "object"}), "finish_reason": FINISH},
-    }
-    return _response("chat.completion", choice)
-
-
-def completion_chunk() -> Schema:
-    choice = {
-        "type": "object",
-        "required": ["index", "text", "finish_reason"],
-        "properties": {"index": integer(0), "text": STRING, "logprobs": nullable({"type": "object"}), "finish_reason": FINISH},
-    }
-    return _response("text_completion", choice)
+    return _response("chat.completion", _choice("message", message))
 
 
 def chat_chunk() -> Schema:
     delta = closed({"role": {"const": "assistant"}, "content": STRING})
-    choice = {
-        "type": "object",
-        "required": ["index", "delta", "finish_reason"],
-        "properties": {"index": integer(0), "delta": delta, "logprobs": nullable({"type": "object"}), "finish_reason": FINISH},
-    }
-    return _response("chat.completion.chunk", choice)
+    return _response("chat.completion.chunk", _choice("delta", delta))
 
 
 def stream_event(chunk: str) -> Schema:
@@ -390,7 +376,7 @@ def openapi_document(*, served_model: str, vocab_size: int, api_key: bool) -> Sc
                 "ChatRequest": chat_request(served_model, vocab_size),
                 "CompletionResponse": completion_response(),
                 "ChatResponse": chat_response(),
-                "CompletionChunk": completion_chunk(),
+                "CompletionChunk": completion_response(),
                 "ChatChunk": chat_chunk(),
                 "Error": ERROR,
             }
