@@ -5,6 +5,8 @@ Oversized or hostile input is refused before it costs the router anything:
 - **Size** (``max_body_bytes``): a ``Content-Length`` over the limit is answered 413 before a
   byte of the body is read; a chunked body is counted as it arrives and refused (413) the
   moment it passes the limit, so memory never holds more than the limit.
+- **Time** (``body_timeout_s``): a body still arriving after that long is a 408, so a
+  client trickling bytes cannot hold a request slot (admission.py) forever.
 - **Syntax**: the body must be UTF-8 JSON (400 ``malformed_json``).
 - **Depth** (``max_json_depth``): arrays and objects nested deeper than the limit are a 400
   ``json_too_deep``. Python's parser recurses, so a body nested 100,000 levels deep makes it
@@ -20,6 +22,7 @@ takes tens of milliseconds.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -38,11 +41,19 @@ def body_too_large(limit: int, size: int | None = None) -> ApiError:
     )
 
 
-async def read_body(request: web.Request, limit: int) -> bytes:
-    """The whole body, at most ``limit`` bytes; a 413 :class:`ApiError` as soon as it is larger."""
+async def read_body(request: web.Request, limit: int, timeout_s: float) -> bytes:
+    """The whole body, at most ``limit`` bytes within ``timeout_s``: a 413 :class:`ApiError`
+    as soon as it is larger, a 408 when it is late."""
     declared = request.content_length
     if declared is not None and declared > limit:
         raise body_too_large(limit, declared)
+    try:
+        return await asyncio.wait_for(_read(request, limit), timeout_s)
+    except asyncio.TimeoutError:
+        raise ApiError(408, f"the request body did not arrive within {timeout_s:g} s", code="request_timeout") from None
+
+
+async def _read(request: web.Request, limit: int) -> bytes:
     body = bytearray()
     async for chunk in request.content.iter_any():
         body += chunk

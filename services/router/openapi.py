@@ -304,6 +304,7 @@ def _generate(summary: str, request: str, response: str, chunk: str, api_key: bo
         },
         "400": _error("invalid request: the error's `param` names the field"),
         "404": _error("unknown model"),
+        "408": _error("the body took longer than the router's `body_timeout_s` to arrive"),
         "413": _error("the body is larger than the router's `max_body_bytes`"),
         "429": _error("the router or every instance is at its queue limit", RETRY_AFTER),
         "502": _error("an instance refused a request the router had accepted"),

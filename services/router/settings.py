@@ -57,6 +57,9 @@ class RouterSettings(BaseSettings):
     max_body_bytes: int = setting(
         DEFAULT_MAX_BODY_BYTES, help="largest request body on the /v1 API, in bytes; a larger one gets 413 before it is read"
     )
+    body_timeout_s: float = setting(
+        60.0, help="longest time a request body may take to arrive; a slower one gets 408 and frees its slot"
+    )
     max_json_depth: int = setting(
         DEFAULT_MAX_JSON_DEPTH, help="deepest nesting of arrays and objects in a request body; deeper gets 400"
     )
@@ -87,6 +90,7 @@ class RouterSettings(BaseSettings):
             "decode_connect_timeout_s",
             "decode_read_timeout_s",
             "queue_timeout_s",
+            "body_timeout_s",
         )
         for name in positive:
             if not getattr(self, name) > 0:

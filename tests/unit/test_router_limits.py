@@ -77,6 +77,24 @@ async def test_body_limit_is_a_setting() -> None:
         await c.close()
 
 
+async def test_a_body_that_trickles_in_is_408_and_frees_its_slot() -> None:
+    c = await start_cluster(body_timeout_s=0.5, max_running_requests=1, max_waiting_requests=0)
+    try:
+
+        async def trickle() -> AsyncIterator[bytes]:
+            yield b'{"prompt": "'
+            await asyncio.sleep(5)
+            yield b'x"}'
+
+        async with aiohttp.ClientSession() as http:
+            async with http.post(c.url + "/v1/completions", data=trickle(), headers={"Content-Type": "application/json"}) as resp:
+                assert resp.status == 408 and (await resp.json())["error"]["code"] == "request_timeout"
+        assert c.state.admission.running == 0
+        assert await _small_request(c) == script_text(0, 3)
+    finally:
+        await c.close()
+
+
 async def _post_raw(cluster: Cluster, body: bytes, path: str = "/v1/completions") -> tuple[int, dict]:
     async with cluster.http() as http:
         async with http.post(path, data=body, headers={"Content-Type": "application/json"}) as resp:
