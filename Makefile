@@ -33,7 +33,7 @@ integration: install
 # The long fuzzing run (make test runs a shorter one): 10,000 schemathesis requests against
 # the router's OpenAPI document, and Hypothesis on the internal msgpack endpoints.
 fuzz: install
-	TIDEPOOL_FUZZ_REQUESTS=10000 TIDEPOOL_FUZZ_EXAMPLES=2000 $(PY) -m pytest $(PYTEST_FLAGS) -p no:cacheprovider tests/integration/test_fuzz_router.py tests/integration/test_fuzz_internal.py
+	TIDEPOOL_FUZZ_REQUESTS=10000 TIDEPOOL_FUZZ_EXAMPLES=2000 $(PY) -m pytest $(PYTEST_FLAGS) --timeout 3600 tests/integration/test_fuzz_router.py tests/integration/test_fuzz_internal.py
 
 test-gpu: install
 	$(PY) -m pytest $(PYTEST_FLAGS) tests/gpu

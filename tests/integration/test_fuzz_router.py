@@ -83,6 +83,7 @@ async def test_schemathesis_finds_no_server_error_and_no_undocumented_response(c
         max_examples = max(50, min(1000, (TARGET - sent) // 3))
         rc, out = await _schemathesis(cluster, seed, max_examples, phases, tmp_path / str(seed))
         assert rc == 0, f"schemathesis (seed {seed}) found problems:\n{out[-20000:]}"
+        print(f"schemathesis seed {seed}: {await _generation_requests(cluster)} of {TARGET} requests", file=sys.stderr)
         phases = "fuzzing"
     print(f"schemathesis: {sent} generation requests, seeds {seeds}")
     # every service still healthy

@@ -205,15 +205,19 @@ async def test_a_full_prefill_costs_only_the_handoff() -> None:
 # --- an instance's own bound ---------------------------------------------------------------------------
 
 
-def test_an_instance_at_its_queue_bound_answers_429() -> None:
-    registry = CollectorRegistry()
-    rt = SimpleNamespace(
+def _runtime(registry: CollectorRegistry) -> SimpleNamespace:
+    return SimpleNamespace(
         settings=SimpleNamespace(max_queue_depth=2, retry_after_s=4),
         in_flight=1,
         role="decode",
         instance_id="decode-x",
         metrics=SimpleNamespace(requests=Counter("r", "r", ["outcome"], registry=registry)),
     )
+
+
+def test_an_instance_at_its_queue_bound_answers_429() -> None:
+    registry = CollectorRegistry()
+    rt = _runtime(registry)
     assert full(rt) is None  # type: ignore[arg-type]
     rt.in_flight = 2
     resp = full(rt)  # type: ignore[arg-type]
@@ -240,3 +244,31 @@ async def test_openai_client_retries_a_429_after_retry_after() -> None:
         await first
     finally:
         await c.close()
+
+
+@pytest.mark.parametrize("path", ["/v1/prefill", "/v1/decode"])
+async def test_prefill_and_decode_check_their_bound_first(path: str) -> None:
+    """The handlers ask ``full`` before reading anything (a stand-in runtime at its bound)."""
+    from aiohttp import web
+
+    from services.decode.app import handle_decode
+    from services.prefill.app import handle_prefill
+    from services.worker.app import RUNTIME
+
+    rt = _runtime(CollectorRegistry())
+    rt.in_flight = 2
+    app = web.Application()
+    app[RUNTIME] = rt  # type: ignore[assignment]
+    app.router.add_post("/v1/prefill", handle_prefill)
+    app.router.add_post("/v1/decode", handle_decode)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    host, port = runner.addresses[0][:2]
+    try:
+        async with aiohttp.ClientSession() as http, http.post(f"http://{host}:{port}{path}", data=b"\x80") as resp:
+            assert resp.status == 429 and resp.headers["Retry-After"] == "4"
+            assert (await resp.json())["error"]["code"] == "instance_full"
+    finally:
+        await runner.cleanup()
