@@ -1,98 +1,160 @@
-"""KV pool throughput on loopback Redis: our client against redis-benchmark, in one run.
+"""KV pool throughput against redis-benchmark, in one run: one Redis, and Redis Clusters.
 
-One 2048-token prompt in SmolLM2's layout (30 layers, 3 kv heads, head dim 64, block size
-16): 128 blocks of 368,640 B in bf16 (737,280 B in fp32), plus the 24-byte header. Rows:
+One 2048-token prompt of SmolLM2-135M bf16 KV (30 layers, 3 kv heads, head dim 64, block
+size 16): 128 blocks of 368,640 B plus the 24-byte header. What prefill and decode do:
 
-- ``put`` / ``get``: one ``RedisPool.put_blocks`` / ``get_blocks`` call for all 128 blocks of
-  pre-encoded values (pipelined chunks of ``--pipeline-blocks`` on up to ``--max-parallel``
-  connections, bookkeeping included: the MULTI/EXEC account script on put, the LRU touch
-  on get);
-- ``encode + put`` / ``get + decode``: the same with the codec between a staging tensor and
-  the values, i.e. what prefill and decode do;
-- ``redis-benchmark SET`` / ``GET``: the C client on the same server with the same value size,
-  ``-c`` = ``--max-parallel`` connections and ``-P`` = ``--pipeline-blocks``, the same shape
-  of concurrency as ours.
+- ``encode + put``: ``BlockCodec.encode_views`` over the staging rows (header and
+  checksum; the payload is not copied), in chunks of ``pipeline_blocks`` on worker
+  threads, each chunk written by ``RedisPool.put_blocks`` as soon as it is encoded
+  (MULTI/SET/EVAL account/EXEC per block on the bulk path), as prefill stores; vs
+  ``redis-benchmark SET``;
+- ``get + decode``: one ``RedisPool.get_blocks_into`` of all 128 blocks straight into the
+  staging rows, each verified in place by ``BlockCodec.verify_landed`` (header fields,
+  checksum) as soon as it lands, as decode loads; vs ``redis-benchmark GET``;
 
-GB/s counts value bytes (1 GB = 1e9 B). The machine may be shared, so the two are
-interleaved: each of ``--reps`` repetitions runs redis-benchmark once and then each of our
-rows (median of ``--rounds`` calls), and the ratio is taken within the repetition. The
-script starts its own redis-server (no persistence, ``noeviction``) and runs the client on
-uvloop, as the services do.
+for each bulk concurrency model (``threads``: blocking ``recv_into``/``sendmsg`` on a thread
+pool; ``asyncio``: ``BufferedProtocol`` on uvloop), with ``max_parallel`` sockets per node
+and ``pipeline_blocks`` per pipeline; redis-benchmark gets the same shape (``-c`` sockets,
+``-P`` pipeline, same value size). ``codec share`` is the CPU time spent in the codec
+(header and checksum: ``time.thread_time`` summed over the threads that ran it) over the
+row's wall time: the issue allows 10%. It overlaps with the transfer (other threads keep
+moving bytes meanwhile), so it is a cost in CPU, not all of it in latency.
 
-    python3 bench/pool_throughput.py [--markdown bench/results/pool.md]
+Then, against local Redis Clusters of 1, 2 and 4 nodes (``--cluster-sizes``): aggregate
+``get + decode`` and ``encode + put`` of ``--concurrency`` prompts at once (the pool shards
+each prompt over 16 partitions spread over the nodes), beside ``redis-benchmark --cluster``
+on the same cluster, and the ratio to the 1-node cluster (the goal: >= 2.5x at 4 nodes, on
+a host whose cores are not the limit).
+
+GB/s counts value bytes (1 GB = 1e9 B). The machine may be shared, so each repetition runs
+redis-benchmark and then ours back to back and the ratio is taken within the repetition.
+Staging is pinned when CUDA is available (as in the services), ordinary memory otherwise.
+The script starts its own servers (no persistence, ``noeviction``); ``--redis-bin`` points
+at another Redis build (the GPU host has none installed: /work/shared/device/README.md)
+and ``--redis-args`` passes extra server flags (``--io-threads 4``).
+
+    python bench/pool_throughput.py --markdown bench/results/pool_bulk.md
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import csv
 import datetime
 import io
+import json
 import os
 import platform
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Awaitable, Callable
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import uvloop  # noqa: E402
 
 from libs.blocks.keys import Namespace, block_keys  # noqa: E402
 from libs.kvpool.codec import BlockCodec  # noqa: E402
-from libs.kvpool.config import PoolConfig  # noqa: E402
+from libs.kvpool.config import BULK_MODELS, PoolConfig  # noqa: E402
+from libs.kvpool.header import HEADER_NBYTES  # noqa: E402
 from libs.kvpool.layout import KVLayout  # noqa: E402
 from libs.kvpool.redis_pool import RedisPool  # noqa: E402
+from services.launch.processes import Child, free_port  # noqa: E402
+from services.launch.redis_cluster import LocalRedisCluster  # noqa: E402
 
-LAYERS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, PROMPT_TOKENS = 30, 3, 64, 16, 2048
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+LAYOUT = KVLayout(30, 3, 64, 16, torch.bfloat16)  # SmolLM2-135M
+PROMPT_TOKENS = 2048
+VALUE_NBYTES = LAYOUT.block_nbytes + HEADER_NBYTES
 
 
-def start_redis(port: int, workdir: str) -> subprocess.Popen[bytes]:
-    proc = subprocess.Popen(
-        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-         "--maxmemory", "4gb", "--maxmemory-policy", "noeviction", "--dir", workdir],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
-                s.sendall(b"PING\r\n")
-                if s.recv(16).startswith(b"+PONG"):
-                    return proc
-        except OSError:
-            time.sleep(0.05)
-    proc.kill()
-    raise RuntimeError("redis-server did not start")
+class Prompt:
+    """One prompt's blocks in (pinned) staging, written from and read back into it."""
+
+    def __init__(self, index: int) -> None:
+        self.codec = BlockCodec(LAYOUT)
+        self.ns = Namespace(model_digest=f"bench-{index}", dtype="bf16", block_size=16)
+        self.keys = block_keys(self.ns, list(range(PROMPT_TOKENS)))
+        pin = torch.cuda.is_available()
+        self.src = torch.empty(len(self.keys), *LAYOUT.block_shape, dtype=LAYOUT.dtype, pin_memory=pin)
+        self.src.copy_(torch.randn(self.src.shape).to(LAYOUT.dtype))
+        self.dst = torch.empty_like(self.src, pin_memory=pin)
+        self.headers = np.empty((len(self.keys), HEADER_NBYTES), dtype=np.uint8)
+        self.dests = [self.codec.value_views(memoryview(self.headers[i]), self.dst[i], 16) for i in range(len(self.keys))]
+        self.nbytes = len(self.keys) * VALUE_NBYTES
+        self.codec_s: list[float] = []  # CPU seconds in the codec, appended from any thread
+
+    def _encode(self, lo: int, hi: int) -> list:
+        t0 = time.thread_time()
+        values = [self.codec.encode_views(self.src[i], 16) for i in range(lo, hi)]
+        self.codec_s.append(time.thread_time() - t0)
+        return values
+
+    async def encode_put(self, pool: RedisPool, chunk: int) -> None:
+        """As prefill stores (services/worker/transfer.py): chunks checksummed on worker
+        threads, all at once, each written as soon as it is ready."""
+
+        async def one(lo: int) -> None:
+            hi = min(lo + chunk, len(self.keys))
+            values = await asyncio.to_thread(self._encode, lo, hi)
+            results = await pool.put_blocks(self.ns, list(zip(self.keys[lo:hi], values)))
+            assert not any(results), results
+
+        await asyncio.gather(*(one(lo) for lo in range(0, len(self.keys), chunk)))
+
+    async def get_decode(self, pool: RedisPool) -> None:
+        """As decode loads: each value verified in place as soon as it lands (on_landed)."""
+
+        def verify(i: int) -> None:
+            t0 = time.thread_time()
+            self.codec.verify_landed(memoryview(self.headers[i]), self.dst[i], 16)
+            self.codec_s.append(time.thread_time() - t0)
+
+        outcomes = await pool.get_blocks_into(self.ns, self.keys, self.dests, on_landed=verify)
+        assert not any(outcomes), outcomes
+
+    def check(self) -> None:
+        assert torch.equal(self.dst.view(torch.uint8), self.src.view(torch.uint8)), "a block came back different"
 
 
-def redis_benchmark_gbps(port: int, value_nbytes: int, clients: int, pipeline: int, requests: int) -> dict[str, float]:
-    """GB/s of one redis-benchmark run of SET and GET with values of ``value_nbytes``."""
+@dataclass
+class Samples:
+    values: dict[str, list[float]] = field(default_factory=dict)
+
+    def add(self, label: str, value: float) -> None:
+        self.values.setdefault(label, []).append(value)
+
+    def spread(self, label: str) -> str:
+        v = self.values[label]
+        return f"{statistics.median(v):.2f} ({min(v):.2f}-{max(v):.2f})"
+
+    def median(self, label: str) -> float:
+        return statistics.median(self.values[label])
+
+
+def redis_benchmark(binary: str, port: int, clients: int, pipeline: int, requests: int, cluster: bool) -> dict[str, float]:
+    """GB/s of one redis-benchmark run of SET and GET with our value size.
+
+    ``--cluster`` mode spreads its keys over the nodes; redis-benchmark refuses it for a
+    single node, which serves every slot, so one node runs in plain mode."""
     out = subprocess.run(
-        ["redis-benchmark", "-h", "127.0.0.1", "-p", str(port), "-t", "set,get", "-d", str(value_nbytes),
-         "-n", str(requests), "-c", str(clients), "-P", str(pipeline), "--csv"],
+        [binary, "-h", "127.0.0.1", "-p", str(port), "-t", "set,get", "-d", str(VALUE_NBYTES), "-n", str(requests),
+         "-c", str(clients), "-P", str(pipeline), "--csv", *(["--cluster"] if cluster else [])],
         capture_output=True, text=True, check=True,
     ).stdout
-    return {row[0]: float(row[1]) * value_nbytes / 1e9 for row in csv.reader(io.StringIO(out)) if row and row[0] in ("SET", "GET")}
+    return {row[0]: float(row[1]) * VALUE_NBYTES / 1e9 for row in csv.reader(io.StringIO(out)) if row and row[0] in ("SET", "GET")}
 
 
-async def median_gbps(fn: Callable[[], Awaitable[None]], nbytes: int, rounds: int) -> float:
+async def timed(fn: Callable[[], Awaitable[None]], nbytes: int, rounds: int) -> float:
     rates = []
     for _ in range(rounds):
         start = time.perf_counter()
@@ -101,66 +163,105 @@ async def median_gbps(fn: Callable[[], Awaitable[None]], nbytes: int, rounds: in
     return statistics.median(rates)
 
 
-BASELINE = {"put": "SET", "get": "GET", "encode + put": "SET", "get + decode": "GET"}
+class Ours:
+    """Our rows on one server or cluster, all ``prompts`` at once (warmed up by ``start``)."""
+
+    def __init__(self, url: str, prompts: list[Prompt], model: str, args: argparse.Namespace) -> None:
+        self.pool = RedisPool(PoolConfig(
+            url=url, key_prefix=f"bench-{model}", pipeline_blocks=args.pipeline_blocks, max_parallel=args.max_parallel,
+            max_connections=max(args.max_parallel, 4) * 4, bulk_model=model,
+        ))
+        self.prompts = prompts
+        self.args = args
+        self.nbytes = sum(p.nbytes for p in prompts)
+        self.calls = {"encode + put": self._put_all, "get + decode": self._get_all}
+
+    async def _put_all(self) -> None:
+        await asyncio.gather(*(p.encode_put(self.pool, self.args.pipeline_blocks) for p in self.prompts))
+
+    async def _get_all(self) -> None:
+        await asyncio.gather(*(p.get_decode(self.pool) for p in self.prompts))
+
+    async def start(self) -> "Ours":
+        for _ in range(self.args.warmup):
+            await self._put_all()
+            await self._get_all()
+        for p in self.prompts:
+            p.check()
+        return self
+
+    async def row(self, label: str) -> tuple[float, float]:
+        """GB/s of ``label`` (median of rounds) and the codec's share of its time."""
+        for p in self.prompts:
+            p.codec_s.clear()
+        start = time.perf_counter()
+        gbps = await timed(self.calls[label], self.nbytes, self.args.rounds)
+        return gbps, sum(sum(p.codec_s) for p in self.prompts) / (time.perf_counter() - start)
+
+    async def close(self) -> None:
+        for p in self.prompts:
+            p.check()
+        await self.pool.close()
 
 
-async def bench_dtype(port: int, name: str, args: argparse.Namespace) -> dict[str, list[float]]:
-    """GB/s samples per row, and the ratio samples ``<row> ratio``, over ``--reps`` interleaved reps.
+BASELINE = {"encode + put": "SET", "get + decode": "GET"}
 
-    Each rep runs redis-benchmark and then ours back to back, and the ratio is taken within
-    the rep: on a shared machine the load drifts between reps, not within one.
-    """
-    layout = KVLayout(LAYERS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, DTYPES[name])
-    codec = BlockCodec(layout)
-    ns = Namespace(model_digest=f"bench-{name}", dtype=name, block_size=BLOCK_SIZE)
-    keys = block_keys(ns, list(range(PROMPT_TOKENS)))
-    staging = torch.randn(len(keys), *layout.block_shape).to(layout.dtype)
-    out = torch.empty_like(staging)
-    values = [codec.encode(staging[i], BLOCK_SIZE) for i in range(len(keys))]
-    nbytes = sum(map(len, values))
-    config = PoolConfig(
-        url=f"redis://127.0.0.1:{port}/0", key_prefix=f"bench{name}", pipeline_blocks=args.pipeline_blocks,
-        max_parallel=args.max_parallel, max_connections=max(args.max_parallel, 4),
-    )
-    samples: dict[str, list[float]] = {}
-    async with RedisPool(config) as pool:
-        items = list(zip(keys, values))
 
-        async def put() -> None:
-            results = await pool.put_blocks(ns, items)
-            assert not any(results), results
-
-        async def get() -> None:
-            got = await pool.get_blocks(ns, keys)
-            assert all(v is not None for v in got)
-
-        async def encode_put() -> None:
-            encoded = [(k, codec.encode(staging[i], BLOCK_SIZE)) for i, k in enumerate(keys)]
-            results = await pool.put_blocks(ns, encoded)
-            assert not any(results), results
-
-        async def get_decode() -> None:
-            for i, v in enumerate(await pool.get_blocks(ns, keys)):
-                codec.decode(v, out[i], expected_tokens=BLOCK_SIZE)
-
-        rows = {"put": put, "get": get, "encode + put": encode_put, "get + decode": get_decode}
-        for fn in rows.values():  # warm-up: connections, scripts, allocator
-            for _ in range(args.warmup):
-                await fn()
+async def single_redis(url: str, port: int, args: argparse.Namespace) -> Samples:
+    samples = Samples()
+    prompts = [Prompt(0)]
+    ours = {model: await Ours(url, prompts, model, args).start() for model in args.models}
+    try:
         for _ in range(args.reps):
-            theirs = redis_benchmark_gbps(port, len(values[0]), args.max_parallel, args.pipeline_blocks, args.bench_requests)
+            theirs = redis_benchmark(args.redis_benchmark, port, args.max_parallel, args.pipeline_blocks, args.bench_requests, False)
             for test, gbps in theirs.items():
-                samples.setdefault(f"redis-benchmark {test}", []).append(gbps)
-            for label, fn in rows.items():
-                gbps = await median_gbps(fn, nbytes, args.rounds)
-                samples.setdefault(label, []).append(gbps)
-                samples.setdefault(f"{label} ratio", []).append(gbps / theirs[BASELINE[label]])
-        assert torch.equal(out.view(torch.uint8), staging.view(torch.uint8))
+                samples.add(f"redis-benchmark {test}", gbps)
+            for model, rows in ours.items():
+                for label in BASELINE:
+                    gbps, share = await rows.row(label)
+                    samples.add(f"{model} {label}", gbps)
+                    samples.add(f"{model} {label} ratio", gbps / theirs[BASELINE[label]])
+                    samples.add(f"{model} {label} codec", share)
+    finally:
+        for rows in ours.values():
+            await rows.close()
     return samples
 
 
-def spread(values: list[float]) -> str:
-    return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
+async def on_cluster(url: str, port: int, nodes: int, args: argparse.Namespace) -> Samples:
+    samples = Samples()
+    ours = await Ours(url, [Prompt(i) for i in range(args.concurrency)], args.cluster_model, args).start()
+    try:
+        for _ in range(args.reps):
+            theirs = redis_benchmark(
+                args.redis_benchmark, port, args.max_parallel * nodes, args.pipeline_blocks, args.bench_requests * nodes, nodes > 1
+            )
+            for test, gbps in theirs.items():
+                samples.add(f"redis-benchmark {test}", gbps)
+            for label in BASELINE:
+                gbps, _ = await ours.row(label)
+                samples.add(label, gbps)
+                samples.add(f"{label} ratio", gbps / theirs[BASELINE[label]])
+    finally:
+        await ours.close()
+    return samples
+
+
+def start_redis(args: argparse.Namespace, workdir: str) -> tuple[Child, int]:
+    port = free_port()
+    proc = Child(
+        "redis",
+        [args.redis_server, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+         "--maxmemory", "4gb", "--maxmemory-policy", "noeviction", "--dir", workdir, *args.redis_args.split()],
+        log_path=Path(workdir) / "redis.log",
+    )
+    proc.start()
+    deadline = time.monotonic() + 10
+    while subprocess.run([args.redis_cli, "-p", str(port), "ping"], capture_output=True, text=True).stdout.strip() != "PONG":
+        if time.monotonic() > deadline or not proc.running:
+            raise RuntimeError("redis-server did not start")
+        time.sleep(0.05)
+    return proc, port
 
 
 def main() -> None:
@@ -169,51 +270,89 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="timed calls of ours per row and rep (median)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--pipeline-blocks", type=int, default=PoolConfig.pipeline_blocks)
-    parser.add_argument("--max-parallel", type=int, default=PoolConfig.max_parallel)
-    parser.add_argument("--bench-requests", type=int, default=512, help="redis-benchmark -n per test and rep")
-    parser.add_argument("--dtypes", default="bf16,fp32")
-    parser.add_argument("--markdown", type=Path, help="also write the table to this file")
+    parser.add_argument("--max-parallel", type=int, default=PoolConfig.max_parallel, help="sockets per node")
+    parser.add_argument("--bench-requests", type=int, default=512, help="redis-benchmark -n per test and rep (per node on clusters)")
+    parser.add_argument("--models", default=",".join(BULK_MODELS), help="bulk concurrency models on one Redis")
+    parser.add_argument("--cluster-sizes", default="1,2,4", help="Redis Cluster sizes to run (empty: none)")
+    parser.add_argument("--cluster-model", default="threads", choices=BULK_MODELS)
+    parser.add_argument("--concurrency", type=int, default=4, help="prompts in flight at once on the clusters")
+    parser.add_argument("--redis-bin", default="", help="folder with redis-server, redis-cli, redis-benchmark (default: PATH)")
+    parser.add_argument("--redis-args", default="", help="extra redis-server flags, e.g. '--io-threads 4'")
+    parser.add_argument("--markdown", type=Path, help="also write the tables to this file")
+    parser.add_argument("--json", type=Path, help="also write every sample to this file")
     args = parser.parse_args()
-    if not shutil.which("redis-server") or not shutil.which("redis-benchmark"):
-        sys.exit("redis-server and redis-benchmark are needed (make redis)")
+    args.models = [m for m in args.models.split(",") if m]
+    for tool in ("redis-server", "redis-cli", "redis-benchmark"):
+        path = shutil.which(os.path.join(args.redis_bin, tool) if args.redis_bin else tool)
+        if path is None:
+            sys.exit(f"{tool} is needed (make install; on the GPU host see /work/shared/device/README.md)")
+        setattr(args, tool.replace("-", "_"), path)
     torch.set_num_threads(1)
-    load_before = os.getloadavg()[0]
-    port = free_port()
+    load_before = os.getloadavg()
     workdir = tempfile.mkdtemp(prefix="tidepool-bench-redis-")
-    redis = start_redis(port, workdir)
-    lines = []
+    lines: list[str] = []
+    raw: dict[str, dict[str, list[float]]] = {}
+    redis, port = start_redis(args, workdir)
     try:
-        for name in args.dtypes.split(","):
-            samples = uvloop.run(bench_dtype(port, name, args))
-            value_nbytes = LAYERS * 2 * BLOCK_SIZE * KV_HEADS * HEAD_DIM * DTYPES[name].itemsize + 24
-            lines.append(f"| **{name}** ({value_nbytes:,} B a value) | | |")
-            for label in BASELINE:
-                lines.append(f"| ours: {label} | {spread(samples[label])} | {spread(samples[label + ' ratio'])} |")
-            for test in ("SET", "GET"):
-                lines.append(f"| redis-benchmark {test} | {spread(samples['redis-benchmark ' + test])} | |")
+        single = uvloop.run(single_redis(f"redis://127.0.0.1:{port}/0", port, args))
     finally:
         redis.kill()
-        redis.wait()
-        shutil.rmtree(workdir, ignore_errors=True)
+    raw["single"] = single.values
+    lines += [
+        "| one Redis | GB/s | ratio to redis-benchmark | codec share |",
+        "|---|---:|---:|---:|",
+    ]
+    for model in args.models:
+        for label, test in BASELINE.items():
+            lines.append(
+                f"| {model}: {label} | {single.spread(f'{model} {label}')} | **{single.spread(f'{model} {label} ratio')}** "
+                f"| {100 * single.median(f'{model} {label} codec'):.1f}% |"
+            )
+    for test in ("SET", "GET"):
+        lines.append(f"| redis-benchmark {test} | {single.spread('redis-benchmark ' + test)} | | |")
+    sizes = [int(n) for n in args.cluster_sizes.split(",") if n]
+    if sizes:
+        lines += [
+            "",
+            f"| Redis Cluster ({args.concurrency} prompts at once, {args.cluster_model}) | nodes | GB/s | ratio to redis-benchmark --cluster | vs 1 node | redis-benchmark --cluster GB/s |",
+            "|---|---:|---:|---:|---:|---:|",
+        ]
+        base: dict[str, float] = {}
+        for n in sizes:
+            with LocalRedisCluster(
+                n, maxmemory=4 << 30, extra_args=args.redis_args.split(),
+                redis_server=args.redis_server, redis_cli=args.redis_cli,
+            ) as nodes:
+                samples = uvloop.run(on_cluster(nodes.url, nodes.ports[0], n, args))
+            raw[f"cluster-{n}"] = samples.values
+            for label, test in BASELINE.items():
+                base.setdefault(label, samples.median(label))
+                lines.append(
+                    f"| {label} | {n} | {samples.spread(label)} | {samples.spread(label + ' ratio')} | "
+                    f"**{samples.median(label) / base[label]:.2f}x** | {samples.spread('redis-benchmark ' + test)} |"
+                )
+    shutil.rmtree(workdir, ignore_errors=True)
+    load_after = os.getloadavg()
+    version = subprocess.run([args.redis_server, "--version"], capture_output=True, text=True).stdout.split()[2]
     header = [
-        f"Device: {platform.machine()}, {os.cpu_count()} CPUs ({platform.processor() or 'cpu'}); "
-        f"{subprocess.run(['redis-server', '--version'], capture_output=True, text=True).stdout.split()[2]}; "
-        f"Python {platform.python_version()}, uvloop; {datetime.date.today()}; "
-        f"1-min load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after (shared machine)",
-        f"Prompt: {PROMPT_TOKENS} tokens = {PROMPT_TOKENS // BLOCK_SIZE} blocks, SmolLM2 layout. "
-        f"Client: pipeline_blocks={args.pipeline_blocks}, max_parallel={args.max_parallel}; "
-        f"redis-benchmark -c {args.max_parallel} -P {args.pipeline_blocks} -n {args.bench_requests}. "
-        f"GB/s of value bytes (1 GB = 1e9 B): median (min-max) over {args.reps} interleaved reps, each rep "
-        f"one redis-benchmark run then the median of {args.rounds} calls of ours (after {args.warmup} warm-up "
-        "calls); ratio = ours / redis-benchmark (SET for puts, GET for gets) within each rep.",
+        f"Device: {platform.machine()}, {os.cpu_count()} CPUs; CUDA: {torch.cuda.is_available()} (staging "
+        f"{'pinned' if torch.cuda.is_available() else 'ordinary memory'}); Redis {version.removeprefix('v=')} "
+        f"{args.redis_args}; Python {platform.python_version()}, uvloop; {datetime.datetime.now():%Y-%m-%d %H:%M}; "
+        f"load average (1/5 min) {load_before[0]:.1f}/{load_before[1]:.1f} before, {load_after[0]:.1f}/{load_after[1]:.1f} after",
+        f"Prompt: {PROMPT_TOKENS} tokens = {PROMPT_TOKENS // 16} blocks of {VALUE_NBYTES:,} B (SmolLM2-135M bf16). "
+        f"Client: pipeline_blocks={args.pipeline_blocks}, max_parallel={args.max_parallel} sockets per node; "
+        f"redis-benchmark -c {args.max_parallel} (x nodes) -P {args.pipeline_blocks} -n {args.bench_requests} (x nodes). "
+        f"GB/s of value bytes: median (min-max) over {args.reps} interleaved reps, each one redis-benchmark run then "
+        f"the median of {args.rounds} calls of ours (after {args.warmup} warm-up calls); ratios within each rep. "
+        "Codec share: CPU time in BlockCodec (header, checksum) / the row's wall time.",
         "",
-        "| operation | GB/s | ratio to redis-benchmark |",
-        "|---|---:|---:|",
     ]
     table = "\n".join(header + lines) + "\n"
     print(table)
     if args.markdown:
         args.markdown.write_text(table)
+    if args.json:
+        args.json.write_text(json.dumps(raw, indent=1))
 
 
 if __name__ == "__main__":

@@ -50,3 +50,12 @@ def triton_ops() -> SimpleNamespace:
 def ops_for(device: torch.device | str) -> SimpleNamespace:
     """Triton on CUDA, the torch references elsewhere. Cheap to call every forward pass."""
     return triton_ops() if torch.device(device).type == "cuda" else reference_ops()
+
+
+def bitmask_op(device: torch.device | str):
+    """``apply_token_bitmask_`` for ``device``: the Triton kernel on CUDA, else the reference."""
+    if torch.device(device).type == "cuda":
+        from kernels.bitmask.triton_bitmask import apply_token_bitmask_
+    else:
+        from kernels.bitmask.reference import apply_token_bitmask_
+    return apply_token_bitmask_

@@ -38,6 +38,10 @@ def _build_parser() -> argparse.ArgumentParser:
     g.add_argument("--quantized", action="store_true", help="CPU + GGUF: decode with the file's 4-bit weights (faster, approximate)")
     g.add_argument("--moe-strategy", default="auto", choices=STRATEGIES, help="MoE models: how experts run (default auto)")
     g.add_argument("--moe-fake-balance", action="store_true", help="MoE models: FakeBalanceExpert routing (load benchmarks only; changes the output)")
+    g.add_argument(
+        "--quantization", choices=("auto", "none", "fp8"), default="auto",
+        help="fp8: block-scaled FP8 weights (quantized at load, or an FP8 checkpoint's); none: dense; auto (default): as the checkpoint is",
+    )
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     return parser
 
@@ -49,7 +53,7 @@ def _generate(args: argparse.Namespace) -> int:
     )
     engine = LLM(EngineConfig(
         model=args.model, device=args.device, dtype=args.dtype, quantized_weights=args.quantized,
-        moe_strategy=args.moe_strategy, moe_fake_balance=args.moe_fake_balance,
+        moe_strategy=args.moe_strategy, moe_fake_balance=args.moe_fake_balance, quantization=args.quantization,
     ))
     tok = engine.tokenizer
     if args.chat is not None:

@@ -101,6 +101,7 @@ class FakeInstance:
     max_model_len: int = 2048
     namespace: str = NAMESPACE
     block_size: int = BLOCK_SIZE
+    quantization: str = "none"
     # load reported in heartbeats
     running: int = 0
     waiting: int = 0
@@ -163,6 +164,7 @@ class FakeInstance:
             namespace=self.namespace,
             max_model_len=self.max_model_len,
             block_size=self.block_size,
+            quantization=self.quantization,
         )
 
     def heartbeat_message(self) -> Heartbeat:

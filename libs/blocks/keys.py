@@ -66,6 +66,7 @@ class Namespace:
     block_size: int
     layout_version: int = 1
     tp_layout: str = "tp1"
+    quantization: str = "none"  # how the weights run ("fp8"): different weights, different KV
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:
@@ -75,15 +76,18 @@ class Namespace:
 
     @property
     def digest(self) -> bytes:
-        desc = "|".join(
-            [
-                f"model={self.model_digest}",
-                f"dtype={self.dtype}",
-                f"block_size={self.block_size}",
-                f"layout={self.layout_version}",
-                f"tp={self.tp_layout}",
-            ]
-        ).encode()
+        """A field added later enters the hash only when it is not its default, so every
+        namespace that existed before it keeps its digest, and the pool its blocks."""
+        fields = [
+            f"model={self.model_digest}",
+            f"dtype={self.dtype}",
+            f"block_size={self.block_size}",
+            f"layout={self.layout_version}",
+            f"tp={self.tp_layout}",
+        ]
+        if self.quantization != "none":
+            fields.append(f"quant={self.quantization}")
+        desc = "|".join(fields).encode()
         return hashlib.blake2b(desc, digest_size=KEY_BYTES, person=_NAMESPACE_PERSON).digest()
 
     @property

@@ -22,6 +22,7 @@ from libs.engine.outputs import RequestOutput
 from libs.engine.errors import DuplicateRequestError
 from libs.engine.params import SamplingParams
 from libs.engine.sequence import KVImport
+from libs.structured import GrammarMatcher
 
 log = logging.getLogger(__name__)
 
@@ -139,14 +140,18 @@ class AsyncEngine:
         output_prefix: Sequence[int] = (),
         kv_import: KVImport | None = None,
         export_kv: bool = False,
+        grammar: GrammarMatcher | None = None,
     ) -> RequestStream:
-        """Validate (raising a typed error now, nothing queued) and queue a request."""
+        """Validate (raising a typed error now, nothing queued) and queue a request.
+
+        ``grammar``: a fresh matcher (``LLMEngine.start_grammar``, run off the event loop)
+        that has accepted ``output_prefix``."""
         if request_id in self._streams:
             raise DuplicateRequestError(f"request id {request_id!r} is already running", param="request_id")
         self.engine.validate(list(prompt_token_ids) + list(output_prefix), params, num_output_tokens=len(output_prefix))
         stream = RequestStream(self, request_id)
         self._streams[request_id] = stream
-        kwargs = dict(output_prefix=list(output_prefix), kv_import=kv_import, export_kv=export_kv)
+        kwargs = dict(output_prefix=list(output_prefix), kv_import=kv_import, export_kv=export_kv, grammar=grammar)
         self._inbox.put(("add", (request_id, list(prompt_token_ids), params, kwargs)))
         self._wake.set()
         return stream

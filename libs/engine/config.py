@@ -43,6 +43,10 @@ class EngineConfig:
     # masked, hybrid, grouped_mm), and FakeBalanceExpert routing for load benchmarks only.
     moe_strategy: str = "auto"
     moe_fake_balance: bool = False
+    # Weights as block-scaled FP8 (libs/model/fp8.py): "fp8" quantizes at load (or loads an
+    # FP8 checkpoint), "none" runs dense, "auto" follows the checkpoint. FP8 tensor cores
+    # (SM 8.9+) run Triton kernels; elsewhere the same weights run dequantized.
+    quantization: str = "auto"
     # CUDA only: decode steps replay captured graphs (batch sizes up to graph_max_batch);
     # async_prepare builds the next step's inputs while the device runs this one.
     cuda_graphs: bool = True

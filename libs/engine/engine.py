@@ -29,6 +29,8 @@ from libs.engine.step_timer import StepTimer
 from libs.engine.params import SamplingParams
 from libs.engine.scheduler import Scheduler, SchedulerConfig
 from libs.engine.sequence import KVImport, Sequence
+from libs.structured import CompiledGrammar, GrammarCompiler, GrammarMatcher, GrammarSpec
+from libs.structured.bitmask import BitmaskFiller
 from libs.kvpool.layout import KVLayout
 from libs.model import LoadedModel, MoEOptions, load_model, make_backend
 
@@ -42,7 +44,7 @@ class LLMEngine:
         if loaded is None:
             loaded = load_model(
                 config.model, dtype=dtype, device=device, backend=make_backend(config.attention_backend, device),
-                quantized_weights=config.quantized_weights,
+                quantized_weights=config.quantized_weights, quantization=config.quantization,
                 moe=MoEOptions(strategy=config.moe_strategy, fake_balance=config.moe_fake_balance),
             )
         self.loaded = loaded
@@ -79,6 +81,8 @@ class LLMEngine:
         self.prepared_ahead_hits = 0
         self.prepared_ahead_misses = 0
         self.vocab_size = mc.vocab_size
+        self.bitmasks = BitmaskFiller(mc.vocab_size)
+        self._grammars: GrammarCompiler | None = None
         self._requests: dict[str, list[Sequence]] = {}
         self._params: dict[str, SamplingParams] = {}
         self._aborted: list[str] = []
@@ -113,6 +117,9 @@ class LLMEngine:
         bad = [t for t in prompt_token_ids if not (isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.vocab_size)]
         if bad:  # (a list, not next(..., None): None itself is a bad token)
             raise TokenOutOfRangeError(f"token id {bad[0]!r} is outside the vocabulary [0, {self.vocab_size})", param="prompt")
+        bad = next((t for t, _ in params.logit_bias if t >= self.vocab_size), None)
+        if bad is not None:
+            raise TokenOutOfRangeError(f"logit_bias token id {bad} is outside the vocabulary [0, {self.vocab_size})", param="logit_bias")
         bad = next((t for t in params.stop_token_ids if t >= self.vocab_size), None)
         if bad is not None:
             raise TokenOutOfRangeError(f"stop token id {bad} is outside the vocabulary [0, {self.vocab_size})", param="stop_token_ids")
@@ -147,12 +154,15 @@ class LLMEngine:
         output_prefix: Seq[int] = (),
         kv_import: KVImport | None = None,
         export_kv: bool = False,
+        grammar: GrammarMatcher | None = None,
     ) -> None:
         """Queue a request.
 
         ``output_prefix``: tokens already generated elsewhere (decode continues after the
         prefill's first token). ``kv_import``: KV of the leading blocks loaded from the
         pool. ``export_kv``: gather the prompt's KV when the request finishes (prefill).
+        ``grammar``: constrain the output (structured outputs); a fresh matcher from
+        :meth:`start_grammar` that has already accepted ``output_prefix``.
         """
         if request_id in self._requests:
             raise DuplicateRequestError(f"request id {request_id!r} is already running", param="request_id")
@@ -166,9 +176,10 @@ class LLMEngine:
         seq.pending_forks = params.n - 1
         seq.kv_import = kv_import
         seq.export_kv = export_kv
+        seq.grammar = grammar
         self._requests[request_id] = [seq]
         self._params[request_id] = params
-        reason = seq.check_stop(self.max_model_len) if output_prefix else None
+        reason = self._stop_reason(seq) if output_prefix else None
         if reason is not None:
             # The prefix already ends the request (max_tokens 1, or the first token is EOS):
             # nothing to compute; report it at the next step.
@@ -178,6 +189,31 @@ class LLMEngine:
             self._finished_early.append(request_id)
             return
         self.scheduler.add(seq)
+
+    # -- structured outputs -------------------------------------------------------------
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """This engine's grammar compiler (cached compiles; built on first use)."""
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.tokenizer, vocab_size=self.vocab_size)
+        return self._grammars
+
+    def start_grammar(self, grammar: GrammarSpec | CompiledGrammar, replay: Seq[int] = ()) -> GrammarMatcher:
+        """A fresh grammar state for a request, advanced by ``replay`` (tokens generated
+        before: prefill's first token, a resumed stream's output). Raises ``GrammarError``
+        (a malformed spec) or ``GrammarMismatchError`` (replayed tokens that do not follow)."""
+        compiled = grammar if isinstance(grammar, CompiledGrammar) else self.grammars.compile(grammar)
+        matcher = compiled.matcher()
+        matcher.replay(replay)
+        return matcher
+
+    def _stop_reason(self, seq: Sequence) -> str | None:
+        """Why ``seq`` stops after its last token: the usual reasons, or a complete grammar."""
+        reason = seq.check_stop(self.max_model_len)
+        if reason is None and seq.grammar is not None and seq.grammar.is_terminated:
+            reason = "stop"
+        return reason
 
     def _new_sequence(self, request_id: str, index: int, prompt: list[int], params: SamplingParams) -> Sequence:
         child_params = params.for_child(index) if params.n > 1 else params
@@ -246,9 +282,15 @@ class LLMEngine:
         self._import(out.imports)
         plan = StepPlan.from_schedule(out, counts, self.config.block_size)
         inputs, input_ids = self._inputs_for(plan)
+        constrained = [row for row, seq in enumerate(sample_seqs) if seq.grammar is not None]
+        # Grammar masks are filled on a host thread while the device runs the forward pass.
+        masks = self.bitmasks.submit([sample_seqs[row].grammar for row in constrained]) if constrained else None
         self.timer.start()
-        logits = self.runner.forward(inputs, input_ids)
-        samples = self.runner.sample(logits, sample_seqs) if sample_seqs else None
+        try:
+            logits = self.runner.forward(inputs, input_ids)
+        finally:
+            bitmask = masks.result() if masks is not None else None
+        samples = self.runner.sample(logits, sample_seqs, (constrained, bitmask) if constrained else None) if sample_seqs else None
         self.timer.stop()
         predicted = plan.next_decode() if self._prepare is not None and samples is not None else None
         if predicted is not None:
@@ -282,7 +324,11 @@ class LLMEngine:
                 self.num_generated_tokens += 1
                 if seq.first_token_time is None:
                     seq.first_token_time = now
-                reason = seq.check_stop(self.max_model_len)
+                if seq.grammar is not None and not seq.grammar.accept(tok):
+                    self._finish(seq, "error")  # cannot happen: the mask allowed it
+                    touched[seq.request_id] = None
+                    continue
+                reason = self._stop_reason(seq)
                 if reason is not None:
                     self._finish(seq, reason)
                 touched[seq.request_id] = None
@@ -306,6 +352,7 @@ class LLMEngine:
         """Stop the helper thread and free staging (the engine is unusable afterwards)."""
         if self._prepare is not None:
             self._prepare.close()
+        self.bitmasks.close()
         self.swapper.close()
 
     def _import(self, imports: list) -> None:

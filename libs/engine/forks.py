@@ -28,6 +28,7 @@ class Forks:
         """A sibling of ``parent`` (same prompt, its own derived seed), sampled this step."""
         child = new_sequence(parent.request_id, len(family), list(parent.prompt_token_ids), params)
         child.token_ids = list(parent.token_ids)
+        child.grammar = parent.grammar.copy() if parent.grammar is not None else None
         family.append(child)
         return child
 

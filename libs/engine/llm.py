@@ -16,6 +16,7 @@ from libs.engine.engine import LLMEngine
 from libs.engine.errors import InvalidRequestError
 from libs.engine.outputs import GenerationResult
 from libs.engine.params import SamplingParams
+from libs.structured import GrammarSpec
 
 
 class LLM(LLMEngine):
@@ -28,11 +29,13 @@ class LLM(LLMEngine):
         params: SamplingParams | Seq[SamplingParams] | None = None,
         *,
         messages: Seq[dict[str, Any]] | Seq[Seq[dict[str, Any]]] | None = None,
+        grammar: GrammarSpec | None = None,
     ) -> list[GenerationResult]:
         """Run prompts (text or token ids) or chat conversations to completion, batched.
 
         Returns one result per prompt and per sample (``n``), in input order. All inputs
-        are validated before any is queued.
+        are validated before any is queued. ``grammar`` constrains every output to it
+        (structured outputs; a malformed one raises ``GrammarError``).
         """
         token_lists = self._encode_inputs(prompts, messages)
         if params is None or isinstance(params, SamplingParams):
@@ -43,10 +46,11 @@ class LLM(LLMEngine):
                 raise InvalidRequestError("params must be one SamplingParams or one per prompt", param="params")
         for ids, p in zip(token_lists, params_list):
             self.validate(ids, p)
+        compiled = self.grammars.compile(grammar) if grammar is not None else None
         ids_by_req: dict[str, int] = {}
         for i, (ids, p) in enumerate(zip(token_lists, params_list)):
             rid = f"generate-{id(self)}-{time.monotonic_ns()}-{i}"
-            self.add_request(rid, ids, p)
+            self.add_request(rid, ids, p, grammar=self.start_grammar(compiled) if compiled is not None else None)
             ids_by_req[rid] = i
         collected: dict[str, dict[int, GenerationResult]] = {rid: {} for rid in ids_by_req}
         while any(rid in self._requests for rid in ids_by_req):

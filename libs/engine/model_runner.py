@@ -105,12 +105,15 @@ class ModelRunner:
         hidden = self.model(input_ids, inputs.positions, meta)
         return self.model.compute_logits(hidden[inputs.logits_indices])
 
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> DeviceSamples:
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence], bitmask: tuple[list[int], torch.Tensor] | None = None) -> DeviceSamples:
+        """Sample one token per sequence; ``bitmask``: (constrained rows, their grammar masks)."""
         batch = SamplingBatch(
             params=[s.params for s in seqs],
             generators=[s.generator for s in seqs],
             prompt_ids=[s.prompt_token_ids if s.params.repetition_penalty != 1 else [] for s in seqs],
             output_ids=[s.output_token_ids if s.params.has_penalties else [] for s in seqs],
             banned_ids=[s.min_tokens_banned() for s in seqs],
+            bitmask_rows=bitmask[0] if bitmask is not None else None,
+            bitmask=bitmask[1] if bitmask is not None else None,
         )
         return self.sampler.sample(logits, batch)

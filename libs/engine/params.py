@@ -17,6 +17,8 @@ _GREEDY_TEMPERATURE = 1e-5
 class SamplingParams:
     """How to pick tokens. Defaults follow the OpenAI API (temperature 1, top_p 1).
 
+    ``logit_bias``: ``(token id, bias)`` pairs (a dict is accepted) added to the logits
+    before sampling, as OpenAI defines it; a bias of -100 bans the token outright.
     ``temperature == 0`` (or below 1e-5) is greedy. ``top_k <= 0`` disables top-k. ``logprobs``: ``None``
     returns none; ``k`` in 0..20 returns the chosen token's logprob and the top ``k``.
     Logprobs are the model's raw distribution (before temperature, penalties and filters),
@@ -37,10 +39,18 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
     logprobs: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
         _check(isinstance(self.stop_token_ids, (list, tuple)), "stop_token_ids", "must be a list of token ids", self.stop_token_ids)
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        try:
+            pairs = tuple((t, float(b) if _finite(b) else b) for t, b in bias)
+        except (TypeError, ValueError):
+            pairs = None
+        _check(pairs is not None, "logit_bias", "must map token ids to biases", self.logit_bias)
+        object.__setattr__(self, "logit_bias", pairs)
         _check(_is_int(self.n) and 1 <= self.n <= MAX_N, "n", f"must be an integer in [1, {MAX_N}]", self.n)
         _check(_finite(self.temperature) and self.temperature >= 0, "temperature", "must be a finite number >= 0", self.temperature)
         _check(_finite(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1]", self.top_p)
@@ -56,6 +66,10 @@ class SamplingParams:
         _check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens", "must not exceed max_tokens", self.min_tokens)
         _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be non-negative integers", self.stop_token_ids)
         _check(isinstance(self.ignore_eos, bool), "ignore_eos", "must be a boolean", self.ignore_eos)
+        _check(
+            all(_is_int(t) and t >= 0 and _finite(b) and -100 <= b <= 100 for t, b in self.logit_bias),
+            "logit_bias", "must map non-negative token ids to biases in [-100, 100]", self.logit_bias,
+        )
         _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS), "logprobs", f"must be an integer in [0, {MAX_LOGPROBS}]", self.logprobs)
 
     @property

@@ -1,4 +1,11 @@
-"""Turning logits into tokens: penalties, temperature, top-k / top-p / min-p, seeds, logprobs.
+"""Turning logits into tokens: penalties, logit bias, grammar masks, temperature, top-k /
+top-p / min-p, seeds, logprobs.
+
+Order of the logits processing: penalties, ``logit_bias`` (OpenAI: added to the logits;
+-100 bans), ``min_tokens`` bans, then the grammar bitmask of constrained rows
+(libs/engine/structured). The grammar has the last word: if a row's bias and bans leave no
+token the grammar allows, the row falls back to the grammar's mask over the raw logits,
+so a constrained row always samples a token that follows its grammar.
 
 Sampling uses the exponential race (``argmax(p / E)`` with ``E ~ Exp(1)``), which draws
 exactly from ``p`` and lets each row use its own generator: a seeded request draws its
@@ -12,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.select import bitmask_op
 from libs.engine.params import SamplingParams
 from libs.engine.sequence import TokenLogprob
 
@@ -25,6 +33,8 @@ class SamplingBatch:
     prompt_ids: list[list[int]]  # for the repetition penalty
     output_ids: list[list[int]]  # for presence / frequency penalties
     banned_ids: list[list[int]] | None = None  # per row, ids that may not be sampled (min_tokens)
+    bitmask: torch.Tensor | None = None  # [len(bitmask_rows), words] int32 on the host: grammar masks
+    bitmask_rows: list[int] | None = None  # the constrained rows, in bitmask order
 
 
 @dataclass
@@ -47,6 +57,7 @@ class Sampler:
     def __init__(self, vocab_size: int, device: torch.device):
         self.vocab_size = vocab_size
         self.device = device
+        self._apply_bitmask = bitmask_op(device)
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         return self.collect(self.sample(logits, batch))
@@ -58,11 +69,17 @@ class Sampler:
         params = batch.params
         want_logprobs = [p.logprobs for p in params]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(k is not None for k in want_logprobs) else None
+        raw = logits
 
         if any(p.has_penalties for p in params):
             logits = self._apply_penalties(logits.clone(), batch)
+        if any(p.logit_bias for p in params):
+            logits = self._bias(logits if logits is not raw else logits.clone(), params)
         if batch.banned_ids is not None and any(batch.banned_ids):
             logits = self._ban(logits, batch.banned_ids)
+        if batch.bitmask is not None and batch.bitmask_rows:
+            processed = logits is not raw  # bias and bans may have removed every allowed token
+            logits = self._constrain(logits if processed else logits.clone(), raw if processed else None, batch)
 
         greedy = [i for i, p in enumerate(params) if p.greedy]
         random = [i for i, p in enumerate(params) if not p.greedy]
@@ -92,6 +109,40 @@ class Sampler:
         rows, cols = zip(*pairs)
         logits = logits.clone()
         logits[torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device)] = float("-inf")
+        return logits
+
+    def _bias(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        """OpenAI's ``logit_bias``, in place: added to the logits, -100 bans outright."""
+        V = logits.shape[1]
+        add = [(i, t, b) for i, p in enumerate(params) for t, b in p.logit_bias if t < V and b > -100]
+        ban = [(i, t) for i, p in enumerate(params) for t, b in p.logit_bias if t < V and b <= -100]
+        dev = logits.device
+        if add:
+            rows, cols, vals = zip(*add)
+            idx = (torch.tensor(rows, device=dev), torch.tensor(cols, device=dev))
+            logits.index_put_(idx, torch.tensor(vals, dtype=logits.dtype, device=dev), accumulate=True)
+        if ban:
+            rows, cols = zip(*ban)
+            logits[torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)] = float("-inf")
+        return logits
+
+    def _constrain(self, logits: torch.Tensor, raw: torch.Tensor | None, batch: SamplingBatch) -> torch.Tensor:
+        """Apply the grammar bitmasks to their rows, in place; a row left with no token at
+        all (its bias or bans removed every token the grammar allows) takes the grammar's
+        mask over its raw logits instead."""
+        assert batch.bitmask is not None and batch.bitmask_rows is not None
+        dev = logits.device
+        bitmask = batch.bitmask.to(dev, non_blocking=True)
+        rows = torch.tensor(batch.bitmask_rows, dtype=torch.long, device=dev)
+        self._apply_bitmask(logits, bitmask, rows)
+        if raw is None:
+            return logits
+        # Without a host sync: every constrained row also gets the grammar-only version.
+        local = torch.arange(len(batch.bitmask_rows), device=dev)
+        fresh = self._apply_bitmask(raw.index_select(0, rows), bitmask, local)
+        sub = logits.index_select(0, rows)
+        dead = (sub.amax(dim=-1) == float("-inf")).unsqueeze(1)
+        logits.index_copy_(0, rows, torch.where(dead, fresh, sub))
         return logits
 
     def _apply_penalties(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     import torch
 
     from kernels.swap import StagingBuffer
+    from libs.structured import GrammarMatcher
 
 _seq_ids = itertools.count()
 
@@ -102,6 +103,7 @@ class Sequence:
         self.new_token_ids: list[int] = []  # produced since the last output was reported
         self.new_logprobs: list[TokenLogprob] = []
         self.was_preempted = False
+        self.grammar: "GrammarMatcher | None" = None  # structured output: what may come next
         self.capture_logits = False  # keep the first sampled row's logits (tests, debugging)
         self.captured_logits: "torch.Tensor | None" = None
 

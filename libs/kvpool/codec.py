@@ -6,6 +6,19 @@ makes every single corrupted byte detectable: the fields the reader knows (magic
 version, dtype, shape) are compared with its layout, the token count is range-checked and
 must agree with the value's length, and the payload is checksummed. Any mismatch raises
 :class:`~libs.kvpool.header.BlockDecodeError` before the staging tensor is touched.
+
+Two ways to use it:
+
+- ``encode`` / ``decode``: one copy each way between a staging tensor and a value buffer.
+- In place, for the zero-copy bulk path: ``encode_views`` returns a value as parts, the
+  header (24 fresh bytes) and views of the staging block itself, checksummed where they
+  lie; ``value_views`` says where a value of ``n`` tokens lands in a staging slot (the
+  header in a separate 24-byte buffer, the payload straight into the slot), and
+  ``verify_landed`` checks it there after it arrived. A full block's payload is one
+  contiguous run of the slot; a partial block of ``m`` tokens is ``2 * layers`` runs (the
+  first ``m`` token rows of each layer's K and V), so even the tail block is received
+  and sent scatter-gather, with no copy. The checksum is xxh3 over the runs in order
+  (streamed for a partial block), the same digest as over the payload in one piece.
 """
 
 from __future__ import annotations
@@ -21,6 +34,7 @@ from libs.kvpool.header import (
     HEADER_NBYTES,
     MAGIC,
     BlockDecodeError,
+    BlockHeader,
     Buffer,
     check_body,
     unpack_header,
@@ -67,6 +81,93 @@ class BlockCodec:
         if not 1 <= num_tokens <= self.layout.block_size:
             raise ValueError(f"num_tokens must be in [1, {self.layout.block_size}], got {num_tokens}")
 
+    def _runs(self, block: torch.Tensor, num_tokens: int) -> list[memoryview]:
+        """The payload of ``num_tokens`` tokens as views of a contiguous CPU block tensor."""
+        lay = self.layout
+        rows = block.detach().view(torch.uint8).numpy().reshape(lay.num_layers * 2, lay.block_size * self._token_nbytes)
+        if num_tokens == lay.block_size:
+            return [memoryview(rows.reshape(-1))]
+        cut = num_tokens * self._token_nbytes
+        return [memoryview(rows[i, :cut]) for i in range(rows.shape[0])]
+
+    @staticmethod
+    def _checksum(runs: list[memoryview]) -> int:
+        if len(runs) == 1:
+            return xxhash.xxh3_64_intdigest(runs[0])
+        h = xxhash.xxh3_64()
+        for run in runs:
+            h.update(run)
+        return h.intdigest()
+
+    def _header(self, num_tokens: int, checksum: int) -> memoryview:
+        lay = self.layout
+        head = memoryview(bytearray(HEADER_NBYTES))
+        HEADER.pack_into(
+            head, 0, MAGIC, LAYOUT_VERSION, self._code, lay.num_layers, lay.num_kv_heads, lay.head_dim, num_tokens, checksum
+        )
+        return head
+
+    def encode_views(self, block: torch.Tensor, num_tokens: int) -> list[memoryview]:
+        """The value of ``block`` as parts ``[header, payload runs...]`` without copying the payload.
+
+        The runs are views of ``block`` (a contiguous CPU tensor: a pinned staging row), so
+        it must not change until the value is written. Any other tensor is encoded with
+        :meth:`encode` (one copy) and returned as one part.
+        """
+        self._check_tensor(block, "block")
+        self._check_tokens(num_tokens)
+        if block.device.type != "cpu" or not block.is_contiguous():
+            return [self.encode(block, num_tokens)]
+        runs = self._runs(block, num_tokens)
+        return [self._header(num_tokens, self._checksum(runs)), *runs]
+
+    def value_views(self, header: memoryview, out: torch.Tensor, num_tokens: int) -> list[memoryview]:
+        """Where a value of ``num_tokens`` lands: ``header`` (24 bytes), then payload runs of ``out``.
+
+        ``out`` is a contiguous CPU tensor of ``layout.block_shape`` (a staging slot). The
+        views add up to ``value_nbytes(num_tokens)``.
+        """
+        self._check_tensor(out, "out")
+        self._check_tokens(num_tokens)
+        if out.device.type != "cpu" or not out.is_contiguous():
+            raise ValueError("out must be a contiguous CPU tensor (a staging slot)")
+        if header.nbytes != HEADER_NBYTES:
+            raise ValueError(f"header buffer has {header.nbytes} bytes, the header is {HEADER_NBYTES}")
+        return [header, *self._runs(out, num_tokens)]
+
+    def verify_landed(self, header: Buffer, out: torch.Tensor, num_tokens: int) -> int:
+        """Check a value that landed through ``value_views(header, out, num_tokens)``; its token count.
+
+        The transport guaranteed the value's length (header + payload of ``num_tokens``);
+        this checks the header against this layout and that token count, and the checksum
+        of the payload where it lies in ``out``. Raises :class:`BlockDecodeError`.
+        """
+        h = unpack_header(header)
+        self._check_header(h, num_tokens)
+        actual = self._checksum(self._runs(out, num_tokens))
+        if actual != h.checksum:
+            raise BlockDecodeError("checksum", f"payload checksum {actual:016x}, header says {h.checksum:016x}")
+        return num_tokens
+
+    def _check_header(self, h: BlockHeader, expected_tokens: int | None) -> None:
+        lay = self.layout
+        if h.version != LAYOUT_VERSION:
+            raise BlockDecodeError("version", f"layout version {h.version}, this reader knows {LAYOUT_VERSION}")
+        if h.dtype_code != self._code:
+            got = DTYPES.get(h.dtype_code, (f"unknown code {h.dtype_code}",))[0]
+            raise BlockDecodeError("dtype", f"value holds {got}, reader expects {lay.dtype}")
+        if (h.num_layers, h.num_kv_heads, h.head_dim) != (lay.num_layers, lay.num_kv_heads, lay.head_dim):
+            raise BlockDecodeError(
+                "shape",
+                f"value is layers={h.num_layers} kv_heads={h.num_kv_heads} head_dim={h.head_dim}, reader "
+                f"expects layers={lay.num_layers} kv_heads={lay.num_kv_heads} head_dim={lay.head_dim}",
+            )
+        tokens = h.num_tokens
+        if not 1 <= tokens <= lay.block_size:
+            raise BlockDecodeError("tokens", f"token count {tokens} outside [1, {lay.block_size}]")
+        if expected_tokens is not None and tokens != expected_tokens:
+            raise BlockDecodeError("tokens", f"value holds {tokens} tokens, key says {expected_tokens}")
+
     def encode(self, block: torch.Tensor, num_tokens: int) -> memoryview:
         """The value of ``block`` (shape ``layout.block_shape``) holding its first ``num_tokens`` tokens.
 
@@ -111,22 +212,8 @@ class BlockCodec:
             raise ValueError("out must be a contiguous CPU tensor (a staging slot)")
         lay = self.layout
         h = unpack_header(value)
-        if h.version != LAYOUT_VERSION:
-            raise BlockDecodeError("version", f"layout version {h.version}, this reader knows {LAYOUT_VERSION}")
-        if h.dtype_code != self._code:
-            got = DTYPES.get(h.dtype_code, (f"unknown code {h.dtype_code}",))[0]
-            raise BlockDecodeError("dtype", f"value holds {got}, reader expects {lay.dtype}")
-        if (h.num_layers, h.num_kv_heads, h.head_dim) != (lay.num_layers, lay.num_kv_heads, lay.head_dim):
-            raise BlockDecodeError(
-                "shape",
-                f"value is layers={h.num_layers} kv_heads={h.num_kv_heads} head_dim={h.head_dim}, reader "
-                f"expects layers={lay.num_layers} kv_heads={lay.num_kv_heads} head_dim={lay.head_dim}",
-            )
+        self._check_header(h, expected_tokens)
         tokens = h.num_tokens
-        if not 1 <= tokens <= lay.block_size:
-            raise BlockDecodeError("tokens", f"token count {tokens} outside [1, {lay.block_size}]")
-        if expected_tokens is not None and tokens != expected_tokens:
-            raise BlockDecodeError("tokens", f"value holds {tokens} tokens, key says {expected_tokens}")
         check_body(value, h)
         # numpy views: the value is usually read-only ``bytes``, which torch.frombuffer
         # accepts only with a warning; numpy reads it without a copy and without one.

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit, urlunsplit
 
 _PREFIX_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+# How the bulk path (libs/kvpool/bulk.py) drives its sockets.
+BULK_MODELS = ("threads", "asyncio")
 
 
 def redact_url(url: str) -> str:
@@ -29,6 +31,12 @@ class PoolConfig:
     connection or a timeout is retried ``retries`` times with exponential backoff from
     ``retry_backoff_s``: every pool operation is idempotent, so a retry after a lost reply
     is safe.
+
+    Block values travel on the bulk path (libs/kvpool/bulk.py): ``max_parallel`` sockets
+    per Redis node, driven by ``bulk_model``: ``"threads"`` (blocking ``recv_into`` on a
+    thread pool, the GIL released) or ``"asyncio"`` (a ``BufferedProtocol`` on the loop).
+    The URL may name a standalone Redis or any node of a Redis Cluster: the mode is
+    detected from the server (libs/kvpool/control.py).
     """
 
     url: str = "redis://127.0.0.1:6379/0"
@@ -42,6 +50,7 @@ class PoolConfig:
     pipeline_blocks: int = 16
     max_parallel: int = 4
     socket_read_size: int = 1 << 20
+    bulk_model: str = "threads"
 
     def __post_init__(self) -> None:
         if not self.url.startswith(("redis://", "rediss://", "unix://")):
@@ -58,6 +67,8 @@ class PoolConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.retry_backoff_s < 0:
             raise ValueError(f"retry_backoff_s must be >= 0, got {self.retry_backoff_s}")
+        if self.bulk_model not in BULK_MODELS:
+            raise ValueError(f"bulk_model must be one of {BULK_MODELS}, got {self.bulk_model!r}")
         if self.max_parallel > self.max_connections:
             raise ValueError("max_parallel cannot exceed max_connections")
 
@@ -67,5 +78,5 @@ class PoolConfig:
         return (
             f"PoolConfig(url={redact_url(self.url)!r}, password={secret}, key_prefix={self.key_prefix!r}, "
             f"max_connections={self.max_connections}, pipeline_blocks={self.pipeline_blocks}, "
-            f"max_parallel={self.max_parallel}, retries={self.retries})"
+            f"max_parallel={self.max_parallel}, retries={self.retries}, bulk_model={self.bulk_model!r})"
         )

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
-from typing import Final, Literal, Union, get_args
+from typing import Final, Literal, Sequence, Union, get_args
 
 import xxhash
 
@@ -53,6 +53,30 @@ DECODE_REASONS: Final[tuple[str, ...]] = get_args(DecodeReason)
 
 # Anything the buffer protocol can hand to a socket or to xxhash without a copy.
 Buffer = Union[bytes, bytearray, memoryview]
+# What a pool write takes: one buffer, or a list/tuple of parts that make the value back
+# to back (a header and views of staging memory: scatter-gather, never concatenated).
+Value = Union[Buffer, Sequence[Buffer]]
+
+
+def _flat(buf: Buffer) -> memoryview:
+    view = buf if isinstance(buf, memoryview) else memoryview(buf)
+    if view.format != "B" or view.ndim != 1:
+        view = view.cast("B")
+    return view
+
+
+def value_parts(value: Value) -> list[memoryview]:
+    """A value as flat byte views: a list or tuple is parts sent back to back, anything
+    else one buffer (bytes, bytearray, memoryview, a numpy array...)."""
+    if isinstance(value, (list, tuple)):
+        return [_flat(part) for part in value]
+    return [_flat(value)]  # type: ignore[arg-type]
+
+
+def value_nbytes(value: Value) -> int:
+    if isinstance(value, (list, tuple)):
+        return sum(memoryview(part).nbytes for part in value)
+    return memoryview(value).nbytes  # type: ignore[arg-type]
 
 
 class BlockDecodeError(ValueError):

@@ -24,7 +24,7 @@ import time
 from collections import Counter, OrderedDict
 from typing import Awaitable, Callable, Sequence
 
-from libs.kvpool.header import Buffer
+from libs.kvpool.header import Value, value_nbytes, value_parts
 from libs.kvpool.pool import BlockPool, EvictResult, PoolStats, PoolUnavailable, PutError
 
 FaultHook = Callable[[str, Sequence[str]], Awaitable[None]]
@@ -81,13 +81,14 @@ class MemoryPool(BlockPool):
                 self._counters["bytes_read"] += len(value)
         return values
 
-    async def _put_blocks(self, pairs: list[tuple[str, Buffer]], lease_id: str | None) -> list[PutError | None]:
+    async def _put_blocks(self, pairs: list[tuple[str, Value]], lease_id: str | None) -> list[PutError | None]:
         await self._enter("put_blocks", [bid for bid, _ in pairs])
         return [self._put_one(bid, value, lease_id) for bid, value in pairs]
 
-    def _put_one(self, bid: str, value: Buffer, lease_id: str | None) -> PutError | None:
+    def _put_one(self, bid: str, value: Value, lease_id: str | None) -> PutError | None:
         old = self._data.get(bid)
-        grow = len(value) - (len(old) if old is not None else 0)
+        nbytes = value_nbytes(value)
+        grow = nbytes - (len(old) if old is not None else 0)
         error: PutError | None = None
         if self.capacity_bytes is not None and grow > 0 and self._bytes + grow > self.capacity_bytes:
             error = PutError("oom", f"{self._bytes} + {grow} bytes would exceed capacity {self.capacity_bytes}")
@@ -101,12 +102,12 @@ class MemoryPool(BlockPool):
             if bid not in members:
                 members.add(bid)
                 self._pins[bid] += 1
-        self._data[bid] = bytes(value)
+        self._data[bid] = b"".join(value_parts(value))
         self._bytes += grow
         self._lru[bid] = None
         self._lru.move_to_end(bid)
         self._counters["puts"] += 1
-        self._counters["bytes_written"] += len(value)
+        self._counters["bytes_written"] += nbytes
         return None
 
     async def _delete_blocks(self, ids: list[str]) -> int:

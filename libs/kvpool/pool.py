@@ -13,25 +13,45 @@ cache_store, and the suffix of the Redis key ``<prefix>:kv:<block id>``.
 Errors. A whole call fails with :class:`PoolUnavailable` when the backend cannot be reached
 (after the configured retries). A write refused for one block (no room, unknown lease) is
 not an exception: ``put_blocks`` returns a :class:`PutError` in that block's slot, and the
-other blocks of the batch are unaffected.
+other blocks of the batch are unaffected. ``get_blocks_into`` never raises for the
+backend: each block it could not deliver is a miss with its reason (READ_MISS_REASONS).
+
+Values. ``put_blocks`` takes a value as one buffer or as a list of parts written back to
+back (``BlockCodec.encode_views``: the header and views of staging memory); the parts
+must not change until the call returns. ``get_blocks`` returns bytes-like values
+(``bytes`` or a ``memoryview``; ``bytes(v)`` if you need ``bytes``); ``get_blocks_into``
+receives them straight into memory the caller provides (the zero-copy path).
 """
 
 from __future__ import annotations
 
+import logging
 import re
 import secrets
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal, Sequence, Union, get_args
+from typing import Any, Callable, Literal, Sequence, Union, get_args
 
 from libs.blocks.keys import KEY_BYTES, BlockKey, Namespace
-from libs.kvpool.header import Buffer
+from libs.kvpool.header import Buffer, Value, value_parts
 
 NamespaceLike = Union[Namespace, str]
 KeyLike = Union[BlockKey, str]
 
+log = logging.getLogger(__name__)
+
 PutErrorReason = Literal["oom", "lease", "rejected"]
 PUT_ERROR_REASONS: tuple[str, ...] = get_args(PutErrorReason)
+
+# Why get_blocks_into could not deliver a block: ``absent``; ``length`` (the stored value
+# is not the size the caller expects: never written into its memory); ``error`` (Redis
+# answered an error); or, after retries, the transport's reason: ``timeout``, ``closed``
+# (dropped or cut short), ``connect``, ``protocol`` (bytes that are not RESP), ``auth``,
+# ``redirect`` (the cluster kept redirecting), ``unavailable`` (a backend without detail).
+ReadMissReason = Literal[
+    "absent", "length", "error", "timeout", "closed", "connect", "protocol", "auth", "redirect", "unavailable"
+]
+READ_MISS_REASONS: tuple[str, ...] = get_args(ReadMissReason)
 
 # Stats hash fields are "misses:<reason>"; a reason is a short label, bounded so that a
 # caller cannot blow up metric cardinality or the hash with arbitrary strings.
@@ -166,15 +186,57 @@ class BlockPool(ABC):
         ids = block_ids(ns, keys)
         return await self._exists_blocks(ids) if ids else []
 
-    async def get_blocks(self, ns: NamespaceLike, keys: Sequence[KeyLike]) -> list[bytes | None]:
+    async def get_blocks(self, ns: NamespaceLike, keys: Sequence[KeyLike]) -> list[Buffer | None]:
         """Each block's value, ``None`` where absent. Counts hits and ``misses:absent``, touches the LRU."""
         ids = block_ids(ns, keys)
         return await self._get_blocks(ids) if ids else []
 
+    async def get_blocks_into(
+        self,
+        ns: NamespaceLike,
+        keys: Sequence[KeyLike],
+        dests: Sequence[Sequence[memoryview]],
+        *,
+        on_landed: Callable[[int], None] | None = None,
+    ) -> list[str | None]:
+        """Receive each block's value straight into ``dests[i]``: writable views filled in
+        order, whose sizes add up to the value length the caller expects.
+
+        Per block ``None`` (the value landed, whole) or a miss reason (READ_MISS_REASONS);
+        a value of another length is never written anywhere (``"length"``). Memory of a
+        block that missed may hold anything. Counts hits and ``misses:absent`` and touches
+        the LRU like ``get_blocks``. When the call returns, or raises (cancelled), nothing
+        writes into ``dests`` any more.
+
+        ``on_landed(i)`` is called once for each block whose value landed, as soon as it
+        has, possibly on a bulk-transfer thread and while other blocks are still arriving:
+        decode verifies checksums there, overlapped with the transfer. It must be quick,
+        thread-safe and must not raise (an exception is logged and the block counts as a
+        miss ``"error"``).
+        """
+        ids = block_ids(ns, keys)
+        if len(dests) != len(ids):
+            raise ValueError(f"{len(dests)} destinations for {len(ids)} keys")
+        if not ids:
+            return []
+        if on_landed is None:
+            return await self._get_blocks_into(ids, dests, None)
+        failed: set[int] = set()
+
+        def landed(i: int) -> None:
+            try:
+                on_landed(i)
+            except Exception:  # noqa: BLE001 - the caller's bug must not break the transport
+                log.exception("on_landed(%d) raised", i)
+                failed.add(i)
+
+        outcomes = await self._get_blocks_into(ids, dests, landed)
+        return ["error" if i in failed and o is None else o for i, o in enumerate(outcomes)]
+
     async def put_blocks(
         self,
         ns: NamespaceLike,
-        items: Sequence[tuple[KeyLike, Buffer]],
+        items: Sequence[tuple[KeyLike, Value]],
         *,
         lease_id: str | None = None,
     ) -> list[PutError | None]:
@@ -261,10 +323,37 @@ class BlockPool(ABC):
     async def _exists_blocks(self, ids: list[str]) -> list[bool]: ...
 
     @abstractmethod
-    async def _get_blocks(self, ids: list[str]) -> list[bytes | None]: ...
+    async def _get_blocks(self, ids: list[str]) -> list[Buffer | None]: ...
+
+    async def _get_blocks_into(
+        self, ids: list[str], dests: Sequence[Sequence[memoryview]], on_landed: Callable[[int], None] | None
+    ) -> list[str | None]:
+        """Through ``_get_blocks`` and a copy, for a backend without a zero-copy path (the twin)."""
+        try:
+            values = await self._get_blocks(ids)
+        except PoolUnavailable:
+            return ["unavailable"] * len(ids)
+        out: list[str | None] = []
+        for value, dest in zip(values, dests):
+            if value is None:
+                out.append("absent")
+                continue
+            src = value_parts(value)[0]
+            views = value_parts(list(dest))
+            if src.nbytes != sum(v.nbytes for v in views):
+                out.append("length")
+                continue
+            pos = 0
+            for view in views:
+                view[:] = src[pos : pos + view.nbytes]
+                pos += view.nbytes
+            out.append(None)
+            if on_landed is not None:
+                on_landed(len(out) - 1)
+        return out
 
     @abstractmethod
-    async def _put_blocks(self, pairs: list[tuple[str, Buffer]], lease_id: str | None) -> list[PutError | None]: ...
+    async def _put_blocks(self, pairs: list[tuple[str, Value]], lease_id: str | None) -> list[PutError | None]: ...
 
     @abstractmethod
     async def _delete_blocks(self, ids: list[str]) -> int: ...

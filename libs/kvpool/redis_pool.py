@@ -1,443 +1,566 @@
-"""The pool client on Redis (redis.asyncio + hiredis), and the pool's Redis schema.
+"""The pool client on Redis or Redis Cluster, and the pool's Redis schema.
 
-Schema. With ``P`` the configured key prefix and a *block id* ``<namespace hex>:<block key>``
-(libs/kvpool/pool.py)::
+One code path serves both: the URL names a standalone Redis or any node of a cluster, and
+the server says which (``INFO cluster``; libs/kvpool/control.py). Block values move on the
+zero-copy bulk path (libs/kvpool/bulk.py, RESP spoken by us); everything else goes through
+redis-py (the control plane).
 
-    P:kv:<block id>    string  the encoded block (libs/kvpool/header.py)
-    P:lru              zset    block id -> last write/read, ms of Redis TIME
-    P:size             hash    block id -> value bytes; the blocks the pool accounts for
-    P:bytes            string  sum of P:size (value bytes, not Redis overhead)
-    P:stats            hash    counters: hits, misses:<reason>, puts, bytes_written,
+Schema. The pool is cut into partitions (libs/kvpool/topology.py): one on a standalone
+Redis, ``CLUSTER_PARTITIONS`` (16) on a cluster. Each partition has a *base* ``B``: the
+key prefix ``P`` itself on a standalone Redis (the key names are the pre-cluster ones),
+``P:{<tag>}`` on a cluster, where ``<tag>`` is the partition's hash tag, so that every key
+of a partition lives in one slot. A block (id ``<namespace hex>:<block key>``) belongs to
+partition ``int(block key[:8], 16) % partitions``::
+
+    B:kv:<block id>    string  the encoded block (libs/kvpool/header.py)
+    B:lru              zset    block id -> last write/read, ms of Redis TIME
+    B:size             hash    block id -> value bytes; the blocks the partition accounts for
+    B:bytes            string  sum of B:size (value bytes, not Redis overhead)
+    B:stats            hash    counters: hits, misses:<reason>, puts, bytes_written,
                                bytes_read, evictions, evicted_bytes, write_errors:<reason>
-    P:pins             hash    block id -> number of live leases pinning it (absent = 0)
-    P:leases           zset    lease id -> expiry, ms of Redis TIME
-    P:lease:<lease id> set     the block ids the lease pins
+    B:pins             hash    block id -> number of live leases pinning it (absent = 0)
+    B:leases           zset    lease id -> expiry, ms of Redis TIME
+    B:lease:<lease id> set     the block ids of this partition the lease pins
+
+Pool-wide numbers are sums over partitions (``stats``). Counters not tied to a block
+(``record_misses``, write errors) go to partition 0's ``B:stats``.
 
 Bookkeeping is maintained by every client in the same atomic step as the data, so
 cache_store sees every block although no bytes pass through it:
 
-- put: per block ``MULTI; SET P:kv:<id> <value>; EVAL account; EXEC``. The account script
-  counts the block's bytes only on creation (``P:size`` has no entry yet), stamps the LRU,
-  counts the write, and pins the block under the lease if one is given. Under
-  ``maxmemory`` + ``noeviction`` Redis refuses the queued SET, the transaction aborts
-  (EXECABORT), and that one block fails with reason ``"oom"``; nothing half-done remains.
-  An unknown or expired lease makes the script undo a SET that created the key and fail
-  the block with reason ``"lease"``. The account script is sent with EVAL, not EVALSHA,
-  because a NOSCRIPT inside EXEC (after a Redis restart) would leave the SET applied
-  without its bookkeeping; the script is 1 kB against a value of hundreds of kB.
-- get: the GETs of a batch are pipelined (no MULTI: one batch's replies must not hold up
-  other clients), then one ``touch`` script bumps the LRU of the blocks actually received
-  (``ZADD XX``: never re-inserts one evicted in between) and counts hits, ``bytes_read``
-  and ``misses:absent``.
-- evict, reap, leases, delete, exists_prefix, counters: one script each, run with EVALSHA
-  and reloaded on NOSCRIPT. Scripts that must work when Redis is full (evict, reap,
-  release, touch, counters) carry ``#!lua flags=allow-oom``.
+- put (bulk path): per block ``MULTI; SET B:kv:<id> <value>; EVAL account; EXEC``, the
+  value an iovec of staging memory (never copied into the frame). All four commands name
+  keys of the block's partition only, so on a cluster the transaction runs on one node.
+  The account script counts the block's bytes only on creation (``B:size`` has no entry
+  yet), stamps the LRU, counts the write, and pins the block under the lease if one is
+  given. Under ``maxmemory`` + ``noeviction`` Redis refuses the queued SET, the transaction
+  aborts (EXECABORT), and that one block fails with reason ``"oom"``; nothing half-done
+  remains. An unknown or expired lease makes the script undo a SET that created the key
+  and fail the block with reason ``"lease"``. A connection that dies mid-transaction leaves
+  nothing: Redis discards a MULTI without EXEC, and a SET whose value did not fully arrive
+  never runs. The account script goes with EVAL, not EVALSHA: a NOSCRIPT inside EXEC
+  (after a Redis restart) would leave the SET applied without its bookkeeping; the script
+  is 1 kB against a value of hundreds of kB.
+- get (bulk path): per partition one pipeline ``GET...; EVAL touch``: the values land in
+  the caller's memory, then the touch script (same connection, same node, after the GETs)
+  bumps the LRU of the blocks that exist (``ZADD XX``: never re-inserts one evicted in
+  between) and counts hits, ``bytes_read`` and ``misses:absent``. No MULTI: one batch's
+  replies must not hold up other clients.
+- leases: a lease is registered in every partition (``B:leases``; each partition's lease
+  set holds that partition's blocks), so that a write under the lease can check it in
+  the block's own partition, atomically with the write. Creating, releasing and reaping
+  run one small script per partition; on a standalone Redis that is one script.
+- evict: global LRU across partitions with one byte budget (cache_store's). Each
+  partition's candidates script returns its oldest unpinned blocks (read-only); the
+  client merges them by LRU stamp, takes the oldest until the pool is under budget or
+  ``max_blocks`` are chosen, and each partition's evict script deletes its chosen ones
+  unless they were pinned, read or written since (their stamp moved on). Only what is
+  safe to order is taken from a partition whose list was cut short, and the round
+  repeats, so the order is exact when the pool is quiet.
+- reap: each partition's due-leases script lists expired leases (Redis' clock); then
+  the release script releases them there, with their lease sets passed as keys.
+- delete, counters, exists: one script or command per partition or key.
 
-A lease pins each block id once (the set ``P:lease:<id>``), and ``P:pins`` counts the
-leases, so two leases on one block both hold it. The evict script skips pinned blocks.
-Expired leases keep pinning until reaped (cache_store reaps before it evicts).
+No script names a key at run time (Redis Cluster forbids it: a script's keys are its
+KEYS, all in one slot). Expired leases keep pinning until reaped (cache_store reaps before
+it evicts). Script flags (``#!lua flags=...``) need Redis >= 7.0.
 
-The evict and reap scripts build key names at run time (``P:kv:`` + member), which
-standalone Redis allows; the pool is not meant for Redis Cluster. Script flags
-(``#!lua flags=...``) need Redis >= 7.0.
-
-Replies are read raw (RESP2, no redis-py response callbacks) from pooled connections, and
-values are sent without copying (redis-py passes large arguments to the socket as they
-are). Reading is where the client spends its CPU: redis-py's asyncio reader copies every
-byte several times (transport buffer, StreamReader, hiredis buffer, the result object);
-bench/pool_throughput.py measures what that costs against redis-benchmark.
+A node lost mid-transfer (cluster or not) turns its blocks into misses with a reason for
+reads, and into :class:`PoolUnavailable` for the writes that could not be confirmed;
+the other nodes' blocks are unaffected. While a cluster node is lost, the control plane
+works with the nodes that answer (libs/kvpool/control.py, "Lost nodes"): existence
+checks see its blocks as absent, and leases, statistics, eviction to the budget and
+reaping cover the rest of the pool; only when no node answers do calls raise. A
+``MOVED`` reply refreshes the slot map and the block is sent again to the right node; an
+``ASK`` (its partition's slot is being migrated and the value has moved already) sends
+the GET to the named node behind ``ASKING``, without the touch script (the partition's
+bookkeeping is split between two nodes until the migration ends); writes and scripts
+that meet a migration back off and retry.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
-from typing import Any, Awaitable, Callable, Sequence, TypeVar
+import heapq
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
 
-from redis.asyncio import BlockingConnectionPool
-from redis.asyncio.connection import AbstractConnection
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError, OutOfMemoryError, ResponseError
-from redis.exceptions import TimeoutError as RedisTimeoutError
+import numpy as np
 
-from libs.kvpool.header import Buffer
-from libs.kvpool.config import PoolConfig, redact_url
+from libs.kvpool.bulk import BulkClient, Endpoint, TransportError
+from libs.kvpool.config import PoolConfig
+from libs.kvpool.control import RETRY_CODES, ControlPlane, ask_target, gather_all
+from libs.kvpool.header import Buffer, Value
 from libs.kvpool.pool import BlockPool, EvictResult, PoolError, PoolStats, PoolUnavailable, PutError
-
-T = TypeVar("T")
-
-_NOW_MS = """
-local _t = redis.call('TIME')
-local now = tonumber(_t[1]) * 1000 + math.floor(tonumber(_t[2]) / 1000)
-"""
-
-# KEYS: data, lru, size, bytes, stats, pins, leases, lease set; ARGV: block id, lease id or "".
-ACCOUNT_LUA = _NOW_MS + """
-local id = ARGV[1]
-local len = redis.call('STRLEN', KEYS[1])
-local old = tonumber(redis.call('HGET', KEYS[3], id) or '-1')
-if ARGV[2] ~= '' then
-  local expiry = tonumber(redis.call('ZSCORE', KEYS[7], ARGV[2]) or '-1')
-  if expiry <= now then
-    if old < 0 then redis.call('DEL', KEYS[1]) end
-    return redis.error_reply('NOLEASE lease ' .. ARGV[2] .. ' is unknown or expired')
-  end
-  if redis.call('SADD', KEYS[8], id) == 1 then redis.call('HINCRBY', KEYS[6], id, 1) end
-end
-if old ~= len then
-  redis.call('HSET', KEYS[3], id, len)
-  redis.call('INCRBY', KEYS[4], len - math.max(old, 0))
-end
-redis.call('ZADD', KEYS[2], now, id)
-redis.call('HINCRBY', KEYS[5], 'puts', 1)
-redis.call('HINCRBY', KEYS[5], 'bytes_written', len)
-if old < 0 then return 1 end
-return 0
-"""
-
-# KEYS: lru, stats; ARGV: bytes read, absent count, ids received...
-TOUCH_LUA = "#!lua flags=allow-oom\n" + _NOW_MS + """
-for i = 3, #ARGV do redis.call('ZADD', KEYS[1], 'XX', now, ARGV[i]) end
-local hits = #ARGV - 2
-if hits > 0 then
-  redis.call('HINCRBY', KEYS[2], 'hits', hits)
-  redis.call('HINCRBY', KEYS[2], 'bytes_read', ARGV[1])
-end
-if tonumber(ARGV[2]) > 0 then redis.call('HINCRBY', KEYS[2], 'misses:absent', ARGV[2]) end
-return hits
-"""
-
-# KEYS: data keys in order.
-EXISTS_PREFIX_LUA = """#!lua flags=no-writes,allow-oom
-for i = 1, #KEYS do
-  if redis.call('EXISTS', KEYS[i]) == 0 then return i - 1 end
-end
-return #KEYS
-"""
-
-# KEYS: lru, size, bytes, data keys...; ARGV: the block ids of those data keys.
-DELETE_LUA = """#!lua flags=allow-oom
-local n, freed = 0, 0
-for i = 1, #ARGV do
-  local id = ARGV[i]
-  n = n + redis.call('DEL', KEYS[i + 3])
-  local sz = redis.call('HGET', KEYS[2], id)
-  if sz then
-    redis.call('HDEL', KEYS[2], id)
-    freed = freed + tonumber(sz)
-  end
-  redis.call('ZREM', KEYS[1], id)
-end
-if freed > 0 then redis.call('DECRBY', KEYS[3], freed) end
-return n
-"""
-
-# KEYS: lru, size, bytes, stats, pins; ARGV: "P:kv:", budget bytes, max blocks.
-EVICT_LUA = """#!lua flags=allow-oom
-local bytes = tonumber(redis.call('GET', KEYS[3]) or '0')
-local budget, max_n = tonumber(ARGV[2]), tonumber(ARGV[3])
-local evicted, freed, skipped = 0, 0, 0
-while bytes > budget and evicted < max_n do
-  local batch = redis.call('ZRANGE', KEYS[1], skipped, skipped + 99)
-  if #batch == 0 then break end
-  for _, id in ipairs(batch) do
-    if bytes <= budget or evicted >= max_n then break end
-    if tonumber(redis.call('HGET', KEYS[5], id) or '0') > 0 then
-      skipped = skipped + 1
-    else
-      local sz = tonumber(redis.call('HGET', KEYS[2], id) or '0')
-      redis.call('DEL', ARGV[1] .. id)
-      redis.call('HDEL', KEYS[2], id)
-      redis.call('ZREM', KEYS[1], id)
-      bytes = bytes - sz
-      freed = freed + sz
-      evicted = evicted + 1
-    end
-  end
-end
-if evicted > 0 then
-  redis.call('DECRBY', KEYS[3], freed)
-  redis.call('HINCRBY', KEYS[4], 'evictions', evicted)
-  redis.call('HINCRBY', KEYS[4], 'evicted_bytes', freed)
-end
-return {evicted, freed, bytes}
-"""
-
-_RELEASE_FN = """
-local function release(lid)
-  local gone = redis.call('ZREM', KEYS[1], lid)
-  local set = ARGV[1] .. lid
-  for _, id in ipairs(redis.call('SMEMBERS', set)) do
-    if redis.call('HINCRBY', KEYS[2], id, -1) <= 0 then redis.call('HDEL', KEYS[2], id) end
-  end
-  redis.call('DEL', set)
-  return gone
-end
-"""
-
-# KEYS: leases, pins; ARGV: "P:lease:", lease ids...
-RELEASE_LUA = "#!lua flags=allow-oom\n" + _RELEASE_FN + """
-local n = 0
-for i = 2, #ARGV do n = n + release(ARGV[i]) end
-return n
-"""
-
-# KEYS: leases, pins; ARGV: "P:lease:", max leases.
-REAP_LUA = "#!lua flags=allow-oom\n" + _NOW_MS + _RELEASE_FN + """
-local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, tonumber(ARGV[2]))
-for _, lid in ipairs(due) do release(lid) end
-return #due
-"""
-
-# KEYS: leases, lease set, pins; ARGV: lease id, ttl ms, block ids...
-CREATE_LEASE_LUA = "#!lua flags=allow-oom\n" + _NOW_MS + """
-redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])
-for i = 3, #ARGV do
-  if redis.call('SADD', KEYS[2], ARGV[i]) == 1 then redis.call('HINCRBY', KEYS[3], ARGV[i], 1) end
-end
-return #ARGV - 2
-"""
-
-# KEYS: stats; ARGV: field, n, field, n, ...
-COUNT_LUA = """#!lua flags=allow-oom
-for i = 1, #ARGV, 2 do redis.call('HINCRBY', KEYS[1], ARGV[i], ARGV[i + 1]) end
-return 1
-"""
-
-_EVALSHA_SCRIPTS = (
-    TOUCH_LUA, EXISTS_PREFIX_LUA, DELETE_LUA, EVICT_LUA, RELEASE_LUA, REAP_LUA, CREATE_LEASE_LUA, COUNT_LUA,
+from libs.kvpool.resp import Discarded, Frames, ReplyError, Sink
+from libs.kvpool.scripts import (
+    ACCOUNT_LUA,
+    COUNT_LUA,
+    CREATE_LEASE_LUA,
+    DELETE_LUA,
+    DUE_LEASES_LUA,
+    EVICT_CANDIDATES_LUA,
+    EVICT_LUA,
+    RELEASE_LUA,
+    TOUCH_LUA,
 )
-_SHA = {script: hashlib.sha1(script.encode()).hexdigest() for script in _EVALSHA_SCRIPTS}
+from libs.kvpool.topology import CLUSTER_PARTITIONS, Node, SlotMap, partition_of, partition_tags
 
-_TRANSIENT = (RedisConnectionError, RedisTimeoutError, OSError)
+# Entries an evict-candidates script scans past pinned blocks at most (bounds Redis' pause).
+_CANDIDATE_SCAN = 5000
 
 
-def _classify_put(replies: Sequence[Any]) -> PutError | None:
+class Partition:
+    """The key names of one partition (module docstring)."""
+
+    __slots__ = ("index", "base", "kv", "lru", "size", "bytes", "stats", "pins", "leases", "lease_prefix")
+
+    def __init__(self, prefix: str, index: int, tag: str | None) -> None:
+        self.index = index
+        base = prefix if tag is None else f"{prefix}:{{{tag}}}"
+        self.base = base
+        self.kv = f"{base}:kv:"
+        self.lease_prefix = f"{base}:lease:"
+        self.lru, self.size, self.bytes = f"{base}:lru", f"{base}:size", f"{base}:bytes"
+        self.stats, self.pins, self.leases = f"{base}:stats", f"{base}:pins", f"{base}:leases"
+
+
+def data_key(key_prefix: str, block_id: str, *, cluster: bool) -> str:
+    """The Redis key holding a block's value (for tools and tests that look at Redis directly)."""
+    n = CLUSTER_PARTITIONS if cluster else 1
+    p = partition_of(block_id, n)
+    return Partition(key_prefix, p, partition_tags(n)[p] if cluster else None).kv + block_id
+
+
+@dataclass
+class _Retry:
+    """A block to send again: after a transport failure, or a redirect (``moved``: refresh
+    the map; ``ask``: send it to that node behind ``ASKING``, its slot is being migrated)."""
+
+    reason: str
+    moved: bool = False
+    ask: Node | None = None
+
+
+class _Into:
+    """The sink of one block: its destination views if the value has the expected size,
+    and the caller's ``on_landed(i)`` once it has landed (libs/kvpool/resp.py)."""
+
+    __slots__ = ("i", "views", "size", "on_landed")
+
+    def __init__(self, i: int, views: Sequence[memoryview], size: int, on_landed: Callable[[int], None] | None) -> None:
+        self.i, self.views, self.size, self.on_landed = i, views, size, on_landed
+
+    def __call__(self, n: int) -> Sequence[memoryview] | None:
+        return self.views if n == self.size else None
+
+    def landed(self, n: int) -> None:
+        if self.on_landed is not None:
+            self.on_landed(self.i)
+
+
+def _put_outcome(replies: Sequence[Any]) -> PutError | _Retry | None:
     """The outcome of one block's ``MULTI; SET; EVAL; EXEC`` replies."""
     exec_reply = replies[3]
-    if isinstance(exec_reply, ResponseError):
-        queued = [r for r in replies[1:3] if isinstance(r, ResponseError)]
+    if isinstance(exec_reply, ReplyError):
+        queued = [r for r in replies[:3] if isinstance(r, ReplyError)]
         cause = queued[0] if queued else exec_reply
-        if isinstance(cause, OutOfMemoryError):
-            return PutError("oom", str(cause))
-        return PutError("rejected", str(cause))
+        if cause.code in RETRY_CODES:
+            return _Retry("redirect", moved=cause.code == "MOVED")
+        if cause.code == "OOM":
+            return PutError("oom", cause.message)
+        return PutError("rejected", cause.message)
+    if not isinstance(exec_reply, list) or len(exec_reply) != 2:
+        return PutError("rejected", f"unexpected EXEC reply {exec_reply!r}")
     account = exec_reply[1]
-    if isinstance(account, ResponseError):
-        if str(account).startswith("NOLEASE"):
-            return PutError("lease", str(account))
-        return PutError("rejected", str(account))
+    if isinstance(account, ReplyError):
+        if account.code == "NOLEASE":
+            return PutError("lease", account.message)
+        return PutError("rejected", account.message)
     return None
 
 
+def _get_outcome(reply: Any) -> str | _Retry | None:
+    if isinstance(reply, int):
+        return None
+    if reply is None:
+        return "absent"
+    if isinstance(reply, Discarded):
+        return "length"
+    if isinstance(reply, ReplyError) and reply.code == "ASK":
+        return _Retry("redirect", ask=ask_target(reply))
+    if isinstance(reply, ReplyError) and reply.code in RETRY_CODES:
+        return _Retry("redirect", moved=reply.code == "MOVED")
+    return "error"
+
+
 class RedisPool(BlockPool):
-    """:class:`BlockPool` on Redis. Construct with a :class:`PoolConfig`; no I/O until first use."""
+    """:class:`BlockPool` on Redis or Redis Cluster. Construct with a :class:`PoolConfig`; no I/O until first use."""
 
     def __init__(self, config: PoolConfig) -> None:
         self.config = config
-        self._pool = BlockingConnectionPool.from_url(
-            config.url,
-            password=config.password,
-            max_connections=config.max_connections,
-            timeout=config.connect_timeout_s + config.socket_timeout_s,
-            socket_connect_timeout=config.connect_timeout_s,
-            socket_timeout=config.socket_timeout_s,
-            socket_read_size=config.socket_read_size,
-            retry_on_timeout=False,
-            retry=None,  # retries are ours (_roundtrip): whole idempotent batches
-            protocol=2,  # replies are read raw, so their shapes are pinned to RESP2
+        self.control = ControlPlane(config)
+        self.bulk = BulkClient(self._endpoint, model=config.bulk_model, sockets_per_node=config.max_parallel)  # type: ignore[arg-type]
+        self._parts: list[Partition] = []
+
+    def _endpoint(self, node: Node) -> Endpoint:
+        cfg = self.config
+        return Endpoint(
+            node, self.control.connection_kwargs(), tls=cfg.url.startswith("rediss://"),
+            connect_timeout_s=cfg.connect_timeout_s, socket_timeout_s=cfg.socket_timeout_s,
         )
-        p = config.key_prefix
-        self._kv = f"{p}:kv:"
-        self._lease_prefix = f"{p}:lease:"
-        self._lru, self._size, self._bytes = f"{p}:lru", f"{p}:size", f"{p}:bytes"
-        self._stats, self._pins, self._leases = f"{p}:stats", f"{p}:pins", f"{p}:leases"
 
-    # -- transport ------------------------------------------------------------------------
+    async def layout(self) -> tuple[SlotMap, list[Partition]]:
+        """The slot map and the partitions (discovered on first use)."""
+        slots = await self.control.topology()
+        n = CLUSTER_PARTITIONS if slots.cluster else 1
+        if len(self._parts) != n:
+            tags: Sequence[str | None] = partition_tags(n) if slots.cluster else [None]
+            self._parts = [Partition(self.config.key_prefix, i, tag) for i, tag in enumerate(tags)]
+        return slots, self._parts
 
-    async def _roundtrip(self, commands: Sequence[tuple[Any, ...]]) -> list[Any]:
-        """Send ``commands`` pipelined on one pooled connection; replies in order.
+    async def _grouped(self, ids: Sequence[str]) -> dict[int, list[int]]:
+        """Indices of ``ids`` per partition index."""
+        _, parts = await self.layout()
+        groups: dict[int, list[int]] = defaultdict(list)
+        for i, bid in enumerate(ids):
+            groups[partition_of(bid, len(parts))].append(i)
+        return groups
 
-        Error replies come back as ``ResponseError`` values. A dropped connection or a
-        timeout is retried (every caller's commands are idempotent); after the last
-        retry it becomes :class:`PoolUnavailable`.
+    # -- the bulk path --------------------------------------------------------------------------
+
+    async def _transfer(
+        self,
+        ids: Sequence[str],
+        build: Callable[[Partition, list[int], Frames, list[Sink | None], bool], list[int]],
+        outcome: Callable[[int, list[Any]], Any],
+    ) -> tuple[list[Any], dict[int, str]]:
+        """Pipelines of ``ids``, one partition's blocks each, ``pipeline_blocks`` at most.
+
+        ``build(partition, items, frames, sinks, asking)`` adds each item's commands (each
+        behind ``ASKING`` when ``asking``) and returns how many replies each item has (in
+        order, after which the pipeline may have more); ``outcome(item, replies)`` says
+        what an item's replies mean, or :class:`_Retry`. Returns the outcome per item and,
+        for items that never got one, the transport reason of their last attempt.
         """
-        last: BaseException | None = None
+        results: list[Any] = [None] * len(ids)
+        todo = list(range(len(ids)))
+        reasons: dict[int, str] = {}
+        asking: dict[int, Node] = {}
+        size = self.config.pipeline_blocks
         for attempt in range(self.config.retries + 1):
             if attempt:
                 await asyncio.sleep(self.config.retry_backoff_s * 2 ** (attempt - 1))
             try:
-                conn = await self._pool.get_connection()
-            except _TRANSIENT as exc:
-                last = exc
-                continue
-            try:
-                return await self._exchange(conn, commands)
-            except _TRANSIENT as exc:
-                last = exc
-                await conn.disconnect(nowait=True)
-            except BaseException:
-                # Cancelled (or worse) mid-exchange: replies may still be in flight, so
-                # the connection's state is unknown and it must not be reused.
-                await conn.disconnect(nowait=True)
-                raise
-            finally:
-                await self._pool.release(conn)
-        raise PoolUnavailable(f"redis at {redact_url(self.config.url)}: {type(last).__name__}: {last}") from last
+                slots, parts = await self.layout()
+            except PoolUnavailable:  # no node answers about the topology
+                for i in todo:
+                    reasons.setdefault(i, "connect")
+                break
+            runs = []
+            groups: dict[tuple[int, Node | None], list[int]] = defaultdict(list)
+            for i in todo:
+                groups[(partition_of(ids[i], len(parts)), asking.get(i))].append(i)
+            for (p, ask), items in groups.items():
+                node = ask or slots.node_for(parts[p].lru)
+                for k in range(0, len(items), size):
+                    runs.append(self._pipeline(node, parts[p], items[k : k + size], build, outcome, ask is not None))
+            again: list[int] = []
+            moved = False
+            for chunk in await gather_all(runs):
+                for item, result in chunk:
+                    if isinstance(result, _Retry):
+                        again.append(item)
+                        reasons[item] = result.reason
+                        moved |= result.moved
+                        if result.ask is not None:
+                            asking[item] = result.ask
+                        else:
+                            asking.pop(item, None)
+                    else:
+                        results[item] = result
+                        reasons.pop(item, None)
+            todo = again
+            if not todo:
+                break
+            if moved or slots.cluster:
+                self.control.invalidate()  # a MOVED, or a node gone: ask the cluster again
+        return results, {i: reasons[i] for i in todo}
 
-    @staticmethod
-    async def _exchange(conn: AbstractConnection, commands: Sequence[tuple[Any, ...]]) -> list[Any]:
-        await conn.send_packed_command(conn.pack_commands(commands))
-        replies: list[Any] = []
-        for _ in commands:
-            try:
-                replies.append(await conn.read_response())
-            except ResponseError as exc:
-                replies.append(exc)
-        return replies
-
-    async def _scripts(self, calls: Sequence[tuple[str, Sequence[Any], Sequence[Any]]]) -> list[Any]:
-        """Run ``(script, keys, args)`` calls pipelined with EVALSHA; load and retry on NOSCRIPT."""
-        commands = [("EVALSHA", _SHA[s], len(keys), *keys, *args) for s, keys, args in calls]
-        replies = await self._roundtrip(commands)
-        if any(isinstance(r, NoScriptError) for r in replies):
-            # Redis restarted or flushed its script cache. Every script here is
-            # idempotent or, for NOSCRIPT replies, never ran: loading and re-running is safe.
-            await self._roundtrip([("SCRIPT", "LOAD", s) for s in {s for s, _, _ in calls}])
-            replies = await self._roundtrip(commands)
-        for r in replies:
-            if isinstance(r, ResponseError):
-                raise PoolError(f"redis script failed: {r}") from r
-        return replies
-
-    async def _script(self, script: str, keys: Sequence[Any], args: Sequence[Any]) -> Any:
-        return (await self._scripts([(script, keys, args)]))[0]
-
-    async def _chunked(self, items: Sequence[T], run: Callable[[Sequence[T]], Awaitable[list[Any]]]) -> list[Any]:
-        """Run ``run`` on ``pipeline_blocks``-sized chunks, ``max_parallel`` at a time; concatenate."""
-        size = self.config.pipeline_blocks
-        chunks = [items[i : i + size] for i in range(0, len(items), size)]
-        if len(chunks) <= 1:
-            return await run(items) if items else []
-        gate = asyncio.Semaphore(self.config.max_parallel)
-
-        async def bounded(chunk: Sequence[T]) -> list[Any]:
-            async with gate:
-                return await run(chunk)
-
-        tasks = [asyncio.ensure_future(bounded(c)) for c in chunks]
+    async def _pipeline(
+        self,
+        node: Node | None,
+        part: Partition,
+        items: list[int],
+        build: Callable[[Partition, list[int], Frames, list[Sink | None], bool], list[int]],
+        outcome: Callable[[int, list[Any]], Any],
+        asking: bool,
+    ) -> list[tuple[int, Any]]:
+        if node is None:
+            return [(i, _Retry("redirect", moved=True)) for i in items]
+        frames = Frames()
+        sinks: list[Sink | None] = []
+        counts = build(part, items, frames, sinks, asking)
+        failure = None
         try:
-            results = await asyncio.gather(*tasks)
-        finally:
-            # On failure or cancellation, stop the other chunks and wait for them, so no
-            # orphan task keeps using a connection after this call returned.
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-        return [r for chunk in results for r in chunk]
+            replies = await self.bulk.exchange(node, frames, sinks)
+        except TransportError as exc:
+            replies, failure = exc.replies, exc.reason
+        out = []
+        pos = 0
+        for item, n in zip(items, counts):
+            if pos + n <= len(replies):
+                out.append((item, outcome(item, replies[pos : pos + n])))
+            else:
+                out.append((item, _Retry(failure or "closed")))
+            pos += n
+        return out
 
-    # -- data plane -------------------------------------------------------------------------
+    def _build_gets(self, ids: Sequence[str], sink: Callable[[int], Sink]):
+        def build(part: Partition, items: list[int], frames: Frames, sinks: list[Sink | None], asking: bool) -> list[int]:
+            keys = [part.kv + ids[i] for i in items]
+            for i, key in zip(items, keys):
+                if asking:
+                    frames.command("ASKING")
+                    sinks.append(None)
+                frames.command("GET", key)
+                sinks.append(sink(i))
+            if not asking:  # a migrating partition's bookkeeping is split between two nodes: skipped
+                frames.command("EVAL", TOUCH_LUA, 2 + len(keys), part.lru, part.stats, *keys, *(ids[i] for i in items))
+                sinks.append(None)
+            return [1 + asking] * len(items)
 
-    async def _exists_prefix(self, ids: list[str]) -> int:
-        return int(await self._script(EXISTS_PREFIX_LUA, [self._kv + i for i in ids], []))
+        return build
 
-    async def _exists_blocks(self, ids: list[str]) -> list[bool]:
-        async def run(chunk: Sequence[str]) -> list[Any]:
-            return await self._roundtrip([("EXISTS", self._kv + i) for i in chunk])
+    async def _get_blocks_into(
+        self, ids: list[str], dests: Sequence[Sequence[memoryview]], on_landed: Callable[[int], None] | None
+    ) -> list[str | None]:
+        sizes = [sum(memoryview(v).nbytes for v in d) for d in dests]
 
-        return [bool(r) for r in await self._chunked(ids, run)]
+        def sink(i: int) -> Sink:
+            return _Into(i, dests[i], sizes[i], on_landed)
 
-    async def _get_blocks(self, ids: list[str]) -> list[bytes | None]:
-        return await self._chunked(ids, self._get_chunk)
-
-    async def _get_chunk(self, ids: Sequence[str]) -> list[bytes | None]:
-        values = await self._roundtrip([("GET", self._kv + i) for i in ids])
-        for v in values:
-            if isinstance(v, ResponseError):
-                raise PoolError(f"redis GET failed: {v}") from v
-        hit_ids = [i for i, v in zip(ids, values) if v is not None]
-        nbytes = sum(len(v) for v in values if v is not None)
-        await self._script(TOUCH_LUA, [self._lru, self._stats], [nbytes, len(ids) - len(hit_ids), *hit_ids])
-        return values
-
-    async def _put_blocks(self, pairs: list[tuple[str, Buffer]], lease_id: str | None) -> list[PutError | None]:
-        async def run(chunk: Sequence[tuple[str, Buffer]]) -> list[Any]:
-            return await self._put_chunk(chunk, lease_id or "")
-
-        results = await self._chunked(pairs, run)
-        failed: dict[str, int] = {}
-        for r in results:
-            if r is not None:
-                failed[f"write_errors:{r.reason}"] = failed.get(f"write_errors:{r.reason}", 0) + 1
-        if failed:
-            await self._count(failed)
+        results, failed = await self._transfer(ids, self._build_gets(ids, sink), lambda i, r: _get_outcome(r[-1]))
+        for i, reason in failed.items():
+            results[i] = reason
         return results
 
-    async def _put_chunk(self, pairs: Sequence[tuple[str, Buffer]], lease_id: str) -> list[PutError | None]:
-        lease_set = self._lease_prefix + lease_id
-        fixed = (self._lru, self._size, self._bytes, self._stats, self._pins, self._leases, lease_set)
-        commands: list[tuple[Any, ...]] = []
-        for bid, value in pairs:
-            data = self._kv + bid
-            commands += [
-                ("MULTI",),
-                ("SET", data, value),
-                ("EVAL", ACCOUNT_LUA, 8, data, *fixed, bid, lease_id),
-                ("EXEC",),
-            ]
-        replies = await self._roundtrip(commands)
-        return [_classify_put(replies[i : i + 4]) for i in range(0, len(replies), 4)]
+    async def _get_blocks(self, ids: list[str]) -> list[Buffer | None]:
+        arrays: list[np.ndarray | None] = [None] * len(ids)
+
+        def sink(i: int) -> Sink:
+            def fresh(n: int) -> list[memoryview]:
+                # Uninitialised memory: a bytearray would zero it first, a whole extra pass.
+                arrays[i] = np.empty(n, dtype=np.uint8)
+                return [memoryview(arrays[i])]
+
+            return fresh
+
+        results, failed = await self._transfer(ids, self._build_gets(ids, sink), lambda i, r: _get_outcome(r[-1]))
+        if failed:
+            reason = next(iter(failed.values()))
+            raise PoolUnavailable(f"{len(failed)} of {len(ids)} blocks could not be read: {reason}")
+        values: list[Buffer | None] = []
+        for i, result in enumerate(results):
+            if result is None:
+                values.append(memoryview(arrays[i]))  # type: ignore[arg-type]
+            elif result == "absent":
+                values.append(None)
+            else:
+                raise PoolError(f"redis GET of block {ids[i]} failed: {result}")
+        return values
+
+    async def _put_blocks(self, pairs: list[tuple[str, Value]], lease_id: str | None) -> list[PutError | None]:
+        lease = lease_id or ""
+        ids = [bid for bid, _ in pairs]
+
+        def build(part: Partition, items: list[int], frames: Frames, sinks: list[Sink | None], asking: bool) -> list[int]:
+            lease_set = part.lease_prefix + lease
+            for i in items:
+                bid, value = pairs[i]
+                data = part.kv + bid
+                frames.command("MULTI")
+                frames.command("SET", data, value)
+                frames.command(
+                    "EVAL", ACCOUNT_LUA, 8, data, part.lru, part.size, part.bytes, part.stats, part.pins,
+                    part.leases, lease_set, bid, lease,
+                )
+                frames.command("EXEC")
+                sinks.extend((None, None, None, None))
+            return [4] * len(items)
+
+        results, failed = await self._transfer(ids, build, lambda i, r: _put_outcome(r))
+        if failed:
+            reason = next(iter(failed.values()))
+            raise PoolUnavailable(f"{len(failed)} of {len(ids)} block writes unconfirmed: {reason}")
+        errors: dict[str, int] = {}
+        for r in results:
+            if r is not None:
+                errors[f"write_errors:{r.reason}"] = errors.get(f"write_errors:{r.reason}", 0) + 1
+        if errors:
+            try:
+                await self._count(errors)
+            except PoolUnavailable:
+                pass  # accounting only: the writes' outcomes stand
+        return results
+
+    # -- the control plane ---------------------------------------------------------------------
+
+    async def _exists_blocks(self, ids: list[str]) -> list[bool]:
+        _, parts = await self.layout()
+        keys = [parts[partition_of(bid, len(parts))].kv + bid for bid in ids]
+        replies = await self.control.run([(k, ("EXISTS", k)) for k in keys], partial=True)
+        for r in replies:
+            if isinstance(r, Exception) and not isinstance(r, PoolUnavailable):
+                raise PoolError(f"redis EXISTS failed: {r}") from r
+        return [isinstance(r, int) and r > 0 for r in replies]  # a lost node's blocks: absent
+
+    async def _exists_prefix(self, ids: list[str]) -> int:
+        exists = await self._exists_blocks(ids)
+        return next((i for i, e in enumerate(exists) if not e), len(exists))
 
     async def _delete_blocks(self, ids: list[str]) -> int:
-        keys = [self._lru, self._size, self._bytes, *(self._kv + i for i in ids)]
-        return int(await self._script(DELETE_LUA, keys, ids))
-
-    # -- leases -------------------------------------------------------------------------------
+        _, parts = await self.layout()
+        calls = []
+        for p, items in (await self._grouped(ids)).items():
+            part = parts[p]
+            chunk = [ids[i] for i in items]
+            calls.append((DELETE_LUA, [part.lru, part.size, part.bytes, *(part.kv + b for b in chunk)], chunk))
+        return sum(int(r) for r in await self.control.scripts(calls, partial=True) if not isinstance(r, PoolUnavailable))
 
     async def _create_lease(self, lease_id: str, ids: list[str], ttl_s: float) -> None:
-        keys = [self._leases, self._lease_prefix + lease_id, self._pins]
-        await self._script(CREATE_LEASE_LUA, keys, [lease_id, max(1, round(ttl_s * 1000)), *ids])
+        _, parts = await self.layout()
+        groups = await self._grouped(ids)
+        ttl_ms = max(1, round(ttl_s * 1000))
+        # A lost node's partitions get no lease entry: its blocks can be neither written
+        # nor read until it is back, and the lease expires there like anywhere.
+        await self.control.scripts([
+            (CREATE_LEASE_LUA, [part.leases, part.lease_prefix + lease_id, part.pins],
+             [lease_id, ttl_ms, *(ids[i] for i in groups.get(part.index, []))])
+            for part in parts
+        ], partial=True)
+
+    async def _release(self, lease_ids: dict[int, list[str]] | list[str]) -> set[str]:
+        """Release ``lease_ids`` (all partitions, or per partition index); the ids that were live somewhere."""
+        _, parts = await self.layout()
+        per_part = lease_ids if isinstance(lease_ids, dict) else {p.index: lease_ids for p in parts}
+        calls, order = [], []
+        for p, lids in per_part.items():
+            if lids:
+                part = parts[p]
+                calls.append((RELEASE_LUA, [part.leases, part.pins, *(part.lease_prefix + lid for lid in lids)], lids))
+                order.append(lids)
+        released: set[str] = set()
+        for lids, flags in zip(order, await self.control.scripts(calls, partial=True)):
+            if not isinstance(flags, PoolUnavailable):
+                released.update(lid for lid, gone in zip(lids, flags) if int(gone))
+        return released
 
     async def _release_lease(self, lease_id: str) -> bool:
-        n = await self._script(RELEASE_LUA, [self._leases, self._pins], [self._lease_prefix, lease_id])
-        return bool(n)
+        return lease_id in await self._release([lease_id])
 
     async def reap_leases(self, max_leases: int = 1000) -> int:
-        return int(await self._script(REAP_LUA, [self._leases, self._pins], [self._lease_prefix, max_leases]))
-
-    # -- accounting and policy ---------------------------------------------------------------
+        _, parts = await self.layout()
+        due = await self.control.scripts([(DUE_LEASES_LUA, [p.leases], [max_leases]) for p in parts], partial=True)
+        per_part = {p.index: [lid.decode() for lid in lids] for p, lids in zip(parts, due) if not isinstance(lids, PoolUnavailable)}
+        return len(await self._release(per_part)) if any(per_part.values()) else 0
 
     async def _count(self, counters: dict[str, int]) -> None:
+        _, parts = await self.layout()
         args = [x for name, n in counters.items() for x in (name, n)]
-        await self._script(COUNT_LUA, [self._stats], args)
+        await self.control.scripts([(COUNT_LUA, [parts[0].stats], args)])
 
     async def stats(self) -> PoolStats:
-        blocks, nbytes, leases, pinned, raw = await self._roundtrip(
-            [
-                ("HLEN", self._size),
-                ("GET", self._bytes),
-                ("ZCARD", self._leases),
-                ("HLEN", self._pins),
-                ("HGETALL", self._stats),
+        _, parts = await self.layout()
+        calls = []
+        for p in parts:
+            calls += [
+                (p.size, ("HLEN", p.size)), (p.bytes, ("GET", p.bytes)), (p.leases, ("ZCARD", p.leases)),
+                (p.pins, ("HLEN", p.pins)), (p.stats, ("HGETALL", p.stats)),
             ]
-        )
-        # Raw replies (no redis-py callbacks): HGETALL is a flat [field, value, ...] list.
-        counters = {raw[i].decode(): int(raw[i + 1]) for i in range(0, len(raw), 2)}
-        return PoolStats.from_counters(
-            blocks=int(blocks), bytes=int(nbytes or 0), leases=int(leases), pinned_blocks=int(pinned),
-            counters=counters,
-        )
+        replies = await self.control.run(calls, partial=True)
+        for r in replies:
+            if isinstance(r, Exception) and not isinstance(r, PoolUnavailable):
+                raise PoolError(f"redis stats query failed: {r}") from r
+        blocks = nbytes = leases = pinned = 0
+        counters: dict[str, int] = {}
+        for k in range(0, len(replies), 5):
+            if any(isinstance(r, PoolUnavailable) for r in replies[k : k + 5]):
+                continue  # a lost node: the pool is what the others hold
+            n_blocks, n_bytes, n_leases, n_pinned, raw = replies[k : k + 5]
+            blocks += int(n_blocks)
+            nbytes += int(n_bytes or 0)
+            leases = max(leases, int(n_leases))  # every partition holds every lease
+            pinned += int(n_pinned)
+            # Raw replies (no redis-py callbacks): HGETALL is a flat [field, value, ...] list.
+            for i in range(0, len(raw), 2):
+                name = raw[i].decode()
+                counters[name] = counters.get(name, 0) + int(raw[i + 1])
+        return PoolStats.from_counters(blocks=blocks, bytes=nbytes, leases=leases, pinned_blocks=pinned, counters=counters)
 
     async def evict(self, budget_bytes: int, max_blocks: int) -> EvictResult:
-        keys_ = [self._lru, self._size, self._bytes, self._stats, self._pins]
-        evicted, freed, after = await self._script(EVICT_LUA, keys_, [self._kv, budget_bytes, max_blocks])
-        return EvictResult(int(evicted), int(freed), int(after))
+        """Global LRU over every partition (module docstring, "evict")."""
+        if max_blocks <= 0:
+            return EvictResult(0, 0, (await self.stats()).bytes)
+        _, parts = await self.layout()
+        evicted = freed = 0
+        part_bytes: dict[int, int] = {}
+        while evicted < max_blocks:
+            want = max_blocks - evicted
+            replies = await self.control.scripts(
+                [(EVICT_CANDIDATES_LUA, [p.lru, p.pins, p.size, p.bytes], [want, want + _CANDIDATE_SCAN]) for p in parts],
+                partial=True,
+            )
+            lists = []
+            horizon = float("inf")
+            for p, reply in zip(parts, replies):
+                if isinstance(reply, PoolUnavailable):
+                    continue  # a lost node: the budget applies to what the others hold
+                part_bytes[p.index] = int(reply[1])
+                entries = [(float(reply[i + 1]), reply[i].decode(), int(reply[i + 2]), p.index) for i in range(2, len(reply), 3)]
+                lists.append(entries)
+                if int(reply[0]) and entries:
+                    horizon = min(horizon, entries[-1][0])  # newer ones of this partition are unseen
+            excess = sum(part_bytes.values()) - budget_bytes
+            if excess <= 0:
+                break
+            chosen: dict[int, list[Any]] = defaultdict(list)
+            taken = 0
+            for stamp, bid, size, p in heapq.merge(*lists):
+                if stamp > horizon or taken >= want or excess <= 0:
+                    break
+                chosen[p] += [bid, int(stamp)]
+                excess -= size
+                taken += 1
+            if not chosen:
+                break
+            results = await self.control.scripts([
+                (EVICT_LUA, [parts[p].lru, parts[p].size, parts[p].bytes, parts[p].stats, parts[p].pins,
+                             *(parts[p].kv + bid for bid in args[::2])], args)
+                for p, args in chosen.items()
+            ], partial=True)
+            round_evicted = 0
+            for p, result in zip(chosen, results):
+                if isinstance(result, PoolUnavailable):
+                    part_bytes.pop(p, None)
+                    continue
+                n, nfreed, after = result
+                round_evicted += int(n)
+                freed += int(nfreed)
+                part_bytes[p] = int(after)
+            evicted += round_evicted
+            if round_evicted == 0:
+                break  # everything chosen was pinned or touched meanwhile: try next pass
+        return EvictResult(evicted, freed, sum(part_bytes.values()))
 
     # -- lifecycle ------------------------------------------------------------------------------
 
     async def ping(self) -> None:
-        (reply,) = await self._roundtrip([("PING",)])
-        if isinstance(reply, ResponseError):
-            raise PoolUnavailable(f"redis PING failed: {reply}") from reply
+        """Raises unless some node answers; a cluster with a lost node still serves the rest."""
+        await self.control.ping()
 
     async def close(self) -> None:
-        await self._pool.aclose()
+        await self.bulk.close()
+        await self.control.close()
+

@@ -32,7 +32,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
-from libs.kvpool.header import Buffer
+from libs.kvpool.bulk import settle
+from libs.kvpool.header import Value
 from libs.kvpool.pool import LEASE_ID_RE, BlockPool, KeyLike, NamespaceLike, PoolError, key_text, namespace_hex
 
 log = logging.getLogger(__name__)
@@ -149,7 +150,7 @@ class _BoundedChannel(Generic[T]):
 class _Item:
     __slots__ = ("session", "ns", "key", "value", "done")
 
-    def __init__(self, session: "WriteSession", ns: str, key: str, value: Buffer) -> None:
+    def __init__(self, session: "WriteSession", ns: str, key: str, value: Value) -> None:
         self.session = session
         self.ns = ns
         self.key = key
@@ -176,11 +177,12 @@ class WriteSession:
     def pending(self) -> int:
         return self._pending
 
-    async def submit(self, ns: NamespaceLike, key: KeyLike, value: Buffer) -> None:
+    async def submit(self, ns: NamespaceLike, key: KeyLike, value: Value) -> None:
         """Queue one encoded block; waits only for queue room.
 
-        ``value`` is held until written, so it must not change (``BlockCodec.encode``
-        returns a fresh buffer). Raises :class:`WriterClosed` if the writer stopped,
+        ``value`` is held until written, so it must not change: a value of views of
+        staging memory (``BlockCodec.encode_views``) keeps that memory busy until the
+        session is done or :meth:`settled` after a cancel. Raises :class:`WriterClosed` if the writer stopped,
         :class:`SessionCancelled` after :meth:`cancel`, ``RuntimeError`` after
         :meth:`wait_all_done`, ``ValueError`` for a malformed namespace or key.
         """
@@ -221,6 +223,11 @@ class WriteSession:
         self._pending -= 1
         if self._pending == 0:
             self._idle.set()
+
+    async def settled(self) -> None:
+        """Wait, through cancellations, until none of this session's blocks is queued or being
+        written (after :meth:`cancel`, or when giving up): then its values' memory is free."""
+        await settle(asyncio.ensure_future(self._idle.wait()))
 
     async def wait_all_done(self) -> WriteReport:
         """Wait until every submitted block is written or failed; the report, or :class:`WriteFailed`."""

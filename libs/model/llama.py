@@ -24,9 +24,13 @@ from kernels.rope import reference as rope_reference
 from kernels.select import ops_for
 from libs.model.attention import AttentionMetadata, PagedAttention
 from libs.model.config import ModelConfig
+from libs.model.fp8 import Fp8Linear, Fp8Weight
 from libs.model.moe import MoEOptions
 from libs.model.moe.block import SparseMoeBlock
 from libs.model.quantized import Int4Linear, Int4Weight, Int8Linear
+
+# Weights kept in a compact format, and the linear layer that runs each.
+_PACKED = {Int4Weight: Int4Linear, Fp8Weight: Fp8Linear}
 
 
 class RMSNorm(nn.Module):
@@ -224,9 +228,10 @@ class LlamaModel(nn.Module):
     def load_hf_state(self, state: dict[str, Any]) -> None:
         """Copy a Hugging Face-named state dict in, fusing q/k/v and gate/up.
 
-        A linear weight given as an ``Int4Weight`` (GGUF 4-bit, kept packed) replaces that
-        projection with an ``Int4Linear``; fused parts are concatenated when all are 4-bit
-        and dequantized otherwise."""
+        A linear weight given as an ``Int4Weight`` (GGUF 4-bit, kept packed) or an
+        ``Fp8Weight`` (an FP8 checkpoint's) replaces that projection with an ``Int4Linear``
+        or ``Fp8Linear``; fused parts are concatenated when all share the format and
+        dequantized otherwise."""
         own = dict(self.named_parameters())
         used: set[str] = set()
 
@@ -237,14 +242,14 @@ class LlamaModel(nn.Module):
             return state[name]
 
         def put(name: str, value: Any) -> None:
-            if isinstance(value, Int4Weight):
+            if type(value) in _PACKED:
                 module_path = name.removesuffix(".weight")
                 parent, _, attr = module_path.rpartition(".")
                 linear = self.get_submodule(module_path)
                 if (linear.out_features, linear.in_features) != value.shape:
                     raise ValueError(f"{name}: checkpoint shape {value.shape} != model {(linear.out_features, linear.in_features)}")
                 bias = linear.bias.detach().clone() if linear.bias is not None else None
-                setattr(self.get_submodule(parent), attr, Int4Linear(value, bias))
+                setattr(self.get_submodule(parent), attr, _PACKED[type(value)](value, bias))
                 return
             if own[name].shape != value.shape:
                 raise ValueError(f"{name}: checkpoint shape {tuple(value.shape)} != model {tuple(own[name].shape)}")
@@ -259,7 +264,7 @@ class LlamaModel(nn.Module):
             put(p + "input_layernorm.weight", take(m + "input_layernorm.weight"))
             put(p + "post_attention_layernorm.weight", take(m + "post_attention_layernorm.weight"))
             a = m + "self_attn."
-            if self.config.attention_bias:  # before the weight: an Int4Linear takes the bias along
+            if self.config.attention_bias:  # before the weight: a packed linear takes the bias along
                 put(p + "self_attn.qkv_proj.bias", torch.cat([take(a + f"{x}_proj.bias") for x in "qkv"]))
             put(p + "self_attn.qkv_proj.weight", _cat([take(a + f"{x}_proj.weight") for x in "qkv"]))
             put(p + "self_attn.o_proj.weight", take(a + "o_proj.weight"))
@@ -277,7 +282,8 @@ class LlamaModel(nn.Module):
 
 
 def _cat(parts: list[Any]) -> Any:
-    """Fuse projections: 4-bit stays 4-bit when every part is; otherwise dense."""
-    if all(isinstance(p, Int4Weight) for p in parts):
-        return Int4Weight.cat(parts)
-    return torch.cat([p.dequantize() if isinstance(p, Int4Weight) else p for p in parts])
+    """Fuse projections: a packed format stays packed when every part has it; otherwise dense."""
+    for kind in _PACKED:
+        if all(isinstance(p, kind) for p in parts):
+            return kind.cat(parts)
+    return torch.cat([p if isinstance(p, torch.Tensor) else p.dequantize() for p in parts])

@@ -11,11 +11,14 @@ from libs.blocks import Namespace
 from libs.kvpool.layout import LAYOUT_VERSION
 from libs.model.attention import PagedAttention
 from libs.model.config import ModelConfig
+from libs.model.fp8 import Fp8Weight, quantize_projections
 from libs.model.llama import LlamaModel
 from libs.model.moe import MoEOptions
 from libs.model.tokenizer import Tokenizer
 from libs.model.source import model_name, resolve_model_path, weights_digest
 from libs.model.weights import read_gguf, read_hf_folder
+
+QUANTIZATIONS = ("auto", "none", "fp8")
 
 @dataclass(frozen=True)
 class ModelFingerprint:
@@ -24,9 +27,10 @@ class ModelFingerprint:
     weights_digest: str
     dtype: str
     layout_version: int = LAYOUT_VERSION
+    quantization: str = "none"  # "fp8": the projections run block-scaled FP8 (other KV bytes)
 
     def namespace(self, block_size: int, tp_layout: str = "tp1") -> Namespace:
-        return Namespace(self.weights_digest, self.dtype, block_size, self.layout_version, tp_layout)
+        return Namespace(self.weights_digest, self.dtype, block_size, self.layout_version, tp_layout, self.quantization)
 
 
 @dataclass
@@ -49,12 +53,22 @@ def load_model(
     backend: PagedAttention,
     quantized_weights: bool = False,
     moe: MoEOptions = MoEOptions(),
+    quantization: str = "auto",
 ) -> LoadedModel:
     """Read weights and tokenizer from the same source, build the model on ``device``.
 
     ``quantized_weights``: keep a GGUF's Q4_0/Q4_1 linear weights 4-bit and run them with
     torch's int4 CPU kernel (libs/model/quantized.py): CPU only, GGUF only.
-    ``moe``: how MoE layers run (strategy, FakeBalanceExpert, EP group); dense models ignore it."""
+    ``moe``: how MoE layers run (strategy, FakeBalanceExpert, EP group); dense models ignore it.
+
+    ``quantization`` (libs/model/fp8.py): ``fp8`` runs the decoder's projections as
+    block-scaled FP8, loading a checkpoint already in that format as it is and quantizing
+    any other at load; ``none`` runs them dense (an FP8 checkpoint is dequantized);
+    ``auto`` follows the checkpoint."""
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"unknown quantization {quantization!r}; use one of {', '.join(QUANTIZATIONS)}")
+    if quantized_weights and quantization == "fp8":
+        raise ValueError("quantized_weights (GGUF 4-bit) and fp8 quantization cannot be combined")
     if quantized_weights and device.type != "cpu":
         raise ValueError("quantized_weights needs a GGUF model on the CPU (the int4 kernels are CPU kernels)")
     p = resolve_model_path(path)
@@ -66,12 +80,18 @@ def load_model(
     else:
         cfg, state = read_hf_folder(p)
         tokenizer = Tokenizer.from_hf_folder(p)
+    checkpoint_fp8 = any(isinstance(v, Fp8Weight) for v in state.values())
+    fp8 = quantization == "fp8" or (quantization == "auto" and checkpoint_fp8)
+    if checkpoint_fp8 and not fp8:
+        state = {k: v.dequantize() if isinstance(v, Fp8Weight) else v for k, v in state.items()}
     with torch.device("meta"):
         model = LlamaModel(cfg, backend, moe)
     model = model.to_empty(device="cpu").float()
     model.rotary.__init__(cfg)  # buffers are not in the checkpoint: recompute after to_empty
     model.load_hf_state(state)
     del state
+    if fp8 and not checkpoint_fp8:  # an FP8 checkpoint's dense layers stay dense (ignored_layers)
+        quantize_projections(model, device)
     model = model.to(device=device, dtype=dtype)
     # The rope tables stay fp32 whatever the weights' dtype (cast per step, as HF does).
     model.rotary.to(device=device, dtype=torch.float32)
@@ -81,5 +101,5 @@ def load_model(
     # 4-bit weights give different KV than dequantized ones, and FakeBalanceExpert's routing
     # different KV than the router's: never share blocks across modes.
     modes = ("+q4" if quantized_weights else "") + ("+fakebalance" if moe.fake_balance and cfg.moe else "")
-    fp = ModelFingerprint(weights_digest(p), str(dtype).removeprefix("torch.") + modes)
+    fp = ModelFingerprint(weights_digest(p), str(dtype).removeprefix("torch.") + modes, quantization="fp8" if fp8 else "none")
     return LoadedModel(model_name(p), p, cfg, model, tokenizer, fp, dtype, device)

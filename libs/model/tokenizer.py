@@ -69,12 +69,24 @@ class Tokenizer:
     special_ids: frozenset[int] = field(default_factory=frozenset)
 
     def __post_init__(self) -> None:
-        self._template = None
-        if self.chat_template:
+        self._templates: dict[str, jinja2.Template] = {}
+        self._template = self._compile_template(self.chat_template) if self.chat_template else None
+
+    def _compile_template(self, source: str) -> jinja2.Template:
+        """A chat template, compiled once per source text (sandboxed, as transformers runs them)."""
+        template = self._templates.get(source)
+        if template is None:
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
             env.globals["raise_exception"] = _raise_template_error
             env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-            self._template = env.from_string(self.chat_template)
+            # transformers' tojson: plain JSON (jinja's escapes <, > and & for HTML).
+            env.filters["tojson"] = lambda v, indent=None: json.dumps(v, ensure_ascii=False, indent=indent)
+            try:
+                template = env.from_string(source)
+            except jinja2.TemplateError as e:
+                raise ChatTemplateError(f"the chat template does not compile: {e}") from None
+            self._templates[source] = template
+        return template
 
     @property
     def vocab_size(self) -> int:
@@ -116,21 +128,34 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def render_chat(self, messages: Sequence[dict[str, Any]], *, add_generation_prompt: bool = True) -> str:
-        """The prompt text for ``messages`` (``[{"role": ..., "content": ...}]``)."""
-        if self._template is None:
+    def render_chat(
+        self,
+        messages: Sequence[dict[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        template: str | None = None,
+    ) -> str:
+        """The prompt text for ``messages`` (``[{"role": ..., "content": ...}]``).
+
+        ``tools`` (OpenAI's ``tools`` entries) are passed to the template as ``tools``;
+        ``template`` replaces the model's own (libs/model/chat_templates.py chooses)."""
+        compiled = self._compile_template(template) if template is not None else self._template
+        if compiled is None:
             raise ChatTemplateError("this model has no chat template; use a plain prompt")
         if not messages:
             raise ChatTemplateError("messages must not be empty")
         clean = [_normalize_message(i, m) for i, m in enumerate(messages)]
         bos = self.id_to_token(self.bos_token_id) if self.bos_token_id is not None else ""
         eos = self.id_to_token(self.eos_token_ids[0]) if self.eos_token_ids else ""
+        extra = {"tools": tools} if tools else {}
         try:
-            return self._template.render(
+            return compiled.render(
                 messages=clean,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=bos or "",
                 eos_token=eos or "",
+                **extra,
             )
         except ChatTemplateError:
             raise

@@ -97,12 +97,18 @@ def _gguf_to_hf_name(name: str) -> str | None:
     raise ValueError(f"unexpected tensor {name!r} in GGUF file")
 
 
-def read_hf_folder(folder: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Config and float32 state dict of a Hugging Face checkpoint folder (*.safetensors)."""
+def read_hf_folder(folder: Path) -> tuple[ModelConfig, dict[str, Any]]:
+    """Config and float32 state dict of a Hugging Face checkpoint folder (*.safetensors).
+
+    A block-scaled FP8 checkpoint (libs/model/fp8_checkpoint.py) gives its projections as
+    ``Fp8Weight`` (e4m3 values and their scales) instead of float32 tensors."""
     from safetensors import safe_open
+
+    from libs.model.fp8_checkpoint import check_quantization_config, collect_fp8_weights
 
     cfg_json = json.loads((folder / "config.json").read_text())
     cfg = ModelConfig.from_hf(cfg_json)
+    fp8 = check_quantization_config(cfg_json)
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {folder}")
@@ -112,10 +118,13 @@ def read_hf_folder(folder: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
             for key in sf.keys():
                 if key.endswith("rotary_emb.inv_freq"):
                     continue
-                state[key] = sf.get_tensor(key).to(torch.float32)
+                tensor = sf.get_tensor(key)
+                if tensor.dtype == torch.float8_e4m3fn and not fp8:
+                    raise ValueError(f"{key} is float8_e4m3fn but config.json has no fp8 quantization_config (its scales would be ignored)")
+                state[key] = tensor if fp8 else tensor.to(torch.float32)
     if "lm_head.weight" not in state and not cfg.tie_word_embeddings:
         cfg = _replace(cfg, tie_word_embeddings=True)
-    return cfg, state
+    return cfg, (collect_fp8_weights(state) if fp8 else state)
 
 
 def _replace(cfg: ModelConfig, **changes: Any) -> ModelConfig:

@@ -38,6 +38,7 @@ from libs.protocol.messages import (
     PrefillResult,
     RegisterInstance,
     SamplingSpec,
+    StructuredSpec,
     TokenEvent,
     TokenLogprobs,
 )
@@ -61,6 +62,7 @@ __all__ = [
     "ProtocolError",
     "RegisterInstance",
     "SamplingSpec",
+    "StructuredSpec",
     "StreamDecoder",
     "TokenEvent",
     "TokenLogprobs",

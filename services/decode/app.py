@@ -30,6 +30,7 @@ from libs.protocol import MessageStreamResponse, read_message
 from libs.protocol.messages import DecodeRequest, TokenEvent
 from services.worker.app import RUNTIME, full, rejected
 from services.worker.convert import sampling_params, wire_logprob
+from services.worker.grammar import start_grammar
 from services.worker.runtime import WorkerRuntime
 from services.worker.transfer import load_blocks
 
@@ -45,9 +46,12 @@ async def handle_decode(request: web.Request) -> web.StreamResponse:
     t0 = time.perf_counter()
     prompt = msg.prompt_token_ids
     prefix = [] if msg.first_token_id is None else [msg.first_token_id]
+    resumed = prompt[len(prompt) - msg.num_resumed_tokens :] if msg.num_resumed_tokens else []
     try:
         params = sampling_params(msg.sampling)
         rt.llm.validate(prompt + prefix, params, num_output_tokens=len(prefix))
+        # Decode owns the grammar state: a fresh one replays everything generated before.
+        grammar = await start_grammar(rt, msg.sampling.structured, resumed + prefix)
     except InvalidRequestError as e:
         return rejected(rt, e)
 
@@ -61,7 +65,7 @@ async def handle_decode(request: web.Request) -> web.StreamResponse:
         if msg.lease_id:
             asyncio.create_task(_release_lease(rt, msg.lease_id))
         try:
-            stream = rt.engine.add_request(msg.request_id, prompt, params, output_prefix=prefix, kv_import=load.kv_import)
+            stream = rt.engine.add_request(msg.request_id, prompt, params, output_prefix=prefix, kv_import=load.kv_import, grammar=grammar)
         except InvalidRequestError as e:
             if load.kv_import is not None:
                 load.kv_import.release()

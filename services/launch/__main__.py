@@ -31,14 +31,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--decode", type=int, default=1, help="decode instances (default 1)")
     p.add_argument("--threads", type=int, default=None, help="torch threads per model process (default: cores / instances)")
     p.add_argument("--redis-url", default=None, help="use this Redis instead of starting one")
-    p.add_argument("--pool-gb", type=float, default=1.0, help="memory for the KV pool (Redis maxmemory), GiB")
+    p.add_argument("--redis-cluster", type=int, default=0, metavar="N",
+                   help="start a local Redis Cluster of N nodes instead of one Redis (the pool shards over it)")
+    p.add_argument("--pool-gb", type=float, default=1.0, help="memory for the KV pool (Redis maxmemory, split between cluster nodes), GiB")
     p.add_argument("--log-dir", default=".run/logs", help="where service logs go (default .run/logs)")
     p.add_argument("--api-key", default=None, help="require this API key (Authorization: Bearer ...)")
     args = p.parse_args(argv)
+    if args.redis_cluster < 0 or (args.redis_cluster and args.redis_url):
+        p.error("--redis-cluster N takes N >= 1 and starts its own Redis: drop --redis-url")
 
     cfg = ClusterConfig(
         host=args.host, router_port=args.port, model=args.model, device=args.device, dtype=args.dtype,
-        num_prefill=args.prefill, num_decode=args.decode, threads=args.threads, redis_url=args.redis_url,
+        num_prefill=args.prefill, num_decode=args.decode, threads=args.threads, redis_url=args.redis_url, redis_cluster=args.redis_cluster,
         pool_gb=args.pool_gb, log_dir=Path(args.log_dir), api_key=args.api_key,
     )
     cluster = LocalCluster(cfg)

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import IO
 
 from services.launch.processes import Child, ServiceStartError, child_env, free_port, python_argv
+from services.launch.redis_cluster import LocalRedisCluster
 
 
 @dataclass
@@ -38,6 +39,7 @@ class ClusterConfig:
     num_decode: int = 1
     threads: int | None = None  # per model process; default: the cores split between them
     redis_url: str | None = None  # an existing Redis; default: start one
+    redis_cluster: int = 0  # start a local Redis Cluster of this many nodes instead of one Redis
     pool_gb: float = 1.0  # Redis maxmemory; cache_store's budget is 80% of it
     api_key: str | None = None  # the router requires it when set
     # the services' shared secret; default: TIDEPOOL_INTERNAL_TOKEN, else a random one
@@ -61,6 +63,7 @@ class LocalCluster:
     def __init__(self, config: ClusterConfig | None = None):
         self.config = config or ClusterConfig()
         self.redis: Child | None = None
+        self.redis_nodes: LocalRedisCluster | None = None
         self.redis_url = self.config.redis_url
         self.cache_store: Child | None = None
         self.router: Child | None = None
@@ -73,7 +76,9 @@ class LocalCluster:
     def start(self) -> "LocalCluster":
         cfg = self.config
         try:
-            if self.redis_url is None:
+            if self.redis_url is None and cfg.redis_cluster:
+                self.start_redis_cluster(cfg.redis_cluster)
+            elif self.redis_url is None:
                 self.start_redis()
             self.cache_store = self._child("cache_store", "services.cache_store", [
                 "--port", "0", "--budget-bytes", str(int(cfg.pool_gb * 0.8 * 2**30)),
@@ -118,11 +123,20 @@ class LocalCluster:
                 raise ServiceStartError(f"redis-server did not start; see {self.redis.log_path}")
             time.sleep(0.05)
 
+    def start_redis_cluster(self, nodes: int) -> None:
+        """A local Redis Cluster (services/launch/redis_cluster.py); ``pool_gb`` is split between its nodes."""
+        self.redis_nodes = LocalRedisCluster(
+            nodes, maxmemory=int(self.config.pool_gb * 2**30 / nodes), log_dir=self.config.log_dir
+        ).start()
+        self.redis_url = self.redis_nodes.url
+
     def stop(self) -> None:
         """Stop everything, front to back; no process is left running."""
         for c in [self.router, *self.prefills, *self.decodes, self.cache_store, self.redis]:
             if c is not None:
                 c.stop()
+        if self.redis_nodes is not None:
+            self.redis_nodes.close()
 
     def __enter__(self) -> "LocalCluster":
         return self.start()

@@ -27,6 +27,7 @@ from libs.protocol import msgpack_response, read_message
 from libs.protocol.messages import PrefillRequest, PrefillResult
 from services.worker.app import RUNTIME, full, rejected
 from services.worker.convert import sampling_params, wire_logprob
+from services.worker.grammar import start_grammar
 from services.worker.runtime import WorkerRuntime
 from services.worker.transfer import LoadResult, load_blocks, store_blocks
 
@@ -44,18 +45,19 @@ async def handle_prefill(request: web.Request) -> web.Response:
     try:
         rt.llm.validate(prompt, sampling_params(msg.sampling))  # the whole request must fit
         params = sampling_params(msg.sampling, max_tokens=1)
+        grammar = await start_grammar(rt, msg.sampling.structured)  # the first token is constrained too
     except InvalidRequestError as e:
         return rejected(rt, e)
     rt.in_flight += 1
     try:
-        return msgpack_response(await _prefill(rt, msg, params, t0))
+        return msgpack_response(await _prefill(rt, msg, params, t0, grammar))
     except InvalidRequestError as e:
         return rejected(rt, e)
     finally:
         rt.in_flight -= 1
 
 
-async def _prefill(rt: WorkerRuntime, msg: PrefillRequest, params, t0: float) -> PrefillResult:
+async def _prefill(rt: WorkerRuntime, msg: PrefillRequest, params, t0: float, grammar=None) -> PrefillResult:
     prompt = msg.prompt_token_ids
     keys = rt.keys(prompt)
     full = [k for k in keys if not k.partial]
@@ -72,7 +74,7 @@ async def _prefill(rt: WorkerRuntime, msg: PrefillRequest, params, t0: float) ->
         load = await load_blocks(rt, keys[:pool_run], local, max_tokens=len(prompt) - 1)
 
     t_engine = time.perf_counter()
-    stream = rt.engine.add_request(msg.request_id, prompt, params, kv_import=load.kv_import, export_kv=True)
+    stream = rt.engine.add_request(msg.request_id, prompt, params, kv_import=load.kv_import, export_kv=True, grammar=grammar)
     first: dict[int, int] = {}
     first_lp: dict[int, object] = {}
     final = None

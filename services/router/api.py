@@ -13,12 +13,17 @@ Rules worth knowing:
 - Every field is honoured or refused with a 400 naming it. A field no endpoint knows is
   ``unknown_parameter`` (as OpenAI answers "Unrecognized request argument supplied");
   known fields the router does not implement are ``unsupported_parameter`` when they
-  would change the result (``suffix``, ``logit_bias``, ``tools``, ``tool_choice``,
-  non-text ``response_format``, ``store``, ``best_of`` != ``n``, ``echo`` with
-  ``logprobs``) and accepted at their no-op value. The OpenAPI document (openapi.py)
-  lists the same fields.
-- Chat messages are checked as OpenAI checks them: roles, keys per role, content parts
-  (chat_messages.py).
+  would change the result (``suffix``, ``store``, non-text ``modalities``, ``best_of`` !=
+  ``n``, ``echo`` with ``logprobs``) and accepted at their no-op value. The OpenAPI
+  document (openapi.py) lists the same fields.
+- Output constraints (``response_format``, vLLM's ``structured_outputs`` and ``guided_*``,
+  llama.cpp's ``grammar`` and ``json_schema``; both endpoints) are read by constraints.py,
+  tools (``tools``, ``tool_choice``, ``parallel_tool_calls``, legacy ``functions`` /
+  ``function_call``; chat only) by tools.py; ``logit_bias`` maps token ids (as strings,
+  OpenAI's form) to biases in [-100, 100]. Whether a schema, regex or grammar compiles is
+  decided by the grammar engine, off the event loop (prepare.py).
+- Chat messages are checked as OpenAI checks them: roles, keys per role, content parts,
+  tool calls and the tool messages answering them (chat_messages.py).
 - Types are JSON's: ``"temperature": "0.5"`` is a 400, as is ``true`` for a number (JSON
   booleans are not numbers) and ``"n": 2.5``; ``"n": 2.0`` is 2 (fields.py).
 - Completions default ``max_tokens`` to 16 (OpenAI's default, capped to the context left);
@@ -30,13 +35,17 @@ Rules worth knowing:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from libs.protocol.messages import MAX_LOGPROBS, SamplingSpec
+from libs.protocol.messages import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingSpec, StructuredSpec
+from libs.structured import GrammarSpec
 from services.router.chat_messages import parse_messages
+from services.router.constraints import CONSTRAINT_FIELDS, Constraint, conflict, parse_constraint
 from services.router.errors import ApiError, bad_request
 from services.router.fields import Fields, as_int, json_type, missing
+from services.router.tools import TOOL_REQUEST_FIELDS, ToolRequest, parse_tools
 
 Kind = Literal["completion", "chat"]
 
@@ -81,10 +90,19 @@ class GenerateRequest:
     echo: bool
     want_trace: bool
     user: str | None
+    constraint: Constraint | None = None
+    tools: ToolRequest | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     @property
     def num_prompts(self) -> int:
         return 1 if self.kind == "chat" else len(self.prompts)
+
+    @property
+    def grammar(self) -> GrammarSpec | None:
+        """What the output is constrained to: a forced tool call, or the asked constraint."""
+        forced = self.tools.constraint() if self.tools is not None else None
+        return forced if forced is not None else (self.constraint.spec if self.constraint else None)
 
     def sampling(self, *, max_tokens: int, n: int, seed: int | None) -> SamplingSpec:
         """The wire sampling spec of one prefill (``n`` first tokens) or one decode stream."""
@@ -103,7 +121,14 @@ class GenerateRequest:
             ignore_eos=self.ignore_eos,
             logprobs=self.logprobs,
             n=n,
+            logit_bias_ids=[t for t, _ in self.logit_bias],
+            logit_bias_values=[b for _, b in self.logit_bias],
+            structured=_wire(self.grammar),
         )
+
+
+def _wire(spec: GrammarSpec | None) -> StructuredSpec | None:
+    return None if spec is None else StructuredSpec(kind=spec.kind, value=spec.value, strict=spec.strict)
 
 
 def choice_seed(seed: int | None, index: int) -> int | None:
@@ -127,11 +152,10 @@ COMMON_FIELDS = frozenset(
         # Tidepool's own
         "tidepool",
     }
-)  # fmt: skip
+) | CONSTRAINT_FIELDS  # fmt: skip
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "suffix", "best_of"}
-CHAT_FIELDS = COMMON_FIELDS | {
-    "messages", "max_completion_tokens", "top_logprobs", "response_format", "tools", "tool_choice",
-    "parallel_tool_calls", "functions", "function_call", "store", "modalities",
+CHAT_FIELDS = COMMON_FIELDS | TOOL_REQUEST_FIELDS | {
+    "messages", "max_completion_tokens", "top_logprobs", "store", "modalities",
 }  # fmt: skip
 STREAM_OPTIONS_FIELDS = frozenset({"include_usage"})
 TIDEPOOL_FIELDS = frozenset({"trace"})
@@ -142,6 +166,9 @@ def parse_request(body: Any, kind: Kind, *, served_model: str, vocab_size: int) 
     if type(body) is not dict:
         raise bad_request(f"the request body must be a JSON object, got {json_type(body)}", None, "invalid_type")
     f = Fields(body)
+    if kind == "completion":
+        for name in sorted(TOOL_REQUEST_FIELDS & body.keys()):
+            raise bad_request(f"'{name}' is only supported by /v1/chat/completions", name, "unsupported_parameter")
     f.only(CHAT_FIELDS if kind == "chat" else COMPLETION_FIELDS)
     model = f.string("model", served_model)
     if model != served_model:
@@ -167,9 +194,11 @@ def parse_request(body: Any, kind: Kind, *, served_model: str, vocab_size: int) 
             max_tokens = f.integer("max_tokens", None, 1)
         logprobs = _chat_logprobs(f)
         echo = False
+        tools = parse_tools(body)
         _refuse_chat_extras(f)
     else:
         messages = ()
+        tools = None
         prompts = _prompts(f.raw("prompt"), vocab_size)
         max_tokens = f.integer("max_tokens", None, 1)
         logprobs = f.integer("logprobs", None, 0, MAX_LOGPROBS)
@@ -186,7 +215,12 @@ def parse_request(body: Any, kind: Kind, *, served_model: str, vocab_size: int) 
         best_of = f.integer("best_of", None, 1)
         if best_of is not None and best_of != n:
             raise bad_request("'best_of' must equal 'n' (server-side best-of is not supported)", "best_of", "unsupported_parameter")
-    _refuse_logit_bias(f)
+    constraint = parse_constraint(body)
+    if constraint is not None and tools is not None and tools.constraint() is not None:
+        raise conflict(
+            f"'{constraint.param}' cannot be combined with tool_choice '{tools.choice}' (it constrains the output too)",
+            constraint.param,
+        )
 
     num_prompts = 1 if kind == "chat" else len(prompts)
     if num_prompts * n > MAX_CHOICES:
@@ -209,7 +243,7 @@ def parse_request(body: Any, kind: Kind, *, served_model: str, vocab_size: int) 
         stream=stream,
         include_usage=include_usage,
         stop=_stop(f.raw("stop")),
-        stop_token_ids=_token_ids(f.raw("stop_token_ids"), "stop_token_ids", vocab_size, allow_empty=True),
+        stop_token_ids=token_ids(f.raw("stop_token_ids"), "stop_token_ids", vocab_size, allow_empty=True),
         temperature=f.number("temperature", 1.0, 0.0, 2.0),
         top_p=f.number("top_p", 1.0, 0.0, 1.0, lo_open=True),
         top_k=-1 if top_k == 0 else top_k,
@@ -223,6 +257,9 @@ def parse_request(body: Any, kind: Kind, *, served_model: str, vocab_size: int) 
         echo=echo,
         want_trace=want_trace,
         user=f.string("user", None),
+        constraint=constraint,
+        tools=tools,
+        logit_bias=_logit_bias(f, vocab_size),
     )
 
 
@@ -239,35 +276,30 @@ def _chat_logprobs(f: Fields) -> int | None:
 
 def _refuse_chat_extras(f: Fields) -> None:
     """OpenAI chat fields this server cannot honour: a 400 unless they hold their no-op value."""
-    for name in ("tools", "functions"):
-        value = f.array(name)
-        if value:
-            raise bad_request(f"'{name}' (tool calling) is not supported", name, "unsupported_parameter")
-    for name in ("tool_choice", "function_call"):
-        value = f.raw(name)
-        if value is not None and value != "none":
-            if type(value) not in (str, dict):
-                raise bad_request(f"'{name}' must be a string or an object, got {json_type(value)}", name, "invalid_type")
-            raise bad_request(f"'{name}' (tool calling) is not supported", name, "unsupported_parameter")
-    f.boolean("parallel_tool_calls", True)  # no tools, so no calls to run in parallel
     if f.boolean("store", False):
         raise bad_request("'store' is not supported (this server keeps no completions)", "store", "unsupported_parameter")
     modalities = f.array("modalities")
     if modalities is not None and modalities != ["text"]:
         raise bad_request("only 'modalities': [\"text\"] is supported", "modalities", "unsupported_parameter")
-    fmt = f.obj("response_format")
-    if f.given("response_format"):
-        if fmt.required_string("type") != "text":
-            raise bad_request(
-                "only 'response_format': {\"type\": \"text\"} is supported", "response_format", "unsupported_parameter"
-            )
-        fmt.only({"type"})
 
 
-def _refuse_logit_bias(f: Fields) -> None:
-    if not f.obj("logit_bias").body:
-        return
-    raise bad_request("'logit_bias' is not supported", "logit_bias", "unsupported_parameter")
+def _logit_bias(f: Fields, vocab_size: int) -> tuple[tuple[int, float], ...]:
+    """OpenAI's ``logit_bias``: ``{"token id": bias}`` with biases in [-100, 100]."""
+    bias = f.obj("logit_bias")
+    if len(bias.body) > MAX_LOGIT_BIAS:
+        raise bad_request(f"'logit_bias' has {len(bias.body)} entries, at most {MAX_LOGIT_BIAS}", "logit_bias")
+    out = []
+    for key in bias.body:
+        if not key.isdigit() or not key.isascii():
+            raise bad_request(f"'logit_bias' keys must be token ids, got {key!r}", "logit_bias")
+        token = int(key)
+        if token >= vocab_size:
+            raise bad_request(f"'logit_bias' token id {token} is not in the vocabulary (size {vocab_size})", "logit_bias")
+        value = bias.raw(key)
+        if type(value) not in (int, float) or not math.isfinite(value) or not -100 <= value <= 100:
+            raise bad_request(f"'logit_bias[{key}]' must be a number in [-100, 100], got {value!r}", "logit_bias")
+        out.append((token, float(value)))
+    return tuple(out)
 
 
 def _prompts(value: Any, vocab_size: int) -> tuple[str | tuple[int, ...], ...]:
@@ -283,9 +315,9 @@ def _prompts(value: Any, vocab_size: int) -> tuple[str | tuple[int, ...], ...]:
     if all(type(v) is str for v in value):
         return tuple(value)
     if all(as_int(v) is not None for v in value):
-        return (_token_ids(value, "prompt", vocab_size),)
+        return (token_ids(value, "prompt", vocab_size),)
     if all(type(v) is list for v in value):
-        return tuple(_token_ids(v, f"prompt[{i}]", vocab_size) for i, v in enumerate(value))
+        return tuple(token_ids(v, f"prompt[{i}]", vocab_size) for i, v in enumerate(value))
     raise bad_request(
         "'prompt' must be a string, an array of strings, an array of token ids or an array of token id arrays",
         "prompt",
@@ -293,7 +325,7 @@ def _prompts(value: Any, vocab_size: int) -> tuple[str | tuple[int, ...], ...]:
     )
 
 
-def _token_ids(value: Any, name: str, vocab_size: int, *, allow_empty: bool = False) -> tuple[int, ...]:
+def token_ids(value: Any, name: str, vocab_size: int, *, allow_empty: bool = False) -> tuple[int, ...]:
     if value is None and allow_empty:
         return ()
     if type(value) is not list:

@@ -4,6 +4,7 @@
 ``POST /v1/completions``           OpenAI completions (generate.py)
 ``POST /v1/chat/completions``      OpenAI chat completions (generate.py)
 ``GET /v1/models``                 the served model
+``POST /tokenize /detokenize``     vLLM's utility endpoints (tokenize.py)
 ``GET /v1/workers``                registered instances: role, url, load, last seen, usable
 ``GET /openapi.json``              the OpenAPI document of the public API (openapi.py)
 ``POST /internal/v1/register``     ``RegisterInstance`` -> ``InstanceAck`` (msgpack)
@@ -11,8 +12,9 @@
 ``GET /health /metrics /stats``    services/common
 =================================  =============================================================
 
-With ``api_key`` set, every ``/v1/`` route needs ``Authorization: Bearer <key>`` (401
-otherwise), compared in constant time. The internal routes are not behind it: instances
+With ``api_key`` set, every ``/v1/`` route and ``/tokenize`` and ``/detokenize`` need
+``Authorization: Bearer <key>`` (401 otherwise), compared in constant time (vLLM leaves
+its utility endpoints open; here they run the tokenizer, which is work worth a key). The internal routes are not behind it: instances
 do not hold the client key. They are behind the services' shared ``internal_token``
 when one is set (services/common/app.py), and like every service the router binds to
 localhost unless told otherwise.
@@ -24,12 +26,14 @@ import asyncio
 import hmac
 import logging
 import time
+from pathlib import Path
 from typing import AsyncIterator, Awaitable, Callable
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from libs.model.tokenizer import Tokenizer
+from libs.structured import GrammarCompiler
 from libs.protocol import msgpack_response, read_message
 from libs.protocol.messages import Heartbeat, InstanceAck, RegisterInstance
 from services.common import create_app
@@ -38,14 +42,16 @@ from services.router.errors import ApiError
 from services.router.generate import handle
 from services.router.metrics import RouterMetrics
 from services.router.openapi import openapi_document
-from services.router.registry import Registry
+from services.router.registry import IncompatibleInstance, Registry
 from services.router.settings import RouterSettings
 from services.router.state import STATE, RouterState
+from services.router.tokenize import detokenize, tokenize
 from services.router.workers import WorkerClient
 
 log = logging.getLogger("tidepool.router")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+KEYED_PATHS = frozenset({"/tokenize", "/detokenize"})  # behind the API key, besides /v1/
 
 
 def _auth_middleware(api_key: str) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:
@@ -53,7 +59,7 @@ def _auth_middleware(api_key: str) -> Callable[[web.Request, Handler], Awaitable
 
     @web.middleware
     async def auth(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if request.path.startswith("/v1/"):
+        if request.path.startswith("/v1/") or request.path in KEYED_PATHS:
             header = request.headers.get("Authorization", "")
             scheme, _, token = header.partition(" ")
             if scheme.lower() != "bearer" or not token:
@@ -109,6 +115,8 @@ async def _register(request: web.Request) -> web.Response:
         return ApiError(400, f"url must be an http(s) URL, got {msg.url!r}", code="invalid_value", param="url").response()
     try:
         state.registry.register(msg)
+    except IncompatibleInstance as exc:
+        return ApiError(400, str(exc), code="quantization_mismatch", param="quantization").response()
     except ValueError as exc:
         return ApiError(400, str(exc), code="invalid_value", param="namespace").response()
     state.metrics.registrations.labels(msg.role).inc()
@@ -134,6 +142,16 @@ async def _reap(state: RouterState) -> None:
             state.metrics.instances_dropped.labels(inst.role).inc()
 
 
+def _read_template(value: str | None) -> str | None:
+    """``--chat-template``: a file's text when it names a file, else the template itself."""
+    if value is None:
+        return None
+    path = Path(value).expanduser()
+    if "\n" not in value and len(value) < 4096 and path.is_file():
+        return path.read_text()
+    return value
+
+
 _STARTED = web.AppKey("router_started", float)
 _MODEL_NAMES = web.AppKey("router_model_names", frozenset)
 
@@ -157,6 +175,8 @@ def create_router_app(settings: RouterSettings, tokenizer: Tokenizer | None = No
         registry=instances,
         metrics=RouterMetrics.create(metrics_registry, instances),
         renderer=TokenRenderer(tokenizer),
+        grammars=GrammarCompiler(tokenizer, cache_size=settings.grammar_cache_size),
+        chat_template=_read_template(settings.chat_template),
     )
 
     def stats() -> dict[str, object]:
@@ -209,6 +229,8 @@ def create_router_app(settings: RouterSettings, tokenizer: Tokenizer | None = No
     app.router.add_post("/v1/completions", _completions)
     app.router.add_post("/v1/chat/completions", _chat)
     app.router.add_get("/v1/models", _models)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/v1/workers", _workers)
     document = openapi_document(served_model=served, vocab_size=tokenizer.vocab_size, api_key=settings.api_key is not None)
 

@@ -2,9 +2,9 @@
 
 1. Take an admission slot (admission.py; 429 when the router is full), read the body
    within its size limit (body.py; 413), then prepare the request on the bounded
-   executor (prepare.py: JSON, validation, chat template, length precheck, tokenizer,
-   context check). Nothing goes downstream before all of it passed; no decode instance
-   at all is a 503.
+   executor (prepare.py: JSON, validation, output constraints compiled, chat template,
+   length precheck, tokenizer, context check). Nothing goes downstream before all of it
+   passed; no decode instance at all is a 503.
 2. Run one :class:`~services.router.handoff.PromptJob` per prompt; their choices put
    updates into one outbox, merged in arrival order.
 3. Stream SSE chunks (ending in ``data: [DONE]``) or build the JSON response; then log the
@@ -26,7 +26,6 @@ import logging
 import secrets
 import time
 from contextlib import aclosing
-from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 from aiohttp import web
@@ -173,6 +172,8 @@ async def _serve(request: web.Request, state: RouterState, kind: Kind, endpoint:
             served_model=state.model_name,
             max_model_len=max_model_len,
             max_json_depth=s.max_json_depth,
+            grammars=state.grammars,
+            chat_template=state.chat_template,
         )
         ready = await state.executor.run(job)
         trace.tokenize_s = trace.elapsed()
@@ -251,12 +252,12 @@ async def _stream(request: web.Request, run: RequestRun, formatter: Formatter) -
     try:
         async with aclosing(run.updates()) as updates:
             async for u in updates:
-                chunk = formatter.chunk(u)
+                chunks = formatter.chunks(u)
                 if u.finish_reason is not None:
                     pending -= 1
-                    if pending == 0 and not include_usage and run.req.want_trace:
-                        chunk["tidepool"] = run.extension()
-                await send(event(chunk))
+                    if pending == 0 and not include_usage and run.req.want_trace and chunks:
+                        chunks[-1]["tidepool"] = run.extension()
+                await send(b"".join(event(c) for c in chunks))
     except ApiError as exc:
         if response is None:
             raise

@@ -349,6 +349,7 @@ class ChoiceJob:
         return DecodeRequest(
             request_id=request_id,
             prompt_token_ids=job.prompt_ids + g[:-1],
+            num_resumed_tokens=counted,  # a constrained request replays them into its grammar
             first_token_id=g[-1],
             first_logprobs=first_lp,
             sampling=job.req.sampling(max_tokens=job.max_tokens - counted, n=1, seed=self.seed),

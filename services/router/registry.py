@@ -34,6 +34,12 @@ from libs.protocol.messages import Heartbeat, RegisterInstance, Role
 log = logging.getLogger("tidepool.router.registry")
 
 
+class IncompatibleInstance(ValueError):
+    """A registration refused because the instance cannot work with the ones registered:
+    a prefill and a decode whose weights run differently (``quantization``) compute
+    different KV, so no block one writes is any use to the other."""
+
+
 @dataclass(eq=False)
 class Instance:
     """One registered instance, its last reported load and the router's own view of it."""
@@ -97,6 +103,7 @@ class Instance:
             "url": self.url,
             "model": self.info.model,
             "namespace": self.namespace,
+            "quantization": self.info.quantization,
             "block_size": self.info.block_size,
             "max_model_len": self.info.max_model_len,
             "registered_at": round(self.registered_at, 3),
@@ -121,8 +128,19 @@ class Registry:
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
 
     def register(self, msg: RegisterInstance) -> Instance:
-        """Add (or replace, on a restart) an instance; ``ValueError`` for a bad namespace."""
+        """Add (or replace, on a restart) an instance; ``ValueError`` for a bad namespace,
+        ``IncompatibleInstance`` for a quantization the other role's instances do not share."""
         root = NamespaceRoot.from_hex(msg.namespace, msg.block_size)
+        other = "decode" if msg.role == "prefill" else "prefill"
+        clash = next((i for i in self.live(other) if i.info.quantization != msg.quantization), None)
+        if clash is not None:
+            reason = (
+                f"{msg.role} instance {msg.instance_id!r} runs {msg.quantization} weights but {other} instance "
+                f"{clash.id!r} runs {clash.info.quantization}: prefill and decode must use the same --quantization "
+                "(their KV caches would differ)"
+            )
+            log.warning("refused registration at %s: %s", msg.url, reason)
+            raise IncompatibleInstance(reason)
         now, wall = self.clock(), self.wall_clock()
         previous = self.instances.get(msg.instance_id)
         inst = Instance(info=msg, root=root, registered_at=wall, last_seen=now, last_seen_wall=wall)

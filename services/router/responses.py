@@ -7,11 +7,16 @@ token is always in its ``top_logprobs`` map, as OpenAI documents (so a map may h
 included. Chat (``chat.completion``): ``choices[].message = {role, content}``,
 ``choices[].logprobs = {content: [{token, logprob, bytes, top_logprobs: [...]}]}``.
 
-Streaming: each chunk carries one choice's delta (chat: the role comes with the choice's
-first content, ``delta: {}`` on a bare finish), ``finish_reason`` on the choice's last
-chunk; with ``stream_options.include_usage`` every chunk has ``"usage": null`` and a last
+Streaming: each chunk carries one choice's delta (chat: a first chunk with the role alone
+and empty content, as OpenAI, vLLM and llama.cpp send it, then content; ``delta: {}`` on a
+bare finish), ``finish_reason`` on the choice's last chunk; with ``stream_options.include_usage`` every chunk has ``"usage": null`` and a last
 chunk with empty ``choices`` carries the usage, as OpenAI sends it. The ``tidepool``
 extension (``{"trace": ...}``) rides on the last chunk (the usage chunk when there is one).
+
+Tool calls (a chat request with active tools): each choice's text goes through a
+:class:`~services.router.tool_parser.HermesToolParser`; calls become ``message.tool_calls``
+(``content`` null when there is no other text) or, streamed, ``delta.tool_calls`` in
+OpenAI's two-part form; a choice that called tools and stopped finishes ``tool_calls``.
 
 ``usage`` counts prompt tokens once per prompt (not per choice), completion tokens over all
 choices, and ``prompt_tokens_details.cached_tokens``: prompt tokens served from a cache.
@@ -25,6 +30,7 @@ from typing import Any
 from services.router.api import GenerateRequest
 from services.router.detok import RenderedToken, TokenLogprob
 from services.router.handoff import ChoiceUpdate
+from services.router.tool_parser import HermesToolParser, ToolCall
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
@@ -51,9 +57,14 @@ class ChoiceState:
     finish_reason: str | None = None
     offset: int = 0  # text_offset of the next token
     started: bool = False  # a chunk of this choice has been sent
+    parser: HermesToolParser | None = None  # tools are active: parse calls out of the text
 
     def __post_init__(self) -> None:
         self.offset = len(self.prefix)
+
+    def finish_reason_out(self, calls: list[ToolCall]) -> str | None:
+        """OpenAI's reason: ``tool_calls`` for a choice that called tools and stopped."""
+        return "tool_calls" if calls and self.finish_reason == "stop" else self.finish_reason
 
     def add(self, u: ChoiceUpdate) -> None:
         self.parts.append(u.text)
@@ -74,8 +85,13 @@ class Formatter:
         self.chat = req.kind == "chat"
         self.id = response_id
         self.created = created
+        names = [t.name for t in req.tools.tools] if req.tools is not None and req.tools.active else None
         self.choices = [
-            ChoiceState(p * req.n + i, prefix=echo[p] if req.echo else "")
+            ChoiceState(
+                p * req.n + i,
+                prefix=echo[p] if req.echo else "",
+                parser=HermesToolParser(names) if names is not None else None,
+            )
             for p in range(req.num_prompts)
             for i in range(req.n)
         ]
@@ -111,14 +127,19 @@ class Formatter:
         for c in self.choices:
             logprobs = self._logprobs(c, c.logprobs)
             if self.chat:
-                choices.append(
-                    {
-                        "index": c.index,
-                        "message": {"role": "assistant", "content": c.text},
-                        "logprobs": logprobs,
-                        "finish_reason": c.finish_reason,
+                message: dict[str, Any] = {"role": "assistant", "content": c.text}
+                reason = c.finish_reason
+                if c.parser is not None:
+                    a, b = c.parser.feed(c.text), c.parser.finish()
+                    calls = a.calls + b.calls
+                    content = a.content + b.content
+                    message = {
+                        "role": "assistant",
+                        "content": (content.strip() or None) if calls else content,
+                        "tool_calls": [call.message() for call in calls],
                     }
-                )
+                    reason = c.finish_reason_out(calls)
+                choices.append({"index": c.index, "message": message, "logprobs": logprobs, "finish_reason": reason})
             else:
                 choices.append({"index": c.index, "text": c.text, "logprobs": logprobs, "finish_reason": c.finish_reason})
         body = self._envelope("chat.completion" if self.chat else "text_completion", choices)
@@ -129,25 +150,47 @@ class Formatter:
 
     # -- stream -------------------------------------------------------------------------------
 
-    def chunk(self, u: ChoiceUpdate) -> dict[str, Any]:
+    def chunks(self, u: ChoiceUpdate) -> list[dict[str, Any]]:
+        """The SSE chunks of one update (chat: the role alone first; tool calls as deltas)."""
         state = self.choices[u.index]
         text = u.text
         first = not state.started
         state.started = True
         if first:
             text = state.prefix + text
-        choice: dict[str, Any] = {"index": u.index}
-        if self.chat:
-            delta: dict[str, Any] = {}
-            if first:
-                delta["role"] = "assistant"
-            if text or first:
-                delta["content"] = text
-            choice["delta"] = delta
+        logprobs = self._logprobs(state, u.logprobs) if u.logprobs else None
+        if not self.chat:
+            return [self._chunk({"index": u.index, "text": text, "logprobs": logprobs, "finish_reason": u.finish_reason})]
+        out = []
+        if first:
+            out.append(self._chunk({"index": u.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}))
+        deltas: list[dict[str, Any]] = []
+        reason = u.finish_reason
+        if state.parser is None:
+            if text:
+                deltas.append({"content": text})
         else:
-            choice["text"] = text
-        choice["logprobs"] = self._logprobs(state, u.logprobs) if u.logprobs else None
-        choice["finish_reason"] = u.finish_reason
+            parsed = [state.parser.feed(text)]
+            if u.finish_reason is not None:
+                state.finish_reason = u.finish_reason
+                parsed.append(state.parser.finish())
+                reason = state.finish_reason_out(state.parser.calls)
+            for p in parsed:
+                if p.content and not (state.parser.calls and not p.content.strip()):
+                    deltas.append({"content": p.content})
+                deltas += [{"tool_calls": [d]} for call in p.calls for d in call.deltas()]
+        if not deltas and (logprobs or reason is not None):
+            deltas.append({})
+        for k, delta in enumerate(deltas):
+            last = k == len(deltas) - 1
+            out.append(
+                self._chunk(
+                    {"index": u.index, "delta": delta, "logprobs": logprobs if k == 0 else None, "finish_reason": reason if last else None}
+                )
+            )
+        return out
+
+    def _chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
         body = self._envelope("chat.completion.chunk" if self.chat else "text_completion", [choice])
         if self.req.include_usage:
             body["usage"] = None

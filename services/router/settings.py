@@ -20,6 +20,12 @@ class RouterSettings(BaseSettings):
     served_model_name: str | None = setting(
         None, help="the model name clients send and /v1/models lists; default: the model's own name"
     )
+    chat_template: str | None = setting(
+        None,
+        help="a Jinja chat template replacing the model's (and the Hermes tools template): a file "
+        "path, or the template text itself",
+    )
+    grammar_cache_size: int = setting(256, help="compiled structured-output grammars kept (LRU) for validation")
     api_key: str | None = setting(
         None, help="require 'Authorization: Bearer <key>' on the /v1 API (401 otherwise); none: open", secret=True
     )

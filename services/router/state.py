@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from libs.model.tokenizer import Tokenizer
+from libs.structured import GrammarCompiler
 from services.router.admission import Admission
 from services.router.detok import TokenRenderer
 from services.router.executor import BoundedExecutor
@@ -24,8 +25,10 @@ class RouterState:
     registry: Registry
     metrics: RouterMetrics
     renderer: TokenRenderer
+    grammars: GrammarCompiler  # validates structured-output constraints (cached)
     executor: BoundedExecutor = field(init=False)
     admission: Admission = field(init=False)
+    chat_template: str | None = None  # --chat-template's text, replacing the model's
     workers: WorkerClient | None = None  # made on startup, inside the event loop
 
     def __post_init__(self) -> None:

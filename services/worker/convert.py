@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from libs.engine import SamplingParams, TokenLogprob
-from libs.protocol.messages import SamplingSpec, TokenLogprobs
+from libs.structured import GrammarSpec
+from libs.protocol.messages import SamplingSpec, StructuredSpec, TokenLogprobs
 
 
 def sampling_params(spec: SamplingSpec, *, max_tokens: int | None = None, n: int | None = None) -> SamplingParams:
@@ -23,7 +24,15 @@ def sampling_params(spec: SamplingSpec, *, max_tokens: int | None = None, n: int
         stop_token_ids=tuple(spec.stop_token_ids),
         ignore_eos=spec.ignore_eos,
         logprobs=spec.logprobs,
+        logit_bias=tuple(zip(spec.logit_bias_ids, spec.logit_bias_values)),
     )
+
+
+def grammar_spec(spec: StructuredSpec | None) -> GrammarSpec | None:
+    """The engine's constraint for a wire one (None: unconstrained)."""
+    if spec is None:
+        return None
+    return GrammarSpec(spec.kind, spec.value, spec.strict)
 
 
 def wire_logprob(lp: TokenLogprob) -> TokenLogprobs:

@@ -107,6 +107,7 @@ class WorkerRuntime:
             quantized_weights=settings.quantized_weights,
             moe_strategy=settings.moe_strategy,
             moe_fake_balance=settings.moe_fake_balance,
+            quantization=settings.quantization,
             num_threads=settings.threads,
             swap_buffers=settings.swap_buffers,
             swap_max_blocks=settings.swap_max_blocks,
@@ -119,7 +120,10 @@ class WorkerRuntime:
         self.engine = AsyncEngine(llm, on_step=self._on_step)
         self.metrics = WorkerMetrics.create(self.registry, self)
         self.pool = RedisPool(
-            PoolConfig(url=settings.redis_url, password=settings.redis_password, key_prefix=settings.key_prefix)
+            PoolConfig(
+                url=settings.redis_url, password=settings.redis_password, key_prefix=settings.key_prefix,
+                bulk_model=settings.pool_bulk_model,
+            )
         )
         self.writer: AsyncWriter | None = None
         self.in_flight = 0  # HTTP requests inside this instance (queue depth for the router)
@@ -191,6 +195,7 @@ class WorkerRuntime:
             namespace=self.namespace.hex,
             max_model_len=self.llm.max_model_len,
             block_size=self.llm.config.block_size,
+            quantization=self.namespace.quantization,
         )
 
     def heartbeat(self) -> Heartbeat:
@@ -205,12 +210,11 @@ class WorkerRuntime:
             queue_depth=self.in_flight,
         )
 
-    async def _post(self, path: str, body: bytes) -> int:
+    async def _post(self, path: str, body: bytes) -> tuple[int, bytes]:
         assert self._http is not None and self.settings.router_url
         url = self.settings.router_url.rstrip("/") + path
         async with self._http.post(url, data=body, headers={"Content-Type": "application/msgpack"}) as resp:
-            await resp.read()
-            return resp.status
+            return resp.status, await resp.read()
 
     async def _heartbeat_loop(self) -> None:
         """Register, then heartbeat; re-register whenever the router forgets us (404) or
@@ -220,15 +224,17 @@ class WorkerRuntime:
         while True:
             try:
                 if not self.registered:
-                    status = await self._post("/internal/v1/register", encode(self.registration()))
+                    status, answer = await self._post("/internal/v1/register", encode(self.registration()))
                     self.registered = 200 <= status < 300
                     if self.registered:
                         log.info("registered with router %s as %s", self.settings.router_url, self.instance_id)
                     elif status == 401:
                         log.error("the router refused this instance's internal token: set the same "
                                   "TIDEPOOL_INTERNAL_TOKEN on every service")
+                    elif 400 <= status < 500:  # refused (e.g. a quantization mismatch): say why, keep trying
+                        log.warning("router %s refused registration (%d): %s", self.settings.router_url, status, answer.decode(errors="replace")[:500])
                 else:
-                    status = await self._post("/internal/v1/heartbeat", encode(self.heartbeat()))
+                    status, _ = await self._post("/internal/v1/heartbeat", encode(self.heartbeat()))
                     if status == 404:
                         self.registered = False
                         continue

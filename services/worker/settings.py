@@ -28,12 +28,18 @@ class WorkerSettings(BaseSettings):
     quantized_weights: bool = setting(False, help="CPU + GGUF: decode with the file's 4-bit weights (approximate, ~2x faster decode)")
     moe_strategy: Literal[STRATEGIES] = setting("auto", help="MoE models: how experts run (libs/model/moe/strategy.py)")
     moe_fake_balance: bool = setting(False, help="MoE models: FakeBalanceExpert routing, for load benchmarks only (changes the output)")
+    quantization: Literal["auto", "none", "fp8"] = setting(
+        "auto", help="fp8: block-scaled FP8 weights (quantized at load, or an FP8 checkpoint's); none: dense; auto: as the checkpoint is. Prefill and decode must agree"
+    )
     swap_buffers: int = setting(8, help="staging buffers for pool transfers (bounds concurrent handoffs)")
     swap_max_blocks: int = setting(64, help="blocks per staging buffer")
     redis_url: str = setting("redis://127.0.0.1:6379/0", help="the pool's Redis")
     redis_password: str | None = setting(None, help="Redis password (prefer the env variable)", secret=True)
     key_prefix: str = setting("tidepool", help="prefix of every pool key in Redis")
     pool_workers: int = setting(4, help="concurrent pool write pipelines")
+    pool_bulk_model: Literal["threads", "asyncio"] = setting(
+        "threads", help="how block values move: threads (blocking recv_into, GIL released) or asyncio (BufferedProtocol)"
+    )
     router_url: str | None = setting(None, help="router to register with (heartbeats every heartbeat_s); none: standalone")
     advertise_url: str | None = setting(None, help="URL the router reaches this instance at; default http://<host>:<port>")
     instance_id: str | None = setting(None, help="stable id for this instance; default: random")

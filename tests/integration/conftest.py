@@ -4,6 +4,12 @@
   prefix (``pool_config`` gives each test its own).
 - ``redis_factory``: start servers of one's own (to kill, restart, or fill up), all killed
   at teardown.
+- ``redis_cluster``: one real 3-node Redis Cluster for the session (``redis-server
+  --cluster-enabled yes`` + ``redis-cli --cluster create``), started on first use; tests
+  share it by key prefix like ``redis_server``. ``pool_url`` is parametrized over both.
+- ``pd_cluster`` / ``pd_client``: the whole system, parametrized over a single Redis
+  (``cluster``) and the Redis Cluster (``sharded_cluster``), for the PD tests that must
+  hold on both.
 """
 
 from __future__ import annotations
@@ -47,6 +53,20 @@ def pool_config(redis_server: RedisServer) -> PoolConfig:
     return PoolConfig(url=redis_server.url, key_prefix=unique_prefix(), socket_timeout_s=5.0, retries=1)
 
 
+@pytest.fixture(scope="session")
+def redis_cluster():
+    from services.launch.redis_cluster import LocalRedisCluster
+
+    with LocalRedisCluster(3, maxmemory=256 << 20) as nodes:
+        yield nodes
+
+
+@pytest.fixture(params=["single", "cluster"])
+def pool_url(request: pytest.FixtureRequest) -> str:
+    """The shared single Redis, then any node of the shared 3-node cluster."""
+    return request.getfixturevalue("redis_server" if request.param == "single" else "redis_cluster").url
+
+
 # -- the whole system, for the end-to-end tests (tests/integration/test_pd_*.py) -----------
 
 
@@ -67,6 +87,37 @@ def cluster(tmp_path_factory: pytest.TempPathFactory):
     )
     with LocalCluster(cfg) as c:
         yield c
+
+
+@pytest.fixture(scope="session")
+def sharded_cluster(tmp_path_factory: pytest.TempPathFactory, redis_cluster):
+    """The same system as ``cluster``, its pool sharded over the 3-node Redis Cluster."""
+    from services.launch.cluster import ClusterConfig, LocalCluster
+    from services.launch.processes import free_port
+
+    cfg = ClusterConfig(
+        router_port=free_port(),
+        device="cpu",
+        threads=1,
+        redis_url=redis_cluster.url,
+        log_dir=tmp_path_factory.mktemp("sharded-cluster-logs"),
+        worker_args=["--num-blocks", "768", "--heartbeat-s", "0.2"],
+        router_args=["--heartbeat-timeout-s", "3", "--retry-wait-s", "10"],
+    )
+    with LocalCluster(cfg) as c:
+        yield c
+
+
+@pytest.fixture(params=["single", "redis-cluster"])
+def pd_cluster(request: pytest.FixtureRequest):
+    return request.getfixturevalue("cluster" if request.param == "single" else "sharded_cluster")
+
+
+@pytest.fixture
+def pd_client(pd_cluster):
+    from openai import OpenAI
+
+    return OpenAI(base_url=pd_cluster.url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,5 @@
-"""cache_store as a real process (``python -m services.cache_store``) on a real redis-server, over HTTP."""
+"""cache_store as a real process (``python -m services.cache_store``) on a real redis-server
+and on a real 3-node Redis Cluster (one byte budget over every node), over HTTP."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 from libs.blocks.keys import Namespace, block_keys
 from libs.kvpool.config import PoolConfig
 from libs.kvpool.header import HEADER, HEADER_NBYTES, MAGIC
-from libs.kvpool.redis_pool import RedisPool
+from libs.kvpool.redis_pool import RedisPool, data_key
 from tests.integration.conftest import unique_prefix
 from tests.integration.redis_server import RedisServer
 from tests.integration.service_process import ServiceProcess
@@ -57,9 +58,9 @@ def start_cache_store(redis_url: str, prefix: str, *extra: str) -> ServiceProces
 
 
 @pytest.fixture
-def service(redis_server: RedisServer) -> Iterator[tuple[ServiceProcess, str]]:
+def service(pool_url: str) -> Iterator[tuple[ServiceProcess, str]]:
     prefix = unique_prefix()
-    proc = start_cache_store(redis_server.url, prefix, "--budget-bytes", str(4 * VALUE_NBYTES), "--max-value-bytes", "65536")
+    proc = start_cache_store(pool_url, prefix, "--budget-bytes", str(4 * VALUE_NBYTES), "--max-value-bytes", "65536")
     yield proc, prefix
     proc.close()
 
@@ -108,7 +109,7 @@ async def test_blocks_queries_and_bad_input_over_http(service: tuple[ServiceProc
 
 
 async def test_budget_eviction_never_evicts_leased_blocks_and_expired_leases_are_reaped(
-    service: tuple[ServiceProcess, str], http: aiohttp.ClientSession, redis_server: RedisServer
+    service: tuple[ServiceProcess, str], http: aiohttp.ClientSession, pool_url: str
 ) -> None:
     proc, prefix = service
     base = proc.url
@@ -116,10 +117,14 @@ async def test_budget_eviction_never_evicts_leased_blocks_and_expired_leases_are
         assert r.status == 201
         lease = (await r.json())["lease_id"]
     # Like prefill: bytes go straight to Redis, cache_store only sees the bookkeeping.
-    async with RedisPool(PoolConfig(url=redis_server.url, key_prefix=prefix)) as pool:
+    async with RedisPool(PoolConfig(url=pool_url, key_prefix=prefix)) as pool:
         for key in KEYS[:10]:
             assert await pool.put_blocks(NS, [(key, block_value())]) == [None]
             await asyncio.sleep(0.002)
+        slots, _ = await pool.layout()
+        if slots.cluster:  # the budget is one, the blocks are on several nodes
+            nodes = {slots.node_for(data_key(prefix, f"{NS.hex}:{k}", cluster=True)) for k in KEYS[:10]}
+            assert len(nodes) > 1
 
         async def within_budget() -> bool:
             return (await pool.stats()).bytes <= 4 * VALUE_NBYTES

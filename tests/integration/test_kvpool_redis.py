@@ -1,8 +1,10 @@
-"""RedisPool on a real redis-server: the shared contract, the schema, OOM, drops, hangs, restarts."""
+"""RedisPool on a real redis-server: the shared contract (on one Redis with both bulk
+models, and on a real 3-node Redis Cluster), the schema, OOM, drops, hangs, restarts."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import signal
 import time
@@ -30,7 +32,15 @@ async def pool(pool_config: PoolConfig) -> AsyncIterator[RedisPool]:
 
 
 class TestRedisPool(PoolContract):
-    """The contract of tests/unit/test_kvpool_pool.py, on Redis."""
+    """The contract of tests/unit/test_kvpool_pool.py, on Redis and on Redis Cluster."""
+
+    @pytest.fixture(params=["single", "single-asyncio", "cluster"])
+    async def pool(self, request: pytest.FixtureRequest, pool_config: PoolConfig) -> AsyncIterator[RedisPool]:
+        url = request.getfixturevalue("redis_cluster").url if request.param == "cluster" else pool_config.url
+        model = "asyncio" if request.param.endswith("asyncio") else "threads"
+        p = RedisPool(dataclasses.replace(pool_config, url=url, bulk_model=model))
+        yield p
+        await p.close()
 
 
 async def test_schema_is_the_documented_one(pool: RedisPool, pool_config: PoolConfig) -> None:

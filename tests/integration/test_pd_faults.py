@@ -8,6 +8,7 @@ import aiohttp
 import pytest
 import redis
 
+from libs.kvpool.redis_pool import data_key
 from libs.protocol import decode, encode, iter_messages
 from libs.protocol.messages import DecodeRequest, PrefillRequest, PrefillResult, SamplingSpec, TokenEvent
 from tests.integration.pd_helpers import TRACE, engine_tokens, trace_of, wait_until
@@ -43,15 +44,23 @@ def prefill_then_decode(cluster, prompt: list[int], max_tokens: int, between=Non
 
 
 def redis_client(cluster) -> redis.Redis:
+    if _is_cluster(cluster.redis_url):
+        return redis.RedisCluster.from_url(cluster.redis_url)  # routes each key to its node
     return redis.Redis.from_url(cluster.redis_url)
+
+
+def _is_cluster(url: str) -> bool:
+    with redis.Redis.from_url(url) as r:
+        return bool(r.info("cluster").get("cluster_enabled"))
 
 
 def block_redis_key(cluster, key: str) -> str:
     ns = cluster.get_json(cluster.decodes[0].url + "/stats")["namespace"]
-    return f"tidepool:kv:{ns}:{key}"
+    return data_key("tidepool", f"{ns}:{key}", cluster=_is_cluster(cluster.redis_url))
 
 
-def test_evicted_blocks_are_recomputed_with_identical_output(cluster, reference_engine):
+def test_evicted_blocks_are_recomputed_with_identical_output(pd_cluster, reference_engine):
+    cluster = pd_cluster
     prompt = reference_engine.tokenizer.encode("Evicted blocks: " + "a stone skipped across the pond, " * 12)
     ref = engine_tokens(reference_engine, prompt, 12)
 
@@ -65,7 +74,8 @@ def test_evicted_blocks_are_recomputed_with_identical_output(cluster, reference_
     assert trace["pool_miss_reasons"].get("absent") == 1
 
 
-def test_a_corrupt_block_is_a_miss_not_garbage(cluster, reference_engine):
+def test_a_corrupt_block_is_a_miss_not_garbage(pd_cluster, reference_engine):
+    cluster = pd_cluster
     prompt = reference_engine.tokenizer.encode("Corrupt blocks: " + "the river bends around the old mill, " * 12)
     ref = engine_tokens(reference_engine, prompt, 12)
 

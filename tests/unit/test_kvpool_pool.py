@@ -10,6 +10,7 @@ import asyncio
 import os
 from typing import Sequence
 
+import numpy as np
 import pytest
 
 from libs.blocks.keys import Namespace, block_keys
@@ -46,12 +47,38 @@ class PoolContract:
         # Same key string under another namespace is another block.
         assert await pool.get_blocks(OTHER_NS, [str(KEYS[0])]) == [None]
 
+    async def test_get_blocks_into_lands_values_in_caller_memory(self, pool: BlockPool) -> None:
+        vals = values(3)
+        await put_ok(pool, KEYS[:3], vals)
+        await put_ok(pool, KEYS[3:4], [b"too short"])
+        dests = [np.zeros(VALUE_NBYTES, dtype=np.uint8) for _ in range(5)]
+        landed: list[int] = []
+        out = await pool.get_blocks_into(
+            NS, KEYS[:5], [[memoryview(d[:24]), memoryview(d[24:])] for d in dests], on_landed=landed.append
+        )
+        assert out == [None, None, None, "length", "absent"]
+        assert sorted(landed) == [0, 1, 2]  # once each, only for values that landed whole
+        assert [d.tobytes() for d in dests[:3]] == vals
+        assert not dests[3].any()  # a value of the wrong size is never written anywhere
+        stats = await pool.stats()
+        assert stats.hits == 4 and stats.misses == {"absent": 1}
+
+        def refuse(i: int) -> None:
+            if i == 1:
+                raise RuntimeError("a bug in the caller's callback")
+
+        out = await pool.get_blocks_into(NS, KEYS[:3], [[memoryview(d)] for d in dests[:3]], on_landed=refuse)
+        assert out == [None, "error", None]
+        with pytest.raises(ValueError):
+            await pool.get_blocks_into(NS, KEYS[:2], [[memoryview(dests[0])]])
+
     async def test_empty_calls(self, pool: BlockPool) -> None:
         assert await pool.exists_prefix(NS, []) == 0
         assert await pool.get_blocks(NS, []) == []
         assert await pool.put_blocks(NS, []) == []
         assert await pool.exists_blocks(NS, []) == []
         assert await pool.delete_blocks(NS, []) == 0
+        assert await pool.get_blocks_into(NS, [], []) == []
 
     async def test_exists_prefix_stops_at_the_first_gap(self, pool: BlockPool) -> None:
         await put_ok(pool, KEYS[:3] + KEYS[4:6], values(5))

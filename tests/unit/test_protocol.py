@@ -34,6 +34,7 @@ from libs.protocol import (
     ProtocolError,
     RegisterInstance,
     SamplingSpec,
+    StructuredSpec,
     StreamDecoder,
     TokenEvent,
     TokenLogprobs,
@@ -67,9 +68,18 @@ json_like = st.recursive(
 traces = st.none() | st.dictionaries(text, json_like, max_size=4)
 
 
+structured_specs = st.builds(
+    StructuredSpec,
+    kind=st.sampled_from(["json_schema", "json_object", "regex", "choice", "grammar", "lark"]),
+    value=text,
+    strict=st.booleans(),
+)
+
+
 @st.composite
 def sampling_specs(draw: st.DrawFn, n: st.SearchStrategy[int] = st.integers(1, 16)) -> SamplingSpec:
     max_tokens = draw(st.integers(1, 2**31))
+    bias = draw(st.lists(st.tuples(token_ids, st.floats(-100, 100)), max_size=4))
     return draw(st.builds(
         SamplingSpec,
         temperature=st.floats(0, 100),
@@ -86,6 +96,9 @@ def sampling_specs(draw: st.DrawFn, n: st.SearchStrategy[int] = st.integers(1, 1
         ignore_eos=st.booleans(),
         logprobs=st.none() | st.integers(0, 20),
         n=n,
+        logit_bias_ids=st.just([t for t, _ in bias]),
+        logit_bias_values=st.just([b for _, b in bias]),
+        structured=st.none() | structured_specs,
     ))
 
 
@@ -130,9 +143,11 @@ def prefill_results(draw: st.DrawFn) -> PrefillResult:
 @st.composite
 def decode_requests(draw: st.DrawFn) -> DecodeRequest:
     first = draw(st.none() | token_ids)
+    prompt = draw(st.lists(token_ids, min_size=1, max_size=40))
     return DecodeRequest(
         request_id=draw(ident),
-        prompt_token_ids=draw(st.lists(token_ids, min_size=1, max_size=40)),
+        prompt_token_ids=prompt,
+        num_resumed_tokens=0 if first is None else draw(st.integers(0, len(prompt) - 1)),
         first_token_id=first,
         first_logprobs=None if first is None else draw(st.none() | token_logprobs()),
         sampling=draw(sampling_specs(n=st.just(1))),
@@ -171,6 +186,7 @@ def heartbeats(draw: st.DrawFn) -> Heartbeat:
 
 
 STRATEGIES: dict[type[Message], st.SearchStrategy[Any]] = {
+    StructuredSpec: structured_specs,
     SamplingSpec: sampling_specs(),
     TokenLogprobs: token_logprobs(),
     PrefillRequest: st.builds(
@@ -257,6 +273,10 @@ def test_encode_converts_friendly_inputs() -> None:
         (SamplingSpec(max_tokens=1, temperature="hot"), ErrorCode.WRONG_TYPE, "temperature"),  # type: ignore[arg-type]
         (SamplingSpec(max_tokens=True), ErrorCode.WRONG_TYPE, "max_tokens"),
         (SamplingSpec(max_tokens=0), ErrorCode.INVALID_VALUE, "max_tokens"),
+        (SamplingSpec(max_tokens=1, logit_bias_ids=[1], logit_bias_values=[101.0]), ErrorCode.INVALID_VALUE, "logit_bias_values"),
+        (SamplingSpec(max_tokens=1, logit_bias_ids=[1, 2], logit_bias_values=[1.0]), ErrorCode.INVALID_VALUE, "logit_bias_values"),
+        (SamplingSpec(max_tokens=1, structured=StructuredSpec(kind="yaml")), ErrorCode.INVALID_VALUE, "structured.kind"),  # type: ignore[arg-type]
+        (DecodeRequest(request_id="r", prompt_token_ids=[1, 2], num_resumed_tokens=1, sampling=SamplingSpec(max_tokens=1)), ErrorCode.INVALID_VALUE, "num_resumed_tokens"),
         (SamplingSpec(max_tokens=2, min_tokens=3), ErrorCode.INVALID_VALUE, "min_tokens"),
         (RegisterInstance(instance_id="i", role="decode", url="u", model="m", namespace="n", max_model_len=8,
                           block_size=0), ErrorCode.INVALID_VALUE, "block_size"),

@@ -20,6 +20,9 @@ async def cluster() -> AsyncIterator[Cluster]:
     await c.close()
 
 
+_CALL = {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}]}
+
+
 def chat(messages: Any, **extra: Any) -> Any:
     return parse_request({"messages": messages, **extra}, "chat", served_model=MODEL, vocab_size=49152)
 
@@ -66,9 +69,23 @@ async def test_role_wizard_is_400_through_the_openai_client(cluster: Cluster) ->
         ([{"role": "user", "content": "x", "foo": 1}], "messages[0].foo", "unknown_parameter"),
         ([{"role": "user", "content": "x", "name": 5}], "messages[0].name", "invalid_type"),
         ([{"role": "assistant"}], "messages[0].content", "missing_required_parameter"),
-        ([{"role": "assistant", "content": "x", "tool_calls": [{"id": "1"}]}], "messages[0].tool_calls", "unsupported_parameter"),
+        ([{"role": "assistant", "tool_calls": []}], "messages[0].content", "missing_required_parameter"),
+        ([{"role": "assistant", "content": "x", "tool_calls": {"id": "1"}}], "messages[0].tool_calls", "invalid_type"),
+        ([{"role": "assistant", "content": "x", "tool_calls": [{"id": "1"}]}], "messages[0].tool_calls[0].type", "missing_required_parameter"),
+        ([{"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": "{}"}}]}], "messages[0].tool_calls[0].id", "missing_required_parameter"),
+        ([{"role": "assistant", "tool_calls": [{"id": "1", "type": "tool", "function": {"name": "f", "arguments": "{}"}}]}], "messages[0].tool_calls[0].type", "invalid_value"),
+        ([{"role": "assistant", "tool_calls": [{"id": "1", "type": "function"}]}], "messages[0].tool_calls[0].function", "missing_required_parameter"),
+        ([{"role": "assistant", "tool_calls": [{"id": "1", "type": "function", "function": {"name": "a b", "arguments": "{}"}}]}], "messages[0].tool_calls[0].function.name", "invalid_value"),
+        ([{"role": "assistant", "tool_calls": [{"id": "1", "type": "function", "function": {"name": "f", "arguments": {}}}]}], "messages[0].tool_calls[0].function.arguments", "invalid_type"),
+        ([{"role": "assistant", "tool_calls": [{"id": "1", "type": "function", "function": {"name": "f", "arguments": "[1]"}}]}], "messages[0].tool_calls[0].function.arguments", "invalid_value"),
+        ([{"role": "assistant", "tool_calls": [{"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}", "x": 1}}]}], "messages[0].tool_calls[0].function.x", "unknown_parameter"),
         ([{"role": "assistant", "content": "x", "function_call": {"name": "f"}}], "messages[0].function_call", "unsupported_parameter"),
-        ([{"role": "tool", "content": "42", "tool_call_id": "call_1"}], "messages[0].role", "unsupported_value"),
+        ([{"role": "tool", "content": "42"}], "messages[0].tool_call_id", "missing_required_parameter"),
+        ([{"role": "tool", "tool_call_id": "call_1"}], "messages[0].content", "missing_required_parameter"),
+        ([{"role": "tool", "content": "42", "tool_call_id": "call_1", "name": "f"}], "messages[0].name", "unknown_parameter"),
+        ([{"role": "tool", "content": "42", "tool_call_id": "call_1"}], "messages[0].tool_call_id", "invalid_value"),  # answers no call
+        ([{"role": "user", "content": "x"}, _CALL, {"role": "user", "content": "y"}, {"role": "tool", "content": "1", "tool_call_id": "call_1"}], "messages[3].tool_call_id", "invalid_value"),
+        ([_CALL, {"role": "tool", "content": "1", "tool_call_id": "call_2"}], "messages[1].tool_call_id", "invalid_value"),
         ([{"role": "function", "content": "42", "name": "f"}], "messages[0].role", "unsupported_value"),
         ([{"role": "user", "content": "ok"}, "hello"], "messages[1]", "invalid_type"),
         ("hello", "messages", "invalid_type"),
@@ -117,35 +134,84 @@ def test_an_unknown_field_is_400_naming_it(kind: str) -> None:
         assert refused({**base, **nested}, kind).param == param
 
 
+def test_tool_turns_reach_the_template() -> None:
+    """Assistant tool calls and the tool messages answering them (any number, in order)
+    are kept for the template, which renders them (Hermes for this ChatML model)."""
+    second = {"id": "call_2", "type": "function", "function": {"name": "g", "arguments": "{}"}}
+    req = chat(
+        [
+            {"role": "user", "content": "x"},
+            {**_CALL, "tool_calls": [*_CALL["tool_calls"], second]},
+            {"role": "tool", "content": [{"type": "text", "text": "18C"}], "tool_call_id": "call_2"},
+            {"role": "tool", "content": "ok", "tool_call_id": "call_1"},
+        ]
+    )
+    assert req.messages[1] == {"role": "assistant", "content": "", "tool_calls": [_CALL["tool_calls"][0], second]}
+    assert req.messages[2] == {"role": "tool", "content": "18C", "tool_call_id": "call_2"}
+    from services.router.prepare import render_chat
+
+    text = render_chat(tokenizer(), req.messages, None, None)
+    assert '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>' in text
+    assert "<tool_response>\n18C\n</tool_response>" in text and "<tool_response>\nok\n</tool_response>" in text
+
+
 @pytest.mark.parametrize(
-    ("extra", "param"),
+    ("extra", "param", "code"),
     [
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-        ({"tool_choice": "auto"}, "tool_choice"),
-        ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
-        ({"functions": [{"name": "f"}]}, "functions"),
-        ({"function_call": "auto"}, "function_call"),
-        ({"store": True}, "store"),
-        ({"modalities": ["text", "audio"]}, "modalities"),
-        ({"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
-        ({"response_format": {}}, "response_format.type"),
-        ({"response_format": {"type": "text", "strict": True}}, "response_format.strict"),
-        ({"logit_bias": {"1": 5}}, "logit_bias"),
-        ({"logit_bias": [1]}, "logit_bias"),
-        ({"parallel_tool_calls": "yes"}, "parallel_tool_calls"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}], "functions": [{"name": "f"}]}, "functions", "conflicting_parameters"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}], "function_call": "auto"}, "function_call", "conflicting_parameters"),
+        ({"functions": [{"name": "f"}], "tool_choice": "auto"}, "tool_choice", "conflicting_parameters"),
+        ({"tool_choice": "auto"}, "tool_choice", "conflicting_parameters"),
+        ({"function_call": {"name": "f"}}, "function_call", "conflicting_parameters"),
+        ({"tool_choice": 5}, "tool_choice", "invalid_type"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "any"}, "tool_choice", "invalid_value"),
+        ({"functions": [{"name": "f"}], "function_call": "required"}, "function_call", "invalid_value"),
+        ({"functions": [{"name": "f"}], "function_call": {"name": "f", "x": 1}}, "function_call.x", "unknown_parameter"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function"}}, "tool_choice.function", "missing_required_parameter"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}, "x": 1}]}, "tools[0].x", "unknown_parameter"),
+        ({"tools": [{"function": {"name": "f"}}]}, "tools[0].type", "missing_required_parameter"),
+        ({"tools": [{"type": "function"}]}, "tools[0].function", "missing_required_parameter"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}]}, "tools[0].function.parameters", "invalid_value"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "strict": "yes"}}]}, "tools[0].function.strict", "invalid_type"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}] * 2}, "tools", "invalid_value"),
+        ({"parallel_tool_calls": "yes"}, "parallel_tool_calls", "invalid_type"),
+        ({"response_format": {"type": "json_schema"}}, "response_format.json_schema", "missing_required_parameter"),
+        ({"response_format": {"type": "json_object", "json_schema": {}}}, "response_format.json_schema", "unknown_parameter"),
+        ({"response_format": {}}, "response_format.type", "missing_required_parameter"),
+        ({"response_format": {"type": "text", "strict": True}}, "response_format.strict", "unknown_parameter"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": ""}}}, "response_format.json_schema.name", "invalid_value"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"description": 5}}}, "response_format.json_schema.description", "invalid_type"),
+        ({"structured_outputs": {"json": "{not json"}}, "structured_outputs.json", "invalid_grammar"),
+        ({"structured_outputs": {"regex": "a", "json_object": "yes"}}, "structured_outputs.json_object", "invalid_type"),
+        ({"structured_outputs": {"regex": "a", "disable_additional_properties": True}}, "structured_outputs.disable_additional_properties", "unsupported_parameter"),
+        ({"guided_regex": "a", "grammar": "root ::= \"a\""}, "grammar", "conflicting_parameters"),
+        ({"guided_json": 5}, "guided_json", "invalid_type"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required", "guided_regex": "a"}, "guided_regex", "conflicting_parameters"),
+        ({"store": True}, "store", "unsupported_parameter"),
+        ({"modalities": ["text", "audio"]}, "modalities", "unsupported_parameter"),
+        ({"logit_bias": {"1": 101}}, "logit_bias", "invalid_value"),
+        ({"logit_bias": {"1": None}}, "logit_bias", "invalid_value"),
+        ({"logit_bias": {"-1": 5}}, "logit_bias", "invalid_value"),
+        ({"logit_bias": [1]}, "logit_bias", "invalid_type"),
     ],
 )
-def test_unsupported_chat_fields_are_refused_naming_them(extra: dict[str, Any], param: str) -> None:
-    assert refused({"messages": [{"role": "user", "content": "x"}], **extra}).param == param
+def test_tools_constraints_and_extras_are_checked_naming_the_field(extra: dict[str, Any], param: str, code: str) -> None:
+    err = refused({"messages": [{"role": "user", "content": "x"}], **extra})
+    assert (err.param, err.code) == (param, code), err.message
 
 
-def test_unsupported_fields_at_their_no_op_value_are_accepted() -> None:
+def test_tool_fields_are_chat_only() -> None:
+    for name in ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls"):
+        err = refused({"prompt": "x", name: None}, "completion")
+        assert (err.param, err.code) == (name, "unsupported_parameter")
+    assert parse_request({"prompt": "x", "guided_regex": "a+"}, "completion", served_model=MODEL, vocab_size=49152).grammar.kind == "regex"
+
+
+def test_tools_constraints_and_no_op_values_are_accepted() -> None:
     req = chat(
         [{"role": "user", "content": "x"}],
         tools=[],
-        functions=[],
         tool_choice="none",
-        function_call="none",
         parallel_tool_calls=False,
         store=False,
         modalities=["text"],
@@ -153,13 +219,19 @@ def test_unsupported_fields_at_their_no_op_value_are_accepted() -> None:
         logit_bias={},
         user="u-1",
     )
-    assert req.user == "u-1"
+    assert req.user == "u-1" and req.tools is None and req.grammar is None and req.logit_bias == ()
+    legacy = chat([{"role": "user", "content": "x"}], functions=[{"name": "f"}], function_call={"name": "f"})
+    assert legacy.tools is not None and legacy.tools.choice == "named" and legacy.grammar is not None
+    req = chat([{"role": "user", "content": "x"}], logit_bias={"007": 5.5, "12": -100}, response_format={"type": "json_object"})
+    assert req.logit_bias == ((7, 5.5), (12, -100.0)) and req.grammar.kind == "json_object"
+    so = chat([{"role": "user", "content": "x"}], structured_outputs={"choice": ["a"], "json_object": False, "disable_any_whitespace": True, "regex": None})
+    assert so.grammar.kind == "choice"
 
 
 def test_every_field_listed_is_read() -> None:
     """A listed field that the parser never reads would be silently ignored: each one
     given a value of the wrong type must be refused, naming it."""
-    wrong = {"stream_options": 5, "tidepool": 5, "messages": 5, "prompt": {}}
+    wrong = {"stream_options": 5, "tidepool": 5, "messages": 5, "prompt": {}, "guided_json": 5, "json_schema": 5}
     for kind, fields in (("chat", CHAT_FIELDS), ("completion", COMPLETION_FIELDS)):
         base = {"messages": [{"role": "user", "content": "x"}]} if kind == "chat" else {"prompt": "x"}
         for name in sorted(fields):

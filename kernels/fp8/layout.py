@@ -1,0 +1,171 @@
+"""The block-scaled FP8 format and the GEMM's operand contract: shapes, padding, alignment.
+
+The format is DeepSeek-V3's, which vLLM reads as ``weight_block_size: [128, 128]``:
+
+- a weight ``W [N, K]`` is stored as e4m3 (``torch.float8_e4m3fn``) with one fp32 scale per
+  128 x 128 block: ``W[n, k] ~= q[n, k] * s[n // 128, k // 128]``;
+- an activation ``X [M, K]`` is quantized on the fly, per token and per group of 128 along
+  K: ``X[m, k] ~= q[m, k] * s[m, k // 128]``;
+- a scale is ``amax / 448`` (448 is e4m3's largest finite value), so the largest magnitude
+  of a block lands on 448 and nothing saturates. ``amax`` is floored at ``SCALE_EPS`` and
+  capped at fp32's largest finite value, so a scale is never 0 (an all-zero block: 0 / 0
+  would make NaN) and never inf (a block holding inf).
+
+Padding instead of partial blocks. K and N need not be multiples of 128 (SmolLM2's hidden
+size is 576 = 4.5 x 128). vLLM masks partial blocks inside its kernel; here the operands
+are padded once with zeros instead, so the GEMM's inner loop reads whole tiles without a
+mask and every row starts 128-byte aligned (TMA needs 16):
+
+- weights are padded to ``[N_pad, K_pad]`` (multiples of 128) when they are loaded or
+  quantized; a partial block's scale is the amax of its real values, exactly vLLM's;
+- activations are padded to ``[M_pad, K_pad]`` by the quantization kernel itself (the
+  padding is fused into it): K to the weight's ``K_pad``, and M to the *token tile* of the
+  GEMM variant that will read them (``GemmPlan.row_multiple``). Padded rows and columns
+  are zeros with a finite positive scale, so they add exactly 0.
+
+Alignment is checked before any launch by :func:`check_gemm_operands` (shared by the
+reference and the Triton path, so CPU tests enforce the GPU's contract) and fails with an
+``Fp8AlignmentError`` that names the operand, its shape and what it must be.
+
+The swap-AB variant reads the same padded operands as the normal one; only the token
+tile differs, and the plan says which. Seed 000's reviewers flagged a swap-AB change that
+silently altered the alignment the kernel assumed: here the plan is chosen first, the
+activations are padded to it, and a mismatch is an error, never a silent re-layout.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+FP8_DTYPE = torch.float8_e4m3fn
+E4M3_MAX = 448.0
+# Unit roundoff of e4m3 (3 mantissa bits): a normal value is rounded with relative error
+# at most 2**-4; below 2**-6 (subnormals) the absolute error is at most 2**-10.
+E4M3_UNIT_ROUNDOFF = 2.0**-4
+E4M3_SUBNORMAL_HALF_STEP = 2.0**-10
+BLOCK = 128  # weight block edge, activation group length, and the GEMM's K tile
+SCALE_EPS = 1e-10  # amax floor (vLLM's): all-zero blocks get a tiny positive scale
+FP32_MAX = torch.finfo(torch.float32).max
+
+THRESHOLD_FILE = Path(__file__).with_name("swap_ab_threshold.json")
+
+
+class Fp8AlignmentError(ValueError):
+    """An FP8 GEMM operand has the wrong dtype, shape, padding or alignment."""
+
+
+def padded(n: int, multiple: int = BLOCK) -> int:
+    """``n`` rounded up to a multiple of ``multiple``."""
+    return -(-n // multiple) * multiple
+
+
+@dataclass(frozen=True)
+class GemmPlan:
+    """How one ``[M, K] x [N, K]^T`` GEMM is tiled.
+
+    - ``swap_ab``: compute ``(W X^T)^T``: the weight's rows fill the MMA's M dimension
+      (64+ rows on Hopper) and the few tokens its N dimension (8+), instead of padding a
+      handful of tokens to a 64-row tile.
+    - ``token_tile``: tokens per program (BLOCK_M of the normal variant, the MMA's N tile
+      of the swap-AB one); the activations must be padded to a multiple of it.
+    - ``weight_tile``: weight rows per program; divides 128, so it never straddles blocks.
+    """
+
+    swap_ab: bool
+    token_tile: int
+    weight_tile: int
+    num_warps: int
+    num_stages: int
+
+    @property
+    def row_multiple(self) -> int:
+        """What ``per_token_group_quant(..., row_multiple=)`` must pad the tokens to."""
+        return self.token_tile
+
+
+@lru_cache(maxsize=1)
+def swap_ab_max_m() -> int:
+    """The largest M that takes the swap-AB variant: data, written by
+    ``bench/fp8_gemm_bench.py --write-threshold`` from measured timings."""
+    data = json.loads(THRESHOLD_FILE.read_text())
+    value = data["swap_ab_max_m"]
+    if not isinstance(value, int) or value < 0:
+        raise ValueError(f"{THRESHOLD_FILE}: swap_ab_max_m must be a non-negative int, got {value!r}")
+    return value
+
+
+def plan_gemm(m: int, *, swap_ab: bool | None = None) -> GemmPlan:
+    """The tiling for ``m`` tokens; ``swap_ab=None`` decides by the stored threshold."""
+    if m < 1:
+        raise ValueError(f"m must be >= 1, got {m}")
+    if swap_ab is None:
+        swap_ab = m <= swap_ab_max_m()
+    if swap_ab:
+        # The tokens become the MMA's N: 16 is the smallest tile every FP8 MMA takes.
+        tile = min(max(16, 1 << (m - 1).bit_length()), 64)
+        return GemmPlan(True, token_tile=tile, weight_tile=64, num_warps=4, num_stages=4)
+    if m <= 64:
+        return GemmPlan(False, token_tile=64, weight_tile=128, num_warps=4, num_stages=4)
+    return GemmPlan(False, token_tile=128, weight_tile=128, num_warps=8, num_stages=3)
+
+
+def _fail(what: str) -> None:
+    raise Fp8AlignmentError(what)
+
+
+def check_weight(q: torch.Tensor, scale: torch.Tensor) -> None:
+    """A padded block-quantized weight: ``q [N_pad, K_pad]`` e4m3, ``scale`` fp32 per block."""
+    if q.dtype != FP8_DTYPE or q.dim() != 2:
+        _fail(f"weight must be a 2-D {FP8_DTYPE} tensor, got {q.dtype} of shape {tuple(q.shape)}")
+    n_pad, k_pad = q.shape
+    if n_pad % BLOCK or k_pad % BLOCK or n_pad == 0 or k_pad == 0:
+        _fail(f"weight shape {tuple(q.shape)} is not padded to multiples of {BLOCK} (pad with zeros when loading)")
+    if scale.dtype != torch.float32 or tuple(scale.shape) != (n_pad // BLOCK, k_pad // BLOCK) or scale.stride(1) != 1:
+        _fail(f"weight scale must be float32 [{n_pad // BLOCK}, {k_pad // BLOCK}] with unit column stride, got {scale.dtype} {tuple(scale.shape)} strides {scale.stride()}")
+    _check_rows(q, "weight")
+
+
+def check_activation(x: torch.Tensor, row_multiple: int) -> None:
+    """What the activation quantizer takes: a 2-D float ``[M, K]``, any strides."""
+    if x.dim() != 2 or not x.is_floating_point() or x.dtype == FP8_DTYPE:
+        raise ValueError(f"activation must be a 2-D float tensor [M, K], got {x.dtype} of shape {tuple(x.shape)}")
+    if row_multiple < 1:
+        raise ValueError(f"row_multiple must be >= 1, got {row_multiple}")
+
+
+def check_gemm_operands(
+    x_q: torch.Tensor, x_s: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, m: int, n: int, plan: GemmPlan
+) -> None:
+    """Everything the GEMM assumes about its operands, checked on host metadata only."""
+    check_weight(w_q, w_s)
+    if x_q.dtype != FP8_DTYPE or x_q.dim() != 2:
+        _fail(f"activation must be a 2-D {FP8_DTYPE} tensor, got {x_q.dtype} of shape {tuple(x_q.shape)}")
+    m_pad, k_pad = x_q.shape
+    if k_pad != w_q.shape[1]:
+        _fail(f"activation K ({k_pad}) != weight K_pad ({w_q.shape[1]}): quantize it with the weight's padded K")
+    if m_pad % plan.row_multiple:
+        variant = "swap-AB" if plan.swap_ab else "normal"
+        _fail(
+            f"activation rows ({m_pad}) are not a multiple of the {variant} variant's token tile "
+            f"({plan.row_multiple}): quantize with per_token_group_quant(x, row_multiple=plan.row_multiple)"
+        )
+    if x_s.dtype != torch.float32 or tuple(x_s.shape) != (m_pad, k_pad // BLOCK) or x_s.stride(1) != 1:
+        _fail(f"activation scale must be float32 [{m_pad}, {k_pad // BLOCK}] with unit column stride, got {x_s.dtype} {tuple(x_s.shape)} strides {x_s.stride()}")
+    if not 1 <= m <= m_pad:
+        _fail(f"m ({m}) must be in 1..{m_pad} (the activation's padded rows)")
+    if not 1 <= n <= w_q.shape[0]:
+        _fail(f"n ({n}) must be in 1..{w_q.shape[0]} (the weight's padded rows)")
+    _check_rows(x_q, "activation")
+    if x_q.device != w_q.device or x_s.device != w_q.device or w_s.device != w_q.device:
+        _fail("activation, weight and their scales must be on one device")
+
+
+def _check_rows(t: torch.Tensor, name: str) -> None:
+    """Rows must be contiguous along K and start 16-byte aligned (TMA's and vector loads')."""
+    if t.stride(1) != 1 or t.stride(0) % 16 or t.data_ptr() % 16:
+        _fail(f"{name} rows must be contiguous and 16-byte aligned, got strides {t.stride()} at offset {t.data_ptr() % 16}")

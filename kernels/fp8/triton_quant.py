@@ -1,0 +1,97 @@
+"""Triton per-token-group FP8 quantization fused with padding: the GPU side of
+``kernels/fp8/reference.py::per_token_group_quant``, same signature, same bits.
+
+One program quantizes ``BLOCK_ROWS`` tokens x one group of 128 columns: it loads them
+(zeros past ``M`` and ``K``), takes each row's amax, writes the e4m3 values and the row's
+scale. The grid covers the padded ``[M_pad, K_pad]`` output, so the padding the GEMM needs
+(rows to its token tile, K to 128) is written by the same launch that quantizes: no
+separate ``torch.zeros`` + copy, and the GEMM reads whole tiles without masks.
+
+Bit-exactness with the torch reference:
+
+- divisions are IEEE (``div_rn``): a plain ``/`` compiles to an approximate division on
+  NVIDIA GPUs, which would move a value across a rounding boundary now and then;
+- the value is rounded to the e4m3 grid in fp32 by ``_round_to_e4m3`` (nearest-even,
+  by the add-and-subtract-1.5*2**23 trick on the value divided by its grid step) before
+  the cast to ``float8e4nv``, so the cast only ever sees representable values. On the GPU
+  the hardware cast would round the same way anyway; Triton's CPU interpreter does not
+  (it truncates the mantissa without carrying into the exponent: 31.2 becomes 16), and
+  this keeps one code path, compiled on the GPU and interpreted on the CPU, right on both.
+
+The wrapper never reads device memory on the host, so it can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.fp8.layout import BLOCK, E4M3_MAX, FP32_MAX, FP8_DTYPE, SCALE_EPS, check_activation, padded
+
+# Tokens per program: a [16, 128] tile is 8 KB of fp32, 16 bytes per thread of 4 warps.
+BLOCK_ROWS = 16
+
+
+@triton.jit
+def _round_to_e4m3(y):
+    """fp32 ``y`` (|y| <= 448) rounded to the nearest e4m3 value, ties to even, in fp32.
+
+    e4m3 has 3 mantissa bits and a smallest normal exponent of -6, so the grid step at
+    ``y`` is ``2**(max(e, -6) - 3)`` with ``e`` the exponent of ``y``. ``|y| / step`` is
+    below 16 and exact (a power of two), adding and subtracting 1.5 * 2**23 rounds it to
+    an integer with fp32's own nearest-even rounding, and multiplying back is exact."""
+    bits = y.to(tl.int32, bitcast=True)
+    e = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)
+    inv_step = ((3 - e + 127) << 23).to(tl.float32, bitcast=True)
+    step = ((e - 3 + 127) << 23).to(tl.float32, bitcast=True)
+    a = tl.abs(y) * inv_step
+    a = ((a + 12582912.0) - 12582912.0) * step
+    # Put the sign back bit-wise: a tiny negative value rounds to -0.0, as torch's cast does.
+    return (a.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _per_token_group_quant_kernel(
+    x_ptr, q_ptr, s_ptr,
+    M, K, M_pad,
+    stride_xm, stride_xk, stride_qm, stride_sm,
+    eps, fp32_max, fp8_max,
+    BLOCK_ROWS: tl.constexpr, GROUP: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    group = tl.program_id(1)
+    cols = group * GROUP + tl.arange(0, GROUP)
+    rows64 = rows.to(tl.int64)  # rows * stride overflows int32 on long prefills
+    inside = (rows[:, None] < M) & (cols[None, :] < K)
+    x = tl.load(x_ptr + rows64[:, None] * stride_xm + cols[None, :] * stride_xk, mask=inside, other=0.0).to(tl.float32)
+    amax = tl.minimum(tl.maximum(tl.max(tl.abs(x), axis=1), eps), fp32_max)
+    scale = tl.math.div_rn(amax, fp8_max)
+    y = tl.math.div_rn(x, scale[:, None])
+    y = tl.minimum(tl.maximum(y, -fp8_max), fp8_max)
+    q = _round_to_e4m3(y).to(q_ptr.dtype.element_ty)
+    written = rows < M_pad
+    tl.store(q_ptr + rows64[:, None] * stride_qm + cols[None, :], q, mask=written[:, None])
+    tl.store(s_ptr + rows64 * stride_sm + group, scale, mask=written)
+
+
+def per_token_group_quant(x: torch.Tensor, *, row_multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """``X [M, K]`` -> ``(q [M_pad, K_pad] e4m3, scale [M_pad, K_pad/128] fp32)``: one scale
+    per token per group of 128, ``M_pad`` a multiple of ``row_multiple`` (the GEMM's token
+    tile), ``K_pad`` of 128. Padding is zeros with the smallest scale."""
+    check_activation(x, row_multiple)
+    m, k = x.shape
+    m_pad, k_pad = padded(m, row_multiple), padded(k)
+    q = torch.empty((m_pad, k_pad), dtype=FP8_DTYPE, device=x.device)
+    s = torch.empty((m_pad, k_pad // BLOCK), dtype=torch.float32, device=x.device)
+    if m_pad == 0 or k_pad == 0:
+        return q, s
+    grid = (triton.cdiv(m_pad, BLOCK_ROWS), k_pad // BLOCK)
+    _per_token_group_quant_kernel[grid](
+        x, q, s,
+        m, k, m_pad,
+        x.stride(0), x.stride(1), q.stride(0), s.stride(0),
+        SCALE_EPS, FP32_MAX, E4M3_MAX,
+        BLOCK_ROWS=BLOCK_ROWS, GROUP=BLOCK, num_warps=4,
+    )
+    return q, s

@@ -1,0 +1,202 @@
+"""FP8 weights in the model (``EngineConfig.quantization = "fp8"``): the weight, the linear
+layer that runs it, and quantization at load.
+
+A projection's weight is kept as e4m3 with one fp32 scale per 128 x 128 block, padded to
+multiples of 128 (the format and why padding: kernels/fp8/layout.py). ``Fp8Linear`` runs
+it two ways, with the same weights:
+
+- FP8 tensor cores (CUDA, SM 8.9+, ``kernels.fp8.fp8_gemm_supported``): the activations
+  are quantized per token and group of 128 by one Triton kernel that also pads them to
+  the GEMM's token tile, then the block-scaled Triton GEMM (swap-AB for few tokens)
+  writes the output in the model's dtype. Only the e4m3 bytes stay in device memory.
+- Everywhere else, the CPU included: the torch references. The activations are quantized
+  and dequantized exactly as on the GPU, and multiplied by the dequantized weight, which
+  is computed once and cached in the compute dtype (the "dequantize-then-matmul" path).
+  So CPU runs see FP8's error where the GPU does, and CPU tests exercise the format.
+
+Which projections: q/k/v and o of every decoder layer and gate/up and down of every dense
+MLP (vLLM's default for FP8 checkpoints). The embeddings and the LM head stay in the
+model's dtype, and so do MoE blocks (experts, shared expert, router): FP8 experts need
+FP8 grouped GEMMs (kernels/moe) that do not exist yet, so an FP8 MoE checkpoint's experts
+are dequantized at load.
+
+Fused projections (q/k/v, gate/up) concatenate their parts along N. Quantized at load,
+the fused matrix is quantized as one. From a checkpoint, each part arrives with its own
+block grid: parts whose N is a multiple of 128 (every real FP8 checkpoint's) concatenate
+as they are; otherwise each part keeps its padding and ``out_index`` picks the real output
+columns after the GEMM (an extra gather only for such unusual shapes).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels.fp8 import BLOCK, FP8_DTYPE, fp8_gemm_supported, plan_gemm
+from kernels.fp8 import reference as fp8_ref
+from kernels.fp8.layout import check_weight, padded
+
+# The decoder's projections, by the attribute name they have in libs/model/llama.py.
+FP8_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+
+@dataclass
+class Fp8Weight:
+    """A ``[N, K]`` weight (``shape``) as padded e4m3 ``q [N_pad, K_pad]`` and fp32 block
+    scales ``scale [N_pad/128, K_pad/128]``. ``out_index``: for a fusion of parts with
+    unaligned rows, the rows of ``q`` holding the N real outputs; None: the first N."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    shape: tuple[int, int]
+    out_index: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        check_weight(self.q, self.scale)
+        n, k = self.shape
+        if padded(k) != self.q.shape[1] or (self.out_index is None and padded(n) != self.q.shape[0]):
+            raise ValueError(f"padded weight {tuple(self.q.shape)} does not hold a [{n}, {k}] weight")
+
+    @classmethod
+    def quantize(cls, w: torch.Tensor) -> "Fp8Weight":
+        """Quantize a float ``[N, K]`` weight (on its device, from fp32)."""
+        q, scale = fp8_ref.quantize_weight(w.float())
+        return cls(q, scale, (w.shape[0], w.shape[1]))
+
+    @classmethod
+    def from_checkpoint(cls, q: torch.Tensor, scale: torch.Tensor, name: str = "weight") -> "Fp8Weight":
+        """From a checkpoint's unpadded e4m3 ``[N, K]`` and its ``[ceil(N/128), ceil(K/128)]``
+        scales (``weight_scale_inv``: despite the name, the factor that dequantizes)."""
+        if q.dtype != FP8_DTYPE or q.dim() != 2:
+            raise ValueError(f"{name}: expected a 2-D float8_e4m3fn tensor, got {q.dtype} {tuple(q.shape)}")
+        n, k = q.shape
+        grid = (padded(n) // BLOCK, padded(k) // BLOCK)
+        if tuple(scale.shape) != grid:
+            raise ValueError(f"{name}: scale shape {tuple(scale.shape)} is not the 128x128 block grid {grid} of a {[n, k]} weight")
+        if not scale.is_floating_point() or not torch.isfinite(scale.float()).all():
+            raise ValueError(f"{name}: block scales must be finite floats, got {scale.dtype}")
+        full = torch.zeros(padded(n), padded(k), dtype=FP8_DTYPE, device=q.device)
+        full[:n, :k] = q
+        return cls(full, scale.float().contiguous(), (n, k))
+
+    def dequantize(self) -> torch.Tensor:
+        """The fp32 ``[N, K]`` weight."""
+        dense = fp8_ref.dequantize_weight(self.q, self.scale)
+        rows = dense[: self.shape[0]] if self.out_index is None else dense[self.out_index]
+        return rows[:, : self.shape[1]]
+
+    @staticmethod
+    def cat(parts: list["Fp8Weight"]) -> "Fp8Weight":
+        """Fuse parts along N (q/k/v, gate/up); each keeps its own blocks."""
+        k = parts[0].shape[1]
+        if any(p.shape[1] != k for p in parts):
+            raise ValueError(f"cannot fuse FP8 weights of different K: {[p.shape for p in parts]}")
+        n = sum(p.shape[0] for p in parts)
+        q = torch.cat([p.q for p in parts])
+        scale = torch.cat([p.scale for p in parts])
+        if all(p.out_index is None and p.shape[0] % BLOCK == 0 for p in parts[:-1]) and parts[-1].out_index is None:
+            return Fp8Weight(q, scale, (n, k))  # the padding (if any) is at the very end
+        index, offset = [], 0
+        for p in parts:
+            own = torch.arange(p.shape[0], device=p.q.device) if p.out_index is None else p.out_index
+            index.append(own + offset)
+            offset += p.q.shape[0]
+        return Fp8Weight(q, scale, (n, k), torch.cat(index))
+
+
+@functools.lru_cache(maxsize=None)
+def _runs_kernels(device: torch.device) -> bool:
+    return fp8_gemm_supported(device)
+
+
+class Fp8Linear(nn.Module):
+    """``y = x @ w.T (+ bias)`` with ``w`` an ``Fp8Weight`` and the activations quantized
+    per token and group of 128: Triton kernels on FP8 tensor cores, the torch references
+    (dequantize, then matmul) everywhere else."""
+
+    def __init__(self, weight: Fp8Weight, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.register_buffer("weight_q", weight.q)
+        self.register_buffer("weight_scale", weight.scale)
+        self.register_buffer("out_index", weight.out_index)
+        self.register_buffer("bias", bias)
+        self._dense: torch.Tensor | None = None  # the dequantized weight, off FP8 tensor cores
+
+    @property
+    def weight(self) -> Fp8Weight:
+        return Fp8Weight(self.weight_q, self.weight_scale, (self.out_features, self.in_features), self.out_index)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead, m = x.shape[:-1], x[..., 0].numel()
+        x2 = x.reshape(m, self.in_features)
+        n = self.out_features if self.out_index is None else self.weight_q.shape[0]
+        if m == 0:
+            y = x2.new_empty((0, n))
+        elif _runs_kernels(x.device):
+            y = self._fp8_gemm(x2, n)
+        else:
+            q, s = fp8_ref.per_token_group_quant(x2)
+            x_dq = fp8_ref.dequantize_activation(q, s)[:m, : self.in_features]
+            y = F.linear(x_dq.to(x.dtype), self._dequantized(x.dtype))
+        if self.out_index is not None:
+            y = y.index_select(1, self.out_index)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*lead, self.out_features)
+
+    def _fp8_gemm(self, x: torch.Tensor, n: int) -> torch.Tensor:
+        from kernels.fp8 import triton_gemm, triton_quant
+
+        plan = plan_gemm(x.shape[0])
+        q, s = triton_quant.per_token_group_quant(x, row_multiple=plan.row_multiple)
+        return triton_gemm.block_scaled_mm(q, s, self.weight_q, self.weight_scale, m=x.shape[0], n=n, out_dtype=x.dtype, plan=plan)
+
+    def _dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        """``[n, K]`` in ``dtype``, computed once (the weights never change)."""
+        if self._dense is None or self._dense.dtype != dtype:
+            dense = fp8_ref.dequantize_weight(self.weight_q, self.weight_scale)[:, : self.in_features]
+            if self.out_index is None:
+                dense = dense[: self.out_features]
+            self._dense = dense.to(dtype).contiguous()
+        return self._dense
+
+    def _apply(self, fn, recurse=True):
+        """Moved with the model, never cast: ``model.to(dtype=bf16)`` must not turn the e4m3
+        bytes into bf16 nor round the fp32 scales (the bias is cast like any parameter)."""
+        ours = {k: self._buffers.pop(k) for k in ("weight_q", "weight_scale", "out_index")}
+        try:
+            super()._apply(fn, recurse)
+        finally:
+            device = fn(torch.empty(0, device=ours["weight_q"].device)).device
+            for k, v in ours.items():
+                self._buffers[k] = None if v is None else v.to(device)
+            self._dense = None
+        return self
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, fp8 e4m3 128x128 blocks"
+
+
+@torch.no_grad()
+def quantize_projections(model: nn.Module, device: torch.device) -> int:
+    """Replace each decoder layer's dense projections (``FP8_PROJECTIONS`` of its attention
+    and of its MLP, when that is a dense MLP and not a MoE block) with an ``Fp8Linear``
+    quantized from its fp32 weight on ``device`` (fast on a GPU, and the model is moved
+    there next anyway). Projections that are already FP8 (a checkpoint's) are left alone.
+    Returns how many were quantized."""
+    count = 0
+    for layer in model.layers:
+        for parent in (layer.self_attn, layer.mlp):
+            for attr in FP8_PROJECTIONS:
+                module = getattr(parent, attr, None)
+                if type(module) is nn.Linear:
+                    bias = None if module.bias is None else module.bias.detach().clone()
+                    weight = Fp8Weight.quantize(module.weight.detach().to(device=device, dtype=torch.float32))
+                    setattr(parent, attr, Fp8Linear(weight, bias))
+                    count += 1
+    return count

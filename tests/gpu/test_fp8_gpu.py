@@ -1,0 +1,113 @@
+"""FP8 kernels and FP8 weights on a GPU with FP8 tensor cores (SM 8.9+): every M of the
+issue (1, 3, 16, 64, 65, 4096) at full size, both GEMM variants, Llama-3-8B's shapes, the
+SmolLM2 shapes that do not fill their blocks, bf16 in and out, CUDA graphs, and the engine.
+
+Tolerances. The quantizer is bit-exact (IEEE divisions, explicit nearest-even rounding).
+The GEMM against the reference on the same quantized operands: the tensor cores sum each
+block of 128 FP8 products with a reduced-precision accumulator (DeepSeek-V3 measured about
+14 bits on Hopper) before the kernel adds the scaled block sum in fp32, so each block's
+sum may lose up to 127 * 2**-14 < 2**-7 of the sum of its products' magnitudes: the
+elementwise bound is ``2**-7 * (|Xq| @ |Wq|^T)`` (plus bf16's 2**-8 of |Y| when the output
+is bf16). That is loose by design (a worst case); a wrong scale or block moves outputs by
+tens of percent of that sum, and the norm-wise error is also held to 2**-9.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.fp8 import fp8_gemm_supported, plan_gemm
+from kernels.fp8 import reference as ref
+
+pytestmark = pytest.mark.skipif(not fp8_gemm_supported("cuda"), reason="needs CUDA with FP8 tensor cores (SM 8.9+)")
+
+MS = [1, 3, 16, 64, 65, 4096]
+LLAMA3_8B = [(4096, 4096), (14336, 4096), (4096, 14336)]  # N x K
+SMOLLM2 = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # not multiples of 128
+
+
+def rand(*shape: int, seed: int, dtype=torch.bfloat16) -> torch.Tensor:
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return torch.randn(*shape, generator=g, device="cuda").to(dtype)
+
+
+@pytest.mark.parametrize("m", MS)
+@pytest.mark.parametrize("k", [576, 4096])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_quant_kernel_is_bit_exact_on_the_gpu(m, k, dtype):
+    from kernels.fp8 import triton_quant
+
+    x = rand(m, k, seed=m + k, dtype=dtype) * 3
+    for swap in (False, True):
+        rows = plan_gemm(m, swap_ab=swap).row_multiple
+        q, s = triton_quant.per_token_group_quant(x, row_multiple=rows)
+        q_ref, s_ref = ref.per_token_group_quant(x, row_multiple=rows)
+        assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s, s_ref)
+
+
+def check_gemm(m: int, n: int, k: int, swap_ab: bool, out_dtype: torch.dtype, seed: int) -> None:
+    from kernels.fp8 import triton_gemm, triton_quant
+
+    plan = plan_gemm(m, swap_ab=swap_ab)
+    x, w = rand(m, k, seed=seed), rand(n, k, seed=seed + 1) * 0.02
+    w_q, w_s = ref.quantize_weight(w)
+    x_q, x_s = triton_quant.per_token_group_quant(x, row_multiple=plan.row_multiple)
+    y = triton_gemm.block_scaled_mm(x_q, x_s, w_q, w_s, m=m, n=n, out_dtype=out_dtype, plan=plan)
+    y_ref = ref.block_scaled_mm(x_q, x_s, w_q, w_s, m=m, n=n, plan=plan)
+    abs_products = ref.dequantize_activation(x_q, x_s)[:m].abs() @ ref.dequantize_weight(w_q, w_s)[:n].abs().t()
+    tol = 2.0**-7 * abs_products + (2.0**-8 * y_ref.abs() if out_dtype == torch.bfloat16 else 0)
+    err = (y.float() - y_ref).abs()
+    assert y.shape == (m, n) and y.dtype == out_dtype
+    assert (err <= tol).all(), err.max()
+    assert err.norm() <= 2.0**-9 * y_ref.norm() + (2.0**-8 * y_ref.norm() if out_dtype == torch.bfloat16 else 0)
+
+
+@pytest.mark.parametrize("m", MS)
+@pytest.mark.parametrize("swap_ab", [False, True])
+@pytest.mark.parametrize("nk", SMOLLM2[:2] + LLAMA3_8B[:1])
+def test_gemm_matches_reference(m, swap_ab, nk):
+    check_gemm(m, *nk, swap_ab=swap_ab, out_dtype=torch.float32, seed=m)
+
+
+@pytest.mark.parametrize("nk", LLAMA3_8B + SMOLLM2)
+@pytest.mark.parametrize("m", [1, 16, 65, 4096])
+def test_gemm_bf16_at_model_shapes(m, nk):
+    check_gemm(m, *nk, swap_ab=None, out_dtype=torch.bfloat16, seed=7 * m)
+
+
+def test_fp8_linear_runs_the_kernels_and_captures_in_a_cuda_graph():
+    import libs.model.fp8 as fp8
+
+    w = rand(960, 576, seed=3, dtype=torch.float32) * 0.05
+    layer = fp8.Fp8Linear(fp8.Fp8Weight.quantize(w)).cuda()
+    x = rand(8, 576, seed=4)
+    y = layer(x)
+    cpu = fp8.Fp8Linear(fp8.Fp8Weight.quantize(w.cpu()))(x.float().cpu())  # the reference path
+    assert y.dtype == torch.bfloat16 and layer._dense is None  # kernels, not a dequantized copy
+    assert torch.allclose(y.float().cpu(), cpu, rtol=2e-2, atol=2e-2)
+    static_x = x.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_y = layer(static_x)
+    static_x.copy_(rand(8, 576, seed=5))
+    graph.replay()
+    assert torch.equal(static_y, layer(static_x))
+
+
+def test_engine_with_fp8_weights_decodes_with_cuda_graphs():
+    """Random SmolLM2-shaped weights (the GGUF does not travel to GPU machines), FP8 at load:
+    decode through CUDA graphs gives the eager engine's tokens."""
+    from bench.common import hf_llama, ours_from_hf
+    from libs.engine import LLM, EngineConfig, SamplingParams
+    from libs.model.fp8 import Fp8Linear, quantize_projections
+
+    loaded = ours_from_hf(hf_llama(torch.device("cuda"), torch.float32), torch.device("cuda"), torch.bfloat16)
+    quantize_projections(loaded.model, torch.device("cuda"))
+    assert sum(isinstance(m, Fp8Linear) for m in loaded.model.modules()) == 120
+    prompts = [list(range(100 + i, 140 + 3 * i)) for i in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    cfg = dict(device="cuda", dtype="bfloat16", num_blocks=512, max_num_seqs=8)
+    graphs = LLM(EngineConfig(**cfg), loaded=loaded).generate(prompts, params)
+    eager = LLM(EngineConfig(**cfg, cuda_graphs=False), loaded=loaded).generate(prompts, params)
+    assert [r.token_ids for r in graphs] == [r.token_ids for r in eager]
