@@ -136,10 +136,12 @@ def tokenize(tok: Tokenizer, req: GenerateRequest, max_model_len: int, chat_temp
                 prompts.append(Prompt(list(p), tok.decode(p) if req.echo else ""))
     for i, p in enumerate(prompts):
         if not p.token_ids:
+            # A text made only of bytes the vocabulary cannot spell (SmolLM2's has no token
+            # for 21 of the 256, control characters among them) tokenizes to nothing.
             if req.kind == "chat":
-                raise bad_request("the messages render to an empty prompt", "messages")
+                raise bad_request("the messages render to an empty prompt", "messages", "empty_prompt")
             label = "the prompt" if len(prompts) == 1 else f"prompt {i}"
-            raise bad_request(f"{label} is empty after tokenization", "prompt")
+            raise bad_request(f"{label} is empty after tokenization", "prompt", "empty_prompt")
     return prompts
 
 

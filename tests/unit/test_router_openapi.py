@@ -46,6 +46,7 @@ CROSS_FIELD = {
     ("max_tokens", "context_length_exceeded"),
     ("prompt", "context_length_exceeded"),
     ("messages", "context_length_exceeded"),
+    ("prompt", "empty_prompt"),  # characters the vocabulary cannot spell ("\x06" in SmolLM2's)
     ("tools", "invalid_value"),  # a function named twice
     ("functions", "invalid_value"),
     ("tool_choice", "invalid_value"),  # names no function among the tools

@@ -247,3 +247,15 @@ def test_integers_are_json_numbers_by_value() -> None:
     assert type(req.n) is int and all(type(t) is int for t in req.prompts[0])
     assert refused({"prompt": "x", "n": 2.5}, "completion").param == "n"
     assert refused({"prompt": [1.5]}, "completion").param == "prompt"
+
+
+def test_a_prompt_the_vocabulary_cannot_spell_is_400_empty_prompt() -> None:
+    """SmolLM2's byte-level vocabulary has no token for some bytes (0x06 among them): such
+    a prompt tokenizes to nothing, a 400 the OpenAPI document cannot express."""
+    from libs.structured import GrammarCompiler
+    from services.router.prepare import prepare
+
+    assert tokenizer().encode("\x06", add_special_tokens=False) == []
+    with pytest.raises(ApiError) as exc:
+        prepare(b'{"prompt": ["a", "\\u0006"]}', "completion", tokenizer=tokenizer(), served_model=MODEL, max_model_len=256, max_json_depth=8, grammars=GrammarCompiler(tokenizer()))
+    assert (exc.value.param, exc.value.code) == ("prompt", "empty_prompt") and "prompt 1" in exc.value.message
