@@ -7,7 +7,7 @@ STAMP := $(VENV)/.tidepool-installed
 PYTEST_FLAGS ?= -q
 export PYTHON VENV
 
-.PHONY: install system run test unit integration fuzz test-gpu bench clean
+.PHONY: install system run test unit integration fuzz test-gpu bench chaos clean
 
 install: $(STAMP) system
 
@@ -37,6 +37,15 @@ fuzz: install
 
 test-gpu: install
 	$(PY) -m pytest $(PYTEST_FLAGS) tests/gpu
+
+# The fault matrix under steady load on the real stack (tests/chaos/): SIGKILL of every
+# process kind, a paused decode, Redis restarted or 50 ms away, corrupt and evicted blocks,
+# 200 clients leaving mid-stream, 5x overload. Writes bench/results/chaos.md; fails if a row
+# misses the pass bar. `make test` runs the reduced matrix (tests/integration/test_chaos.py).
+# Then `make fuzz`: 10,000 schemathesis requests against the router.
+chaos: install
+	$(PY) -m tests.chaos --out bench/results/chaos.md
+	$(MAKE) fuzz
 
 bench: install
 	$(PY) -m bench.run_all

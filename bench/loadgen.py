@@ -33,11 +33,24 @@ class Request:
     max_tokens: int
 
 
+class HttpStatusError(RuntimeError):
+    """The server answered with an error status (a 429 is load shedding, not a failure)."""
+
+    def __init__(self, status: int, body: str) -> None:
+        super().__init__(f"HTTP {status}: {body[:300]}")
+        self.status = status
+
+
+class StreamError(RuntimeError):
+    """The stream carried an error event, or ended without its final chunk."""
+
+
 @dataclass
 class Result:
     ttft_s: float
     token_times: list[float] = field(default_factory=list)  # arrival of each token (s since send)
     output_tokens: int = 0
+    finish_reason: str | None = None
 
     @property
     def tpot_s(self) -> float | None:
@@ -78,32 +91,41 @@ class Target(Protocol):
 
 
 class HttpTarget:
-    def __init__(self, url: str, model: str, session: aiohttp.ClientSession):
-        self.url, self.model, self.session = url.rstrip("/"), model, session
+    """``extra``: more body fields for every request (e.g. ``{"tidepool": {"stream_handoff": False}}``)."""
+
+    def __init__(self, url: str, model: str, session: aiohttp.ClientSession, extra: dict | None = None):
+        self.url, self.model, self.session, self.extra = url.rstrip("/"), model, session, extra or {}
 
     @classmethod
-    async def connect(cls, url: str) -> "HttpTarget":
+    async def connect(cls, url: str, extra: dict | None = None) -> "HttpTarget":
         session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600), connector=aiohttp.TCPConnector(limit=0))
         async with session.get(url.rstrip("/") + "/v1/models") as r:
             model = (await r.json())["data"][0]["id"]
-        return cls(url, model, session)
+        return cls(url, model, session, extra)
 
     async def send(self, req: Request) -> Result:
         body = {"model": self.model, "prompt": req.prompt, "max_tokens": req.max_tokens, "temperature": 0,
-                "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
+                "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}, **self.extra}
         t0 = time.perf_counter()
         res = Result(ttft_s=float("nan"))
         async with self.session.post(self.url + "/v1/completions", json=body) as r:
             if r.status != 200:
-                raise RuntimeError(f"HTTP {r.status}: {await r.text()}")
+                raise HttpStatusError(r.status, await r.text())
             async for chunk in sse_chunks(r):
+                if "error" in chunk:
+                    raise StreamError(f"error event: {chunk['error']}")
                 if chunk.get("usage"):
                     res.output_tokens = chunk["usage"]["completion_tokens"]
-                if chunk.get("choices") and chunk["choices"][0].get("text"):
-                    now = time.perf_counter() - t0
-                    if not res.token_times:
-                        res.ttft_s = now
-                    res.token_times.append(now)
+                if chunk.get("choices"):
+                    choice = chunk["choices"][0]
+                    res.finish_reason = choice.get("finish_reason") or res.finish_reason
+                    if choice.get("text"):
+                        now = time.perf_counter() - t0
+                        if not res.token_times:
+                            res.ttft_s = now
+                        res.token_times.append(now)
+        if res.finish_reason is None:
+            raise StreamError("the stream ended without a finish reason")
         # A text chunk can carry several tokens: the count comes from the usage chunk.
         return res
 

@@ -14,11 +14,19 @@ Faults, set as attributes between requests: ``status`` (answer with that HTTP st
 ``delay_s`` (before answering), ``event_delay_s`` (decode: between events), ``die_after``
 (decode: cut the connection after that many events, mid-stream), ``hang`` (never answer).
 ``kill()`` stops the server and its heartbeats abruptly.
+
+Streamed handoff: a prefill with ``streams=True`` answers ``stream_progress`` with
+``PrefillProgress`` events (``progress_steps`` of them, ``progress_delay_s`` apart; with
+``die_mid_stream`` it cuts the connection after them instead of sending its result); a
+decode asked to ``await_handoff`` answers its headers at once, records every
+``HandoffUpdate`` posted to ``/v1/handoff`` (``updates``), and generates after the last one
+(from its first token, or alone when prefill failed).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,7 +46,9 @@ from libs.protocol import (
 from libs.protocol.messages import (
     AbortRequest,
     DecodeRequest,
+    HandoffUpdate,
     Heartbeat,
+    PrefillProgress,
     PrefillRequest,
     PrefillResult,
     RegisterInstance,
@@ -239,12 +249,16 @@ class FakePrefill(FakeInstance):
 
     cached_tokens: int = 0
     in_flight: int = 0
+    streams: bool = False  # answer stream_progress with progress events
+    progress_steps: int = 3
+    progress_delay_s: float = 0.02
+    die_mid_stream: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
         self.app.router.add_post("/v1/prefill", self._prefill)
 
-    async def _prefill(self, request: web.Request) -> web.Response:
+    async def _prefill(self, request: web.Request) -> web.StreamResponse:
         req = await read_message(request, PrefillRequest)
         self.tokens_seen.append(request.headers.get(INTERNAL_TOKEN_HEADER))
         self.requests.append(req)
@@ -255,11 +269,36 @@ class FakePrefill(FakeInstance):
             self.in_flight -= 1
         if fault is not None:
             return fault
+        result = self._result(req)
+        if not (req.stream_progress and self.streams):
+            return msgpack_response(result)
+        stream = MessageStreamResponse()
+        await stream.prepare(request)
+        transport = request.transport
+        assert transport is not None
+        self._transports.add(transport)
+        n = len(result.block_keys)
+        try:
+            for step in range(self.progress_steps + 1):
+                durable = n * step // (self.progress_steps + 1)
+                await stream.send(PrefillProgress(request_id=req.request_id, num_blocks=n, durable_blocks=durable, lease_id=result.lease_id))
+                await asyncio.sleep(self.progress_delay_s)
+            if self.die_mid_stream:
+                transport.abort()
+                return stream
+            await stream.send(PrefillProgress(request_id=req.request_id, num_blocks=n, durable_blocks=n, lease_id=result.lease_id))
+            await stream.send(result)
+            await stream.write_eof()
+        finally:
+            self._transports.discard(transport)
+        return stream
+
+    def _result(self, req: PrefillRequest) -> PrefillResult:
         s = req.sampling
         firsts = [self.model.start(s.seed, i) for i in range(s.n)]
         keys = [str(k) for k in block_keys(NamespaceRoot.from_hex(self.namespace, self.block_size), req.prompt_token_ids)]
         n_keys = len(keys)
-        return msgpack_response(
+        return (
             PrefillResult(
                 request_id=req.request_id,
                 first_token_ids=firsts,
@@ -289,10 +328,42 @@ class FakeDecode(FakeInstance):
     miss_reasons: dict[str, int] = field(default_factory=lambda: {"expired": 1})
     disconnected: list[str] = field(default_factory=list)  # streams the router closed
     active: set[str] = field(default_factory=set)
+    updates: dict[str, list[HandoffUpdate]] = field(default_factory=dict)  # streamed handoffs, by request
+    die_awaiting_handoff: bool = False  # cut the stream after the first HandoffUpdate
 
     def __post_init__(self) -> None:
         super().__post_init__()
         self.app.router.add_post("/v1/decode", self._decode)
+        self.app.router.add_post("/v1/handoff", self._handoff)
+        self._waiting: dict[str, asyncio.Event] = {}
+
+    async def _handoff(self, request: web.Request) -> web.Response:
+        msg = await read_message(request, HandoffUpdate)
+        event = self._waiting.get(msg.request_id)
+        if event is None:
+            return web.json_response({"error": {"message": "not waiting", "type": "invalid_request_error", "param": None, "code": None}}, status=404)
+        self.updates.setdefault(msg.request_id, []).append(msg)
+        event.set()
+        return web.json_response({"ok": True})
+
+    async def _await_handoff(self, req: DecodeRequest, transport: asyncio.BaseTransport) -> DecodeRequest | None:
+        """Wait for the last HandoffUpdate; the request as if it had come with its outcome
+        (None when the connection was cut on purpose)."""
+        event = self._waiting[req.request_id] = asyncio.Event()
+        try:
+            while True:
+                await asyncio.wait_for(event.wait(), 10)
+                event.clear()
+                got = self.updates[req.request_id]
+                if self.die_awaiting_handoff:
+                    await self.stop_heartbeats()
+                    transport.abort()
+                    return None
+                if got[-1].done:
+                    last = got[-1]
+                    return dataclasses.replace(req, await_handoff=False, first_token_id=last.first_token_id, lease_id=last.lease_id)
+        finally:
+            del self._waiting[req.request_id]
 
     def continuation(self, req: DecodeRequest) -> tuple[list[int], str]:
         """The tokens decode streams (after ``first_token_id`` if given) and the finish reason."""
@@ -331,12 +402,21 @@ class FakeDecode(FakeInstance):
         fault = await self._fault()
         if fault is not None:
             return fault
-        tokens, finish = self.continuation(req)
         stream = MessageStreamResponse()
         await stream.prepare(request)
         transport = request.transport
         assert transport is not None
         self._transports.add(transport)
+        if req.await_handoff:
+            try:
+                waited = await self._await_handoff(req, transport)
+            finally:
+                self._transports.discard(transport)
+            if waited is None:
+                return stream
+            req = waited
+            self._transports.add(transport)
+        tokens, finish = self.continuation(req)
         self.active.add(req.request_id)
         k = self.tokens_per_event
         batches = [tokens[i : i + k] for i in range(0, len(tokens), k)] or [[]]

@@ -141,6 +141,7 @@ class AsyncEngine:
         kv_import: KVImport | None = None,
         export_kv: bool = False,
         grammar: GrammarMatcher | None = None,
+        stream_export: bool = False,
     ) -> RequestStream:
         """Validate (raising a typed error now, nothing queued) and queue a request.
 
@@ -151,7 +152,7 @@ class AsyncEngine:
         self.engine.validate(list(prompt_token_ids) + list(output_prefix), params, num_output_tokens=len(output_prefix))
         stream = RequestStream(self, request_id)
         self._streams[request_id] = stream
-        kwargs = dict(output_prefix=list(output_prefix), kv_import=kv_import, export_kv=export_kv, grammar=grammar)
+        kwargs = dict(output_prefix=list(output_prefix), kv_import=kv_import, export_kv=export_kv, grammar=grammar, stream_export=stream_export)
         self._inbox.put(("add", (request_id, list(prompt_token_ids), params, kwargs)))
         self._wake.set()
         return stream

@@ -47,6 +47,9 @@ class EngineConfig:
     # FP8 checkpoint), "none" runs dense, "auto" follows the checkpoint. FP8 tensor cores
     # (SM 8.9+) run Triton kernels; elsewhere the same weights run dequantized.
     quantization: str = "auto"
+    # A GGUF's converted tensors are kept here and memory-mapped on the next start
+    # (libs/model/weight_cache.py); None converts on every start.
+    weight_cache_dir: str | None = None
     # CUDA only: decode steps replay captured graphs (batch sizes up to graph_max_batch);
     # async_prepare builds the next step's inputs while the device runs this one.
     cuda_graphs: bool = True

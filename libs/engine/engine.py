@@ -11,6 +11,7 @@ and single-threaded by design (services drive it from a worker thread, see
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Sequence as Seq
 
 import torch
@@ -22,7 +23,7 @@ from libs.engine.config import EngineConfig
 from libs.engine.errors import DuplicateRequestError, InvalidRequestError, PromptTooLongError, TokenOutOfRangeError
 from libs.engine.forks import Forks
 from libs.engine.inputs import StepInputs, StepPlan, build_inputs
-from libs.engine.kv_export import ExportedKV, ExportQueue
+from libs.engine.kv_export import ExportQueue
 from libs.engine.model_runner import ModelRunner
 from libs.engine.outputs import CompletionOutput, RequestOutput
 from libs.engine.step_timer import StepTimer
@@ -46,6 +47,7 @@ class LLMEngine:
                 config.model, dtype=dtype, device=device, backend=make_backend(config.attention_backend, device),
                 quantized_weights=config.quantized_weights, quantization=config.quantization,
                 moe=MoEOptions(strategy=config.moe_strategy, fake_balance=config.moe_fake_balance),
+                cache_dir=Path(config.weight_cache_dir) if config.weight_cache_dir else None,
             )
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
@@ -155,14 +157,17 @@ class LLMEngine:
         kv_import: KVImport | None = None,
         export_kv: bool = False,
         grammar: GrammarMatcher | None = None,
+        stream_export: bool = False,
     ) -> None:
         """Queue a request.
 
         ``output_prefix``: tokens already generated elsewhere (decode continues after the
         prefill's first token). ``kv_import``: KV of the leading blocks loaded from the
-        pool. ``export_kv``: gather the prompt's KV when the request finishes (prefill).
-        ``grammar``: constrain the output (structured outputs); a fresh matcher from
-        :meth:`start_grammar` that has already accepted ``output_prefix``.
+        pool. ``export_kv``: gather the prompt's KV when the request finishes (prefill);
+        with ``stream_export`` its full blocks are handed out as chunks complete them
+        (libs/engine/kv_export.py). ``grammar``: constrain the output (structured
+        outputs); a fresh matcher from :meth:`start_grammar` that has already accepted
+        ``output_prefix``.
         """
         if request_id in self._requests:
             raise DuplicateRequestError(f"request id {request_id!r} is already running", param="request_id")
@@ -177,6 +182,8 @@ class LLMEngine:
         seq.kv_import = kv_import
         seq.export_kv = export_kv
         seq.grammar = grammar
+        if export_kv and stream_export:
+            self.exports.stream(seq)
         self._requests[request_id] = [seq]
         self._params[request_id] = params
         reason = self._stop_reason(seq) if output_prefix else None
@@ -312,6 +319,8 @@ class LLMEngine:
             self.block_manager.commit(s.seq)
             if s.seq.num_computed_tokens <= s.seq.num_prompt_tokens:
                 self.num_prompt_tokens_computed += s.num_tokens
+        # PD streamed export: hand out the blocks this step's chunks completed.
+        outputs.extend(self.exports.export_completed_blocks(s.seq for s in out.scheduled))
         for parent, child in forks:
             self.forks.attach(parent, child)
         touched: dict[str, None] = {}
@@ -402,7 +411,7 @@ class LLMEngine:
             head.num_prompt_tokens,
             head.num_cached_tokens,
             head.num_imported_tokens,
-            ExportedKV(head.export_buffers, head.num_prompt_tokens, self.config.block_size) if finished and head.export_buffers else None,
+            self.exports.result(head) if finished else None,
             metrics,
         )
 

@@ -26,7 +26,9 @@ class CompletionOutput:
 class RequestOutput:
     """One step's news about one request: new tokens of each sequence, and whether it ended.
 
-    ``exported_kv`` is set on the final output of a prefill-only (``export_kv``) request."""
+    ``exported_kv`` is set on the final output of a prefill-only (``export_kv``) request,
+    and, with ``stream_export``, on unfinished outputs carrying the blocks a chunk completed
+    (libs/engine/kv_export.py)."""
 
     request_id: str
     outputs: list[CompletionOutput]

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import logging
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import torch
+from torch import nn
 
 from libs.blocks import Namespace
 from libs.kvpool.layout import LAYOUT_VERSION
@@ -16,9 +20,12 @@ from libs.model.llama import LlamaModel
 from libs.model.moe import MoEOptions
 from libs.model.tokenizer import Tokenizer
 from libs.model.source import model_name, resolve_model_path, weights_digest
+from libs.model.weight_cache import WeightCache
 from libs.model.weights import read_gguf, read_hf_folder
 
 QUANTIZATIONS = ("auto", "none", "fp8")
+
+log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class ModelFingerprint:
@@ -54,6 +61,7 @@ def load_model(
     quantized_weights: bool = False,
     moe: MoEOptions = MoEOptions(),
     quantization: str = "auto",
+    cache_dir: Path | None = None,
 ) -> LoadedModel:
     """Read weights and tokenizer from the same source, build the model on ``device``.
 
@@ -64,7 +72,9 @@ def load_model(
     ``quantization`` (libs/model/fp8.py): ``fp8`` runs the decoder's projections as
     block-scaled FP8, loading a checkpoint already in that format as it is and quantizing
     any other at load; ``none`` runs them dense (an FP8 checkpoint is dequantized);
-    ``auto`` follows the checkpoint."""
+    ``auto`` follows the checkpoint.
+    ``cache_dir``: keep a GGUF's converted tensors there and map them on the next load
+    instead of converting again (libs/model/weight_cache.py); None: always convert."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"unknown quantization {quantization!r}; use one of {', '.join(QUANTIZATIONS)}")
     if quantized_weights and quantization == "fp8":
@@ -74,8 +84,9 @@ def load_model(
     p = resolve_model_path(path)
     if quantized_weights and not p.is_file():
         raise ValueError("quantized_weights needs a GGUF model on the CPU (a Hugging Face folder has no 4-bit weights)")
+    digest = weights_digest(p)
     if p.is_file():
-        cfg, state, meta = read_gguf(p, keep_q4=quantized_weights)
+        cfg, state, meta = _read_gguf_cached(p, digest, quantized_weights, cache_dir)
         tokenizer = Tokenizer.from_gguf_fields(meta)
     else:
         cfg, state = read_hf_folder(p)
@@ -84,10 +95,8 @@ def load_model(
     fp8 = quantization == "fp8" or (quantization == "auto" and checkpoint_fp8)
     if checkpoint_fp8 and not fp8:
         state = {k: v.dequantize() if isinstance(v, Fp8Weight) else v for k, v in state.items()}
-    with torch.device("meta"):
-        model = LlamaModel(cfg, backend, moe)
-    model = model.to_empty(device="cpu").float()
-    model.rotary.__init__(cfg)  # buffers are not in the checkpoint: recompute after to_empty
+    with _skip_random_init(), torch.device("cpu"):
+        model = LlamaModel(cfg, backend, moe).float()
     model.load_hf_state(state)
     del state
     if fp8 and not checkpoint_fp8:  # an FP8 checkpoint's dense layers stay dense (ignored_layers)
@@ -101,5 +110,36 @@ def load_model(
     # 4-bit weights give different KV than dequantized ones, and FakeBalanceExpert's routing
     # different KV than the router's: never share blocks across modes.
     modes = ("+q4" if quantized_weights else "") + ("+fakebalance" if moe.fake_balance and cfg.moe else "")
-    fp = ModelFingerprint(weights_digest(p), str(dtype).removeprefix("torch.") + modes, quantization="fp8" if fp8 else "none")
+    fp = ModelFingerprint(digest, str(dtype).removeprefix("torch.") + modes, quantization="fp8" if fp8 else "none")
     return LoadedModel(model_name(p), p, cfg, model, tokenizer, fp, dtype, device)
+
+
+@contextmanager
+def _skip_random_init() -> Iterator[None]:
+    """Build modules with uninitialised weights: the checkpoint overwrites every one.
+
+    Not the meta device: on meta tensors torch runs Python reference kernels whose first
+    call imports torch._dynamo (1.2 s of every start, the largest cost of a warm start)."""
+    saved = {cls: cls.reset_parameters for cls in (nn.Linear, nn.Embedding)}
+    try:
+        for cls in saved:
+            cls.reset_parameters = lambda self: None  # type: ignore[method-assign]
+        yield
+    finally:
+        for cls, fn in saved.items():
+            cls.reset_parameters = fn  # type: ignore[method-assign]
+
+
+def _read_gguf_cached(path: Path, digest: str, keep_q4: bool, cache_dir: Path | None) -> tuple[ModelConfig, dict, dict]:
+    """``read_gguf``'s result, from the converted-model cache when it has it."""
+    if cache_dir is None:
+        return read_gguf(path, keep_q4=keep_q4)
+    cache, variant = WeightCache(cache_dir), "q4" if keep_q4 else "dense"
+    hit = cache.load(digest, variant)
+    if hit is not None:
+        log.info("weights of %s mapped from the cache (%s)", path.name, cache_dir)
+        return hit
+    cfg, state, meta = read_gguf(path, keep_q4=keep_q4)
+    if cache.store(digest, variant, cfg, state, meta) is not None:
+        log.info("converted weights of %s cached in %s", path.name, cache_dir)
+    return cfg, state, meta

@@ -98,14 +98,30 @@ def weights_digest(path: Path) -> str:
     return h.hexdigest()
 
 
-def load_tokenizer(path: str | Path | None) -> Tokenizer:
-    """Only the tokenizer (the router needs no weights): reads GGUF metadata, not tensors."""
+def load_tokenizer(path: str | Path | None, cache_dir: Path | None = None) -> Tokenizer:
+    """Only the tokenizer (the router needs no weights): reads GGUF metadata, not tensors.
+
+    With ``cache_dir`` the metadata comes from the converted-model cache when it is there
+    (libs/model/weight_cache.py): parsing a GGUF's 49k tokenizer strings takes seconds."""
     p = resolve_model_path(path)
     if p.is_file():
+        return Tokenizer.from_gguf_fields(_gguf_fields(p, cache_dir))
+    return Tokenizer.from_hf_folder(p)
+
+
+def _gguf_fields(path: Path, cache_dir: Path | None) -> dict:
+    from libs.model.weight_cache import WeightCache
+
+    cache = WeightCache(cache_dir) if cache_dir is not None else None
+    digest = weights_digest(path) if cache is not None else ""
+    meta = cache.load_metadata(digest) if cache is not None else None
+    if meta is None:
         import gguf
 
-        return Tokenizer.from_gguf_fields(gguf_metadata(gguf.GGUFReader(str(p))))
-    return Tokenizer.from_hf_folder(p)
+        meta = gguf_metadata(gguf.GGUFReader(str(path)))
+        if cache is not None:
+            cache.store_metadata(digest, meta)
+    return meta
 
 
 def load_config(path: str | Path | None) -> ModelConfig:

@@ -37,7 +37,7 @@ METRICS_REGISTRY = web.AppKey("metrics_registry", CollectorRegistry)
 StatsFn = Callable[[], "Mapping[str, Any] | Awaitable[Mapping[str, Any]]"]
 HealthFn = Callable[[], "bool | Awaitable[bool]"]
 
-OPS_ROUTES = frozenset({"/health", "/metrics", "/stats"})
+OPS_ROUTES = frozenset({"/health", "/ready", "/metrics", "/stats"})
 # Scraped and polled constantly: logged at DEBUG so the INFO log shows real traffic.
 _OPS_PATHS = OPS_ROUTES | {"/internal/v1/heartbeat"}
 DEFAULT_CLIENT_MAX_SIZE = 64 * 1024 * 1024

@@ -5,12 +5,15 @@
 1. Decode computes the prompt's block keys itself (the same function prefill used) and
    loads, after whatever its own prefix cache already holds, the leading run of blocks
    the pool has: fetched in pipelined batches into staging and checked (header and
-   checksum) before the engine scatters them into its cache.
+   checksum) before the engine scatters them into its cache. With ``await_handoff``
+   (the streamed handoff, services/decode/handoff.py) prefill is still running: the
+   blocks are loaded as the router's ``POST /v1/handoff`` updates say they are durable,
+   and the request waits for the last update, which brings the first token.
 2. The handoff lease is released once the load is done.
-3. Whatever could not be loaded (missing, evicted, corrupt) is recomputed by the engine
-   as a chunked prefill: slower, never wrong. Every block not loaded is counted with its
-   reason in the metrics and the request's trace. Without a first token (no prefill
-   answered), decode serves the whole request.
+3. Whatever could not be loaded (missing, evicted, corrupt, or never written because
+   prefill died) is recomputed by the engine as a chunked prefill: slower, never wrong.
+   Every block not loaded is counted with its reason in the metrics and the request's
+   trace. Without a first token (no prefill answered), decode serves the whole request.
 4. Tokens stream back as they are sampled; a client that goes away aborts the request
    and frees its blocks at once.
 """
@@ -23,7 +26,7 @@ import time
 
 from aiohttp import web
 
-from libs.engine import InvalidRequestError
+from libs.engine import DuplicateRequestError, InvalidRequestError
 from libs.engine.async_engine import EngineStepError
 from libs.kvpool.pool import PoolError
 from libs.protocol import MessageStreamResponse, read_message
@@ -32,6 +35,7 @@ from services.worker.app import RUNTIME, full, rejected
 from services.worker.convert import sampling_params, wire_logprob
 from services.worker.grammar import start_grammar
 from services.worker.runtime import WorkerRuntime
+from services.decode.handoff import HandoffAborted, HandoffStats, HandoffWait, handle_handoff, load_streamed
 from services.worker.transfer import load_blocks
 
 log = logging.getLogger(__name__)
@@ -49,8 +53,12 @@ async def handle_decode(request: web.Request) -> web.StreamResponse:
     resumed = prompt[len(prompt) - msg.num_resumed_tokens :] if msg.num_resumed_tokens else []
     try:
         params = sampling_params(msg.sampling)
-        rt.llm.validate(prompt + prefix, params, num_output_tokens=len(prefix))
-        # Decode owns the grammar state: a fresh one replays everything generated before.
+        maybe = [0] if msg.await_handoff else prefix  # a streamed handoff may bring a first token
+        rt.llm.validate(prompt + maybe, params, num_output_tokens=len(maybe))
+        if msg.await_handoff and msg.request_id in rt.handoffs:
+            raise DuplicateRequestError(f"request id {msg.request_id!r} is already waiting for a handoff", param="request_id")
+        # Decode owns the grammar state: a fresh one replays everything generated before
+        # (in a streamed handoff, prefill's first token is replayed once it arrives).
         grammar = await start_grammar(rt, msg.sampling.structured, resumed + prefix)
     except InvalidRequestError as e:
         return rejected(rt, e)
@@ -59,21 +67,50 @@ async def handle_decode(request: web.Request) -> web.StreamResponse:
     try:
         keys = rt.keys(prompt)
         local = rt.cached_prefix_blocks(prompt)
-        # With a first token the whole prompt may come from the pool; without one the
-        # engine must compute the last prompt token itself to sample.
-        load = await load_blocks(rt, keys, local, max_tokens=len(prompt) if prefix else len(prompt) - 1)
-        if msg.lease_id:
-            asyncio.create_task(_release_lease(rt, msg.lease_id))
+        resp: MessageStreamResponse | None = None
+        handoff: HandoffStats | None = None
+        lease_id = msg.lease_id
+        if msg.await_handoff:
+            wait = HandoffWait(msg.request_id)
+            rt.handoffs[msg.request_id] = wait
+            try:
+                resp = MessageStreamResponse()
+                await resp.prepare(request)  # the router posts updates once it has the headers
+                load, handoff = await load_streamed(rt, wait, keys, local, len(prompt))
+            except HandoffAborted as e:
+                rt.metrics.requests.labels("aborted").inc()
+                reason = "abort" if wait.aborted else "error"
+                return await _end(resp, TokenEvent(request_id=msg.request_id, finish_reason=reason, error=str(e)))
+            except asyncio.CancelledError:  # the router closed the stream (handler cancellation)
+                rt.metrics.requests.labels("disconnected").inc()
+                raise
+            finally:
+                rt.handoffs.pop(msg.request_id, None)
+            lease_id = wait.lease_id or lease_id
+            if wait.first_token_id is not None:
+                prefix = [wait.first_token_id]
+        else:
+            # With a first token the whole prompt may come from the pool; without one the
+            # engine must compute the last prompt token itself to sample.
+            load = await load_blocks(rt, keys, local, max_tokens=len(prompt) if prefix else len(prompt) - 1)
+        if lease_id:
+            asyncio.create_task(_release_lease(rt, lease_id))
         try:
+            if msg.await_handoff and prefix and grammar is not None:
+                grammar = await start_grammar(rt, msg.sampling.structured, prefix)  # prefill's first token, replayed
             stream = rt.engine.add_request(msg.request_id, prompt, params, output_prefix=prefix, kv_import=load.kv_import, grammar=grammar)
         except InvalidRequestError as e:
             if load.kv_import is not None:
                 load.kv_import.release()
-            return rejected(rt, e)
+            if resp is None:
+                return rejected(rt, e)
+            rt.metrics.requests.labels("invalid").inc()
+            return await _end(resp, TokenEvent(request_id=msg.request_id, finish_reason="error", error=str(e)))
         t_queued = time.perf_counter()
 
-        resp = MessageStreamResponse()
-        await resp.prepare(request)
+        if resp is None:
+            resp = MessageStreamResponse()
+            await resp.prepare(request)
         first_token_at = last_token_at = None
         n_out = 0
         outcome = "ok"
@@ -91,6 +128,8 @@ async def handle_decode(request: web.Request) -> web.StreamResponse:
                     last_token_at, n_out = now, n_out + new
                 if out.finished and msg.want_trace:
                     event.trace = _trace(rt, load, local, out, t0, t_queued, first_token_at, n_out)
+                    if handoff is not None:
+                        event.trace.update(handoff.trace())
                 await resp.send(event)
             if stream.aborted:
                 outcome = "aborted"
@@ -108,6 +147,16 @@ async def handle_decode(request: web.Request) -> web.StreamResponse:
         return resp
     finally:
         rt.in_flight -= 1
+
+
+async def _end(resp: MessageStreamResponse, event: TokenEvent) -> MessageStreamResponse:
+    """End a prepared stream with one final event (the router may be gone already)."""
+    try:
+        await resp.send(event)
+        await resp.write_eof()
+    except ConnectionResetError:
+        pass
+    return resp
 
 
 def _event(msg: DecodeRequest, out, load, rt: WorkerRuntime) -> TokenEvent:
@@ -135,6 +184,7 @@ def _trace(rt, load, local_blocks, out, t0, t_queued, first_token_at, n_out) -> 
         "pool_miss_reasons": load.miss_reasons,
         "bytes_read": load.bytes_read,
         "load_s": load.seconds,
+        "load_done_at": load.done_at,
         "queue_s": out.metrics.get("queue_s", 0.0),
         "first_token_s": (first_token_at - t0) if first_token_at else None,
         "decode_s": now - t_queued,
@@ -152,3 +202,4 @@ async def _release_lease(rt: WorkerRuntime, lease_id: str) -> None:
 
 def add_routes(app: web.Application, runtime: WorkerRuntime) -> None:
     app.router.add_post("/v1/decode", handle_decode)
+    app.router.add_post("/v1/handoff", handle_handoff)

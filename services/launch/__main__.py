@@ -1,11 +1,14 @@
 """``python -m services.launch`` (what ``make run`` runs): Redis and the four services.
 
-Prints the API's URL once everything is up; Ctrl-C stops every process it started.
+Prints the API's URL once a request would succeed (the router's ``/ready``), restarts any
+process that dies (services/launch/supervisor.py; each restart is logged here), and Ctrl-C
+stops every process it started.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import signal
 import sys
 import threading
@@ -36,14 +39,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pool-gb", type=float, default=1.0, help="memory for the KV pool (Redis maxmemory, split between cluster nodes), GiB")
     p.add_argument("--log-dir", default=".run/logs", help="where service logs go (default .run/logs)")
     p.add_argument("--api-key", default=None, help="require this API key (Authorization: Bearer ...)")
+    p.add_argument("--no-supervise", dest="supervise", action="store_false",
+                   help="do not restart processes that die (default: restart with backoff)")
     args = p.parse_args(argv)
     if args.redis_cluster < 0 or (args.redis_cluster and args.redis_url):
         p.error("--redis-cluster N takes N >= 1 and starts its own Redis: drop --redis-url")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
 
     cfg = ClusterConfig(
         host=args.host, router_port=args.port, model=args.model, device=args.device, dtype=args.dtype,
         num_prefill=args.prefill, num_decode=args.decode, threads=args.threads, redis_url=args.redis_url, redis_cluster=args.redis_cluster,
-        pool_gb=args.pool_gb, log_dir=Path(args.log_dir), api_key=args.api_key,
+        pool_gb=args.pool_gb, log_dir=Path(args.log_dir), api_key=args.api_key, supervise=args.supervise,
     )
     cluster = LocalCluster(cfg)
     stop = threading.Event()
@@ -61,9 +67,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  logs: {cfg.log_dir}/   Ctrl-C stops everything.", flush=True)
     try:
         while not stop.wait(0.5):
-            dead = [c.name for c in [cluster.router, *cluster.prefills, *cluster.decodes, cluster.cache_store] if c is not None and not c.running]
-            if dead:
-                print(f"service(s) exited: {', '.join(dead)}; stopping (see {cfg.log_dir})", file=sys.stderr)
+            if not cfg.supervise and any(not c.running for c in cluster.children()):
+                dead = ", ".join(c.name for c in cluster.children() if not c.running)
+                print(f"service(s) exited: {dead}; stopping (see {cfg.log_dir})", file=sys.stderr)
                 return 1
     finally:
         print("stopping ...", flush=True)

@@ -1,14 +1,19 @@
-"""``LocalCluster``: Redis, cache_store, router, prefill and decode as local processes.
+"""``LocalCluster``: Redis, cache_store, router, prefill and decode as local, supervised processes.
 
 Used by ``make run`` (``python -m services.launch``) and by the integration tests, so the
-tests start the system exactly the way users do. Services bind to localhost on ports the
-kernel picks (except the router's, which users need to know); the instances register
-with the router themselves, as they would under ``docker compose --scale``.
+tests start the system exactly the way users do. Workers bind to ports the kernel picks
+and register with the router themselves, as they would under ``docker compose --scale``;
+Redis, cache_store and the router get a port chosen once (the router's is the user's), so
+that a restarted one is found where the others expect it.
+
+``start()`` returns once the router is *ready* (``GET /ready``: a decode instance is
+registered, so a request would succeed) and every instance has registered. From then on
+the :class:`~services.launch.supervisor.Supervisor` restarts any process that dies.
 
 The services share an internal token (services/common/app.py): ``TIDEPOOL_INTERNAL_TOKEN``
 from the launcher's environment, or a fresh random one. Secrets (the token, the Redis URL,
 which may hold a password) reach the children through their environment, never their
-command line, which any user of the machine can read.
+command line, which any user of the machine can read; a restarted child gets the same.
 """
 
 from __future__ import annotations
@@ -16,9 +21,8 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import shutil
-import subprocess
 import time
+import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +30,8 @@ from typing import IO
 
 from services.launch.processes import Child, ServiceStartError, child_env, free_port, python_argv
 from services.launch.redis_cluster import LocalRedisCluster
+from services.launch.redis import redis_child
+from services.launch.supervisor import RestartPolicy, Supervisor
 
 
 @dataclass
@@ -40,12 +46,16 @@ class ClusterConfig:
     threads: int | None = None  # per model process; default: the cores split between them
     redis_url: str | None = None  # an existing Redis; default: start one
     redis_cluster: int = 0  # start a local Redis Cluster of this many nodes instead of one Redis
+    redis_port: int | None = None  # the port of the Redis started here; default: a free one
+    pool_url: str | None = None  # where services reach Redis (e.g. a proxy in front of it); default: Redis itself
     pool_gb: float = 1.0  # Redis maxmemory; cache_store's budget is 80% of it
     api_key: str | None = None  # the router requires it when set
     # the services' shared secret; default: TIDEPOOL_INTERNAL_TOKEN, else a random one
     internal_token: str = field(default_factory=lambda: os.environ.get("TIDEPOOL_INTERNAL_TOKEN") or secrets.token_urlsafe(32))
     log_dir: Path = Path(".run/logs")
     ready_timeout_s: float = 180.0
+    supervise: bool = True  # restart any process that dies (services/launch/supervisor.py)
+    restart_policy: RestartPolicy = field(default_factory=RestartPolicy)
     router_args: list[str] = field(default_factory=list)
     worker_args: list[str] = field(default_factory=list)
     prefill_args: list[str] = field(default_factory=list)
@@ -69,6 +79,7 @@ class LocalCluster:
         self.router: Child | None = None
         self.prefills: list[Child] = []
         self.decodes: list[Child] = []
+        self.supervisor = Supervisor(self.config.restart_policy)
         self._redis_port: int | None = None
 
     # -- lifecycle ----------------------------------------------------------------------
@@ -81,7 +92,7 @@ class LocalCluster:
             elif self.redis_url is None:
                 self.start_redis()
             self.cache_store = self._child("cache_store", "services.cache_store", [
-                "--port", "0", "--budget-bytes", str(int(cfg.pool_gb * 0.8 * 2**30)),
+                "--port", str(free_port()), "--budget-bytes", str(int(cfg.pool_gb * 0.8 * 2**30)),
                 *cfg.cache_store_args,
             ])
             self.cache_store.start()
@@ -99,29 +110,33 @@ class LocalCluster:
             for c in self.prefills + self.decodes:
                 c.wait_ready(cfg.ready_timeout_s)
             self.wait_registered(cfg.num_prefill, cfg.num_decode)
+            self.wait_ready()
+            if cfg.supervise:
+                for c in self.children():
+                    self.supervisor.watch(c)
+                self.supervisor.start()
         except BaseException:
             self.stop()
             raise
         return self
 
     def start_redis(self) -> None:
-        if shutil.which("redis-server") is None:
-            raise ServiceStartError("redis-server is not installed (make install installs it)")
-        self._redis_port = self._redis_port or free_port()
-        maxmemory = int(self.config.pool_gb * 2**30)
-        self.redis = Child(
-            "redis",
-            ["redis-server", "--port", str(self._redis_port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--maxmemory", str(maxmemory), "--maxmemory-policy", "noeviction"],
-            log_path=self.config.log_dir / "redis.log",
-        )
+        """Start (or, with the same port, start again) the pool's Redis."""
+        self._redis_port = self._redis_port or self.config.redis_port or free_port()
+        if self.redis is None:
+            self.redis = redis_child(
+                "redis", self._redis_port, maxmemory_bytes=int(self.config.pool_gb * 2**30),
+                log_dir=self.config.log_dir, echo=self.config.echo,
+            )
         self.redis.start()
-        self.redis_url = f"redis://127.0.0.1:{self._redis_port}/0"
-        deadline = time.monotonic() + 10
-        while subprocess.run(["redis-cli", "-p", str(self._redis_port), "ping"], capture_output=True, text=True).stdout.strip() != "PONG":
-            if time.monotonic() > deadline or not self.redis.running:
-                raise ServiceStartError(f"redis-server did not start; see {self.redis.log_path}")
-            time.sleep(0.05)
+        self.redis_url = self.redis.wait_ready(10)
+
+    @property
+    def pool_url(self) -> str:
+        """The Redis URL the services are given."""
+        url = self.config.pool_url or self.redis_url
+        assert url is not None
+        return url
 
     def start_redis_cluster(self, nodes: int) -> None:
         """A local Redis Cluster (services/launch/redis_cluster.py); ``pool_gb`` is split between its nodes."""
@@ -131,7 +146,8 @@ class LocalCluster:
         self.redis_url = self.redis_nodes.url
 
     def stop(self) -> None:
-        """Stop everything, front to back; no process is left running."""
+        """Stop supervising, then everything, front to back; no process is left running."""
+        self.supervisor.stop()
         for c in [self.router, *self.prefills, *self.decodes, self.cache_store, self.redis]:
             if c is not None:
                 c.stop()
@@ -146,10 +162,15 @@ class LocalCluster:
 
     # -- pieces -------------------------------------------------------------------------
 
+    def children(self) -> list[Child]:
+        """Every process this cluster started, back to front."""
+        nodes = self.redis_nodes.nodes if self.redis_nodes is not None else []
+        return [c for c in [self.redis, *nodes, self.cache_store, self.router, *self.prefills, *self.decodes] if c is not None]
+
     def _child(self, name: str, module: str, args: list[str], threads: int | None = None) -> Child:
         env = {**child_env(threads), "TIDEPOOL_INTERNAL_TOKEN": self.config.internal_token}
         if self.redis_url is not None:
-            env["TIDEPOOL_REDIS_URL"] = self.redis_url
+            env["TIDEPOOL_REDIS_URL"] = self.pool_url
         return Child(name, python_argv(module, *args), env=env, log_path=self.config.log_dir / f"{name}.log", echo=self.config.echo)
 
     def _worker(self, role: str, index: int, router_url: str) -> Child:
@@ -165,10 +186,10 @@ class LocalCluster:
 
     def restart(self, child: Child) -> None:
         """Start a stopped or killed service again with the same arguments."""
-        child.stop()
-        child.start()
+        with child.lock:
+            child.stop()
+            child.start()
         child.wait_ready(self.config.ready_timeout_s)
-
 
     # -- queries ------------------------------------------------------------------------
 
@@ -191,6 +212,21 @@ class LocalCluster:
     def workers(self) -> list[dict]:
         body = self.get_json(self.url + "/v1/workers")
         return body.get("data", body.get("workers", []))
+
+    def ready(self) -> bool:
+        """Whether the router answers ``/ready`` with 200 (a request would succeed)."""
+        try:
+            with urllib.request.urlopen(self.url + "/ready", timeout=5) as r:
+                return r.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def wait_ready(self, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not self.ready():
+            if time.monotonic() > deadline:
+                raise ServiceStartError(f"the router is not ready after {timeout:.0f} s; see {self.config.log_dir}")
+            time.sleep(0.1)
 
     def wait_registered(self, num_prefill: int, num_decode: int, timeout: float = 30.0) -> None:
         deadline = time.monotonic() + timeout

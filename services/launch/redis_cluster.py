@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Sequence
 
 from services.launch.processes import Child, ServiceStartError, free_port
+from services.launch.redis import answers_ping
 
 SLOTS = 16384
 
@@ -75,7 +76,10 @@ class LocalRedisCluster:
             "--cluster-node-timeout", str(self.node_timeout_ms), "--cluster-require-full-coverage", "no",
             *self.extra_args,
         ]
-        return Child(f"redis-{port}", argv, log_path=self.log_dir / f"redis-{port}.log")
+        # Ready once it answers PING (redis-server prints no "ready at" line); a supervisor
+        # restarting a node relies on it, and the node rejoins from its nodes.conf.
+        url = f"redis://127.0.0.1:{port}/0"
+        return Child(f"redis-{port}", argv, log_path=self.log_dir / f"redis-{port}.log", probe=lambda: url if answers_ping(port) else None)
 
     def start(self, timeout_s: float = 30.0) -> "LocalRedisCluster":
         if shutil.which(self.redis_server) is None:

@@ -3,7 +3,8 @@
 ``POST /v1/prefill`` (PrefillRequest → PrefillResult), per DESIGN.md's request path:
 
 1. A handoff lease is taken on every block key of the prompt first, so blocks that
-   already exist cannot be evicted between here and decode.
+   already exist cannot be evicted between here and decode, and every block written
+   later is pinned from its first byte.
 2. Leading blocks already in the pool (and not in our own prefix cache) are loaded
    instead of computed.
 3. The engine computes the rest (batched with other prompts, in chunks), samples the
@@ -12,29 +13,50 @@
 4. The blocks the pool lacks, the partial tail included, are written under the lease.
    The answer goes out once every write is acknowledged or has failed; a failed block
    only costs decode a recompute.
+
+With ``stream_progress`` (the streamed handoff, docs/HANDOFF.md) the engine hands out
+each chunk's full blocks as soon as the chunk is computed (libs/engine/kv_export.py) and
+they are written while the next chunk computes; the answer is a message stream of
+:class:`PrefillProgress` (the leading run of blocks durable in the pool, sent whenever it
+grows: first right after the lease, with the blocks that were there already), ending in
+the :class:`PrefillResult`. The partial tail goes last, when the prompt is done. A stream
+that ends without a result means prefill failed: decode recomputes what is not durable.
+
+Timings: ``compute_s`` is the engine's (queue included); ``write_s`` is the pool write
+time *not* overlapped with compute (from the end of compute to the last acknowledgement),
+which is all of it without streaming.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
+from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from libs.engine import InvalidRequestError
+from libs.blocks import BlockKey
+from libs.engine import InvalidRequestError, SamplingParams
+from libs.structured import GrammarMatcher
+from libs.engine.async_engine import EngineStepError
 from libs.kvpool.pool import PoolError
-from libs.protocol import msgpack_response, read_message
-from libs.protocol.messages import PrefillRequest, PrefillResult
+from libs.protocol import MessageStreamResponse, msgpack_response, read_message
+from libs.protocol.messages import PrefillProgress, PrefillRequest, PrefillResult
 from services.worker.app import RUNTIME, full, rejected
 from services.worker.convert import sampling_params, wire_logprob
 from services.worker.grammar import start_grammar
 from services.worker.runtime import WorkerRuntime
-from services.worker.transfer import LoadResult, load_blocks, store_blocks
+from services.worker.transfer import LoadResult, StoreResult, load_blocks, store_blocks
 
 log = logging.getLogger(__name__)
 
 
-async def handle_prefill(request: web.Request) -> web.Response:
+class PrefillAborted(Exception):
+    """The engine ended the request without a result (aborted, or a failed step)."""
+
+
+async def handle_prefill(request: web.Request) -> web.StreamResponse:
     rt: WorkerRuntime = request.app[RUNTIME]
     refused = full(rt)
     if refused is not None:
@@ -50,97 +72,224 @@ async def handle_prefill(request: web.Request) -> web.Response:
         return rejected(rt, e)
     rt.in_flight += 1
     try:
-        return msgpack_response(await _prefill(rt, msg, params, t0, grammar))
+        if msg.stream_progress:
+            return await _prefill_streamed(request, rt, msg, params, t0, grammar)
+        job = PrefillJob(rt, msg, params, t0, grammar)
+        try:
+            return msgpack_response(await job.run())
+        except (PrefillAborted, EngineStepError) as e:
+            raise web.HTTPServiceUnavailable(reason=f"request aborted: {e}") from None
     except InvalidRequestError as e:
         return rejected(rt, e)
     finally:
         rt.in_flight -= 1
 
 
-async def _prefill(rt: WorkerRuntime, msg: PrefillRequest, params, t0: float, grammar=None) -> PrefillResult:
-    prompt = msg.prompt_token_ids
-    keys = rt.keys(prompt)
-    full = [k for k in keys if not k.partial]
-    lease_id = None
-    pool_run = 0
+async def _prefill_streamed(
+    request: web.Request, rt: WorkerRuntime, msg: PrefillRequest, params: SamplingParams, t0: float, grammar: GrammarMatcher | None
+) -> web.StreamResponse:
+    resp = MessageStreamResponse()
+    await resp.prepare(request)
+    job = PrefillJob(rt, msg, params, t0, grammar)
+    sender = asyncio.create_task(job.send_progress(resp), name=f"progress {msg.request_id}")
     try:
-        lease_id = await rt.pool.create_lease(rt.namespace, keys, msg.lease_ttl_s)
-        pool_run = await rt.pool.exists_prefix(rt.namespace, full)
-    except (PoolError, OSError) as e:
-        log.info("pool unavailable for %s (%s): computing everything", msg.request_id, e)
-    local = rt.cached_prefix_blocks(prompt)
-    load = LoadResult(None)
-    if pool_run > local:
-        load = await load_blocks(rt, keys[:pool_run], local, max_tokens=len(prompt) - 1)
-
-    t_engine = time.perf_counter()
-    stream = rt.engine.add_request(msg.request_id, prompt, params, kv_import=load.kv_import, export_kv=True, grammar=grammar)
-    first: dict[int, int] = {}
-    first_lp: dict[int, object] = {}
-    final = None
-    try:
-        async for out in stream:
-            for c in out.outputs:
-                if c.new_token_ids and c.index not in first:
-                    first[c.index] = c.new_token_ids[0]
-                    if c.new_logprobs:
-                        first_lp[c.index] = wire_logprob(c.new_logprobs[0])
-            if out.finished:
-                final = out
+        result = await job.run()
+    except (PrefillAborted, EngineStepError, InvalidRequestError) as e:
+        log.info("streamed prefill of %s ended without a result: %s", msg.request_id, e)
+        result = None
     finally:
-        if final is None:
-            stream.abort()  # the handler was cancelled (client gone) or the engine failed
-    if final is None or final.exported_kv is None or len(first) != params.n:
-        rt.metrics.requests.labels("aborted").inc()
-        raise web.HTTPServiceUnavailable(reason="request aborted")
-    t_computed = time.perf_counter()
+        job.progress_done = True
+        job.changed.set()
+        await asyncio.gather(sender, return_exceptions=True)
+    try:
+        if result is not None:
+            await resp.send(result)  # after the last PrefillProgress: the sender is done
+        await resp.write_eof()
+    except ConnectionResetError:
+        pass  # the router went away (it aborts the request itself)
+    return resp
 
-    store = await store_blocks(rt, final.exported_kv, keys, min(pool_run, len(full)), lease_id)
-    cached = final.num_cached_tokens + final.num_imported_tokens
-    timings = {
-        "queue_s": final.metrics.get("queue_s", 0.0),
-        "compute_s": t_computed - t_engine,
-        "load_s": load.seconds,
-        "write_s": store.seconds,
-        "total_s": time.perf_counter() - t0,
-    }
-    trace = {
-        "instance": rt.instance_id,
-        "local_cached_tokens": final.num_cached_tokens,
-        "pool_hit_blocks": load.hit_blocks,
-        "pool_miss_reasons": load.miss_reasons,
-        "bytes_read": load.bytes_read,
-        "bytes_written": store.bytes_written,
-        "blocks_written": store.blocks_written,
-        "blocks_already_in_pool": min(pool_run, len(full)),
-        "blocks_failed": store.blocks_failed,
-        "write_fail_reasons": store.fail_reasons,
-        **timings,
-    }
-    rt.metrics.requests.labels("ok").inc()
-    rt.metrics.request_seconds.observe(timings["total_s"])
-    if "ttft_s" in final.metrics:
-        rt.metrics.ttft_seconds.observe(final.metrics["ttft_s"])
-    log.info(
-        "prefill %s: %d tokens (%d cached), wrote %d blocks (%d failed) in %.1f ms, compute %.1f ms",
-        msg.request_id, len(prompt), cached, store.blocks_written, store.blocks_failed,
-        store.seconds * 1e3, timings["compute_s"] * 1e3,
-    )
-    return PrefillResult(
-        request_id=msg.request_id,
-        first_token_ids=[first[i] for i in range(params.n)],
-        first_logprobs=[first_lp[i] for i in range(params.n)] if params.logprobs is not None and len(first_lp) == params.n else None,
-        block_keys=[str(k) for k in keys],
-        lease_id=lease_id,
-        num_prompt_tokens=len(prompt),
-        num_cached_tokens=cached,
-        num_computed_tokens=len(prompt) - cached,
-        bytes_written=store.bytes_written,
-        blocks_written=store.blocks_written,
-        blocks_failed=store.blocks_failed,
-        timings=timings,
-        trace=trace if msg.want_trace else None,
-    )
+
+@dataclass
+class PrefillJob:
+    """One prompt: lease, pool hits, compute, and the writes of its blocks (streamed or not)."""
+
+    rt: WorkerRuntime
+    msg: PrefillRequest
+    params: SamplingParams
+    t0: float
+    grammar: GrammarMatcher | None = None  # the request's grammar state (structured outputs)
+    keys: list[BlockKey] = field(init=False)
+    lease_id: str | None = None
+    durable: list[bool] = field(init=False)  # per block: in the pool under the lease
+    watermark: int = 0  # leading durable blocks
+    computed_tokens: int = 0
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+    progress_done: bool = False
+    streamed_blocks: int = 0  # blocks durable before compute finished
+    compute_done_at: float = 0.0  # wall clock when compute ended (decode's ``load_done_at`` is comparable on one host)
+
+    def __post_init__(self) -> None:
+        self.keys = self.rt.keys(self.msg.prompt_token_ids)
+        self.durable = [False] * len(self.keys)
+
+    @property
+    def streamed(self) -> bool:
+        return self.msg.stream_progress
+
+    def _mark_durable(self, first: int, end: int, written: set[str] | None = None) -> None:
+        for i in range(first, end):
+            if written is None or str(self.keys[i]) in written:
+                self.durable[i] = True
+        w = self.watermark
+        while w < len(self.durable) and self.durable[w]:
+            w += 1
+        if w != self.watermark:
+            self.watermark = w
+            self.changed.set()
+
+    async def send_progress(self, resp: MessageStreamResponse) -> None:
+        """Send :class:`PrefillProgress` whenever the durable run grows (coalesced), until
+        the job is done; the last one carries the final watermark."""
+        sent = -1
+        while True:
+            await self.changed.wait()
+            self.changed.clear()
+            if self.watermark != sent or self.progress_done:
+                sent = self.watermark
+                try:
+                    await resp.send(PrefillProgress(
+                        request_id=self.msg.request_id, num_blocks=len(self.keys), durable_blocks=sent,
+                        lease_id=self.lease_id, computed_tokens=self.computed_tokens,
+                    ))
+                except ConnectionResetError:
+                    return
+            if self.progress_done:
+                return
+
+    async def run(self) -> PrefillResult:
+        rt, msg, keys = self.rt, self.msg, self.keys
+        prompt = msg.prompt_token_ids
+        full = [k for k in keys if not k.partial]
+        pool_run = 0
+        try:
+            if rt.pool_health.usable:  # known down: compute everything without waiting for it
+                self.lease_id = await rt.pool.create_lease(rt.namespace, keys, msg.lease_ttl_s)
+                pool_run = await rt.pool.exists_prefix(rt.namespace, full)
+        except (PoolError, OSError) as e:
+            log.info("pool unavailable for %s (%s): computing everything", msg.request_id, e)
+            rt.pool_health.report_failure(e)
+        skip = min(pool_run, len(full))
+        self._mark_durable(0, skip)
+        self.changed.set()  # the first progress: the lease exists
+        local = rt.cached_prefix_blocks(prompt)
+        load = LoadResult(None)
+        if pool_run > local:
+            load = await load_blocks(rt, keys[:pool_run], local, max_tokens=len(prompt) - 1)
+
+        t_engine = time.perf_counter()
+        stream = rt.engine.add_request(
+            msg.request_id, prompt, self.params, kv_import=load.kv_import, export_kv=True, stream_export=self.streamed,
+            grammar=self.grammar,
+        )
+        n = self.params.n
+        first: dict[int, int] = {}
+        first_lp: dict[int, object] = {}
+        final = None
+        writes: list[asyncio.Task[StoreResult]] = []
+        try:
+            async for out in stream:
+                for c in out.outputs:
+                    if c.new_token_ids and c.index not in first:
+                        first[c.index] = c.new_token_ids[0]
+                        if c.new_logprobs:
+                            first_lp[c.index] = wire_logprob(c.new_logprobs[0])
+                if out.exported_kv is not None and not out.finished:
+                    piece = out.exported_kv
+                    self.computed_tokens = max(self.computed_tokens, piece.end_block * rt.llm.config.block_size)
+                    writes.append(asyncio.create_task(self._store(piece, skip)))
+                if out.finished:
+                    final = out
+        finally:
+            if final is None:
+                stream.abort()  # the handler was cancelled (client gone) or the engine failed
+        t_computed = time.perf_counter()
+        self.compute_done_at = time.time()
+        self.streamed_blocks = self.watermark
+        if final is not None and final.exported_kv is not None:
+            self.computed_tokens = len(prompt)
+            writes.append(asyncio.create_task(self._store(final.exported_kv, skip)))
+        store = StoreResult()
+        for piece_result in await asyncio.gather(*writes):  # never raises: failures are per block
+            store.add(piece_result)
+        store.seconds = time.perf_counter() - t_computed
+        rt.metrics.handoff_seconds.labels("store").observe(store.seconds)
+        if final is None or final.exported_kv is None or len(first) != n:
+            rt.metrics.requests.labels("aborted").inc()
+            raise PrefillAborted("request aborted")
+        if self.streamed:
+            rt.metrics.streamed_blocks.inc(self.streamed_blocks)
+        return self._result(final, first, first_lp, load, store, skip, t_engine, t_computed)
+
+    async def _store(self, piece, skip: int) -> StoreResult:
+        first, end = piece.first_block, piece.end_block
+        result = await store_blocks(self.rt, piece, self.keys, skip, self.lease_id)
+        self._mark_durable(max(first, skip), end, result.written)
+        return result
+
+    def _result(self, final, first, first_lp, load: LoadResult, store: StoreResult, skip: int, t_engine: float, t_computed: float) -> PrefillResult:
+        rt, msg, prompt = self.rt, self.msg, self.msg.prompt_token_ids
+        n = self.params.n
+        cached = final.num_cached_tokens + final.num_imported_tokens
+        timings = {
+            "queue_s": final.metrics.get("queue_s", 0.0),
+            "compute_s": t_computed - t_engine,
+            "load_s": load.seconds,
+            "write_s": store.seconds,
+            "total_s": time.perf_counter() - self.t0,
+        }
+        trace = {
+            "instance": rt.instance_id,
+            "local_cached_tokens": final.num_cached_tokens,
+            "pool_hit_blocks": load.hit_blocks,
+            "pool_miss_reasons": load.miss_reasons,
+            "bytes_read": load.bytes_read,
+            "bytes_written": store.bytes_written,
+            "blocks_written": store.blocks_written,
+            "blocks_already_in_pool": skip,
+            "blocks_failed": store.blocks_failed,
+            "write_fail_reasons": store.fail_reasons,
+            "streamed": self.streamed,
+            "streamed_blocks": self.streamed_blocks,
+            "durable_blocks": self.watermark,
+            "compute_done_at": self.compute_done_at,
+            **timings,
+        }
+        rt.metrics.requests.labels("ok").inc()
+        rt.metrics.request_seconds.observe(timings["total_s"])
+        if "ttft_s" in final.metrics:
+            rt.metrics.ttft_seconds.observe(final.metrics["ttft_s"])
+        log.info(
+            "prefill %s: %d tokens (%d cached), wrote %d blocks (%d failed, %d durable before compute ended), "
+            "%.1f ms of writes after compute %.1f ms",
+            msg.request_id, len(prompt), cached, store.blocks_written, store.blocks_failed, self.streamed_blocks,
+            store.seconds * 1e3, timings["compute_s"] * 1e3,
+        )
+        return PrefillResult(
+            request_id=msg.request_id,
+            first_token_ids=[first[i] for i in range(n)],
+            first_logprobs=[first_lp[i] for i in range(n)] if self.params.logprobs is not None and len(first_lp) == n else None,
+            block_keys=[str(k) for k in self.keys],
+            lease_id=self.lease_id,
+            num_prompt_tokens=len(prompt),
+            num_cached_tokens=cached,
+            num_computed_tokens=len(prompt) - cached,
+            bytes_written=store.bytes_written,
+            blocks_written=store.blocks_written,
+            blocks_failed=store.blocks_failed,
+            timings=timings,
+            trace=trace if msg.want_trace else None,
+        )
 
 
 def add_routes(app: web.Application, runtime: WorkerRuntime) -> None:

@@ -30,7 +30,8 @@ Rules worth knowing:
   chat defaults to the whole context left.
 - vLLM extensions: ``top_k`` (-1 or 0 = off), ``min_p``, ``repetition_penalty``,
   ``ignore_eos``, ``min_tokens``, ``stop_token_ids``. Tidepool's own: ``"tidepool":
-  {"trace": true}`` asks for the handoff trace in the response.
+  {"trace": true}`` asks for the handoff trace in the response; ``{"stream_handoff":
+  false}`` (or true) overrides the router's ``--stream-handoff`` for this request.
 """
 
 from __future__ import annotations
@@ -93,6 +94,7 @@ class GenerateRequest:
     constraint: Constraint | None = None
     tools: ToolRequest | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()
+    stream_handoff: bool | None = None  # None: the router's setting
 
     @property
     def num_prompts(self) -> int:
@@ -158,7 +160,7 @@ CHAT_FIELDS = COMMON_FIELDS | TOOL_REQUEST_FIELDS | {
     "messages", "max_completion_tokens", "top_logprobs", "store", "modalities",
 }  # fmt: skip
 STREAM_OPTIONS_FIELDS = frozenset({"include_usage"})
-TIDEPOOL_FIELDS = frozenset({"trace"})
+TIDEPOOL_FIELDS = frozenset({"trace", "stream_handoff"})
 
 
 def parse_request(body: Any, kind: Kind, *, served_model: str, vocab_size: int) -> GenerateRequest:
@@ -185,6 +187,7 @@ def parse_request(body: Any, kind: Kind, *, served_model: str, vocab_size: int) 
     ext = f.obj("tidepool")
     ext.only(TIDEPOOL_FIELDS)
     want_trace = ext.boolean("trace", False)
+    stream_handoff = ext.boolean("stream_handoff", None)
 
     if kind == "chat":
         messages = parse_messages(f.raw("messages"))
@@ -260,6 +263,7 @@ def parse_request(body: Any, kind: Kind, *, served_model: str, vocab_size: int) 
         constraint=constraint,
         tools=tools,
         logit_bias=_logit_bias(f, vocab_size),
+        stream_handoff=stream_handoff,
     )
 
 

@@ -9,15 +9,16 @@
 ``GET /openapi.json``              the OpenAPI document of the public API (openapi.py)
 ``POST /internal/v1/register``     ``RegisterInstance`` -> ``InstanceAck`` (msgpack)
 ``POST /internal/v1/heartbeat``    ``Heartbeat`` -> ``InstanceAck``; 404 from an unknown instance
-``GET /health /metrics /stats``    services/common
+``GET /ready``                      readiness: 200 once a decode instance is registered, else 503
+``GET /health /metrics /stats``    services/common (``/health`` is liveness only)
 =================================  =============================================================
 
 With ``api_key`` set, every ``/v1/`` route and ``/tokenize`` and ``/detokenize`` need
 ``Authorization: Bearer <key>`` (401 otherwise), compared in constant time (vLLM leaves
-its utility endpoints open; here they run the tokenizer, which is work worth a key). The internal routes are not behind it: instances
-do not hold the client key. They are behind the services' shared ``internal_token``
-when one is set (services/common/app.py), and like every service the router binds to
-localhost unless told otherwise.
+its utility endpoints open; here they run the tokenizer, which is work worth a key). The
+internal routes are not behind it: instances do not hold the client key. They are behind
+the services' shared ``internal_token`` when one is set (services/common/app.py), and
+like every service the router binds to localhost unless told otherwise.
 """
 
 from __future__ import annotations
@@ -97,6 +98,22 @@ async def _models(request: web.Request) -> web.Response:
     return web.json_response({"object": "list", "data": [card]})
 
 
+async def _ready(request: web.Request) -> web.Response:
+    """Readiness, as opposed to ``/health`` (liveness: the process answers).
+
+    A request can succeed once one decode instance is registered with current heartbeats:
+    decode serves a whole request by itself when no prefill instance is there. Until then
+    (start-up, or every decode gone) this answers 503, so load balancers, compose's
+    healthcheck and ``make run`` wait instead of sending requests that would get 503."""
+    registry = request.app[STATE].registry
+    live = {role: len(registry.live(role)) for role in ("prefill", "decode")}
+    usable = {role: len(registry.usable(role)) for role in ("prefill", "decode")}
+    body: dict[str, object] = {"ready": live["decode"] > 0, "live": live, "usable": usable}
+    if not body["ready"]:
+        body["reason"] = "no decode instance is registered"
+    return web.json_response(body, status=200 if body["ready"] else 503)
+
+
 async def _workers(request: web.Request) -> web.Response:
     return web.json_response({"object": "list", "data": request.app[STATE].registry.describe()})
 
@@ -162,8 +179,9 @@ def create_router_app(settings: RouterSettings, tokenizer: Tokenizer | None = No
     the model's own name, and instances may register under either."""
     if tokenizer is None or model_name is None:
         from libs.model.source import load_tokenizer, model_name as name_of, resolve_model_path
+        from libs.model.weight_cache import resolve_cache_dir
 
-        tokenizer = tokenizer or load_tokenizer(settings.model)
+        tokenizer = tokenizer or load_tokenizer(settings.model, resolve_cache_dir(settings.cache_dir))
         model_name = model_name or name_of(resolve_model_path(settings.model))
     served = settings.served_model_name or model_name
     metrics_registry = CollectorRegistry()
@@ -232,6 +250,7 @@ def create_router_app(settings: RouterSettings, tokenizer: Tokenizer | None = No
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/v1/workers", _workers)
+    app.router.add_get("/ready", _ready)
     document = openapi_document(served_model=served, vocab_size=tokenizer.vocab_size, api_key=settings.api_key is not None)
 
     async def openapi(request: web.Request) -> web.Response:

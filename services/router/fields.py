@@ -17,9 +17,12 @@ so the rules are the same everywhere:
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable
+from typing import Any, Iterable, TypeVar
 
 from services.router.errors import ApiError, bad_request
+
+
+D = TypeVar("D", bool, None)
 
 
 def json_type(value: Any) -> str:
@@ -115,7 +118,7 @@ class Fields:
             raise bad_request(f"'{name}' must be in {interval}, got {value}", name)
         return value
 
-    def boolean(self, field: str, default: bool) -> bool:
+    def boolean(self, field: str, default: D) -> bool | D:
         value = self._typed(field, bool, "a boolean")
         return default if value is None else value
 

@@ -26,6 +26,18 @@ Faults cost latency, never a request:
   for at most ``queue_timeout_s`` in all; then the client gets a 429 with
   ``Retry-After``. A prefill that answers 429 costs only the handoff: decode computes.
 
+Streamed handoff (``--stream-handoff``, on by default; docs/HANDOFF.md): prefill is asked
+for ``stream_progress`` and answers with ``PrefillProgress`` events before its result.
+As soon as the first one arrives (prefill has its lease), the choices start their decode
+attempts with ``await_handoff``; each attempt forwards every change of the prompt's
+:class:`~services.router.progress.HandoffProgress` to its decode instance as a
+``HandoffUpdate``, so decode loads durable blocks while prefill computes the rest. When
+the result arrives, the choice streams its first token to the client and forwards it in
+the last update; decode generates after it. A prefill that fails mid-way is forwarded
+as a last update without a first token: decode loads what is durable and computes the
+tail and the first token itself (the choice's stream then carries every token). A prefill
+that answers without progress events (an older instance) takes the classic path.
+
 Contract with decode (as libs/engine's ``output_prefix``): when ``first_token_id`` is set,
 decode's stream carries only the tokens *after* it, since the router already has it from
 ``PrefillResult`` (and streams it to the client at once). ``max_tokens`` counts it.
@@ -41,13 +53,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from contextlib import aclosing
 from dataclasses import dataclass, field
 
-from libs.protocol.messages import DecodeRequest, PrefillRequest, PrefillResult, TokenLogprobs
+from libs.protocol.messages import DecodeRequest, HandoffUpdate, PrefillProgress, PrefillRequest, PrefillResult, TokenLogprobs
 from services.router import placement
 from services.router.api import GenerateRequest, choice_seed
 from services.router.detok import Piece, TextAssembler, TokenLogprob
 from services.router.errors import ApiError, no_decode_instance, overloaded
+from services.router.progress import HandoffProgress
 from services.router.registry import Instance
 from services.router.state import RouterState
 from services.router.trace import AttemptTrace, PromptTrace
@@ -81,6 +95,18 @@ class Handoff:
     first_logprobs: list[TokenLogprobs] | None = None
     block_keys: list[str] = field(default_factory=list)
     lease_id: str | None = None
+    progress: HandoffProgress | None = None  # a streamed handoff: prefill's progress
+
+    @property
+    def streaming(self) -> bool:
+        """Prefill is still running: decode attempts start with ``await_handoff``."""
+        return self.progress is not None and not self.progress.final
+
+    def take_result(self, result: PrefillResult) -> None:
+        self.first_token_ids = result.first_token_ids
+        self.first_logprobs = result.first_logprobs
+        self.block_keys = result.block_keys
+        self.lease_id = result.lease_id
 
 
 _FULL = "status_429"  # an instance at its queue bound (services/worker/app.py)
@@ -114,6 +140,7 @@ class PromptJob:
         self.trace = trace
         self.outbox = outbox
         self.choices = [ChoiceJob(self, i) for i in range(req.n)]
+        self._prefill_task: asyncio.Task[None] | None = None
 
     @property
     def cached_tokens(self) -> int:
@@ -127,8 +154,14 @@ class PromptJob:
         return min(cached, len(self.prompt_ids))
 
     async def run(self) -> None:
-        handoff = await self._prefill()
-        await asyncio.gather(*(choice.run(handoff) for choice in self.choices))
+        try:
+            handoff = await self._prefill()
+            await asyncio.gather(*(choice.run(handoff) for choice in self.choices))
+        finally:
+            task = self._prefill_task
+            if task is not None and not task.done():  # the choices ended first (cancelled)
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
 
     def _decide(self, decision: str, reason: str | None = None) -> None:
         self.trace.prefill.decision = decision
@@ -156,30 +189,58 @@ class PromptJob:
                 handoff.block_keys = keys
                 self._decide(placement.SKIP_IN_POOL, f"all {len(keys)} blocks in the pool")
                 return handoff
-        result = await self._call_prefill(prefill)
-        if result is not None:
-            handoff.first_token_ids = result.first_token_ids
-            handoff.first_logprobs = result.first_logprobs
-            handoff.block_keys = result.block_keys
-            handoff.lease_id = result.lease_id
+        stream = self.req.stream_handoff if self.req.stream_handoff is not None else s.stream_handoff
+        if not stream:
+            result = await self._call_prefill(prefill, None)
+            if result is not None:
+                handoff.take_result(result)
+            return handoff
+        # Streamed: the choices start once prefill has announced its progress (or is done).
+        handoff.progress = HandoffProgress()
+        self._prefill_task = asyncio.create_task(self._prefill_in_background(prefill, handoff), name=f"prefill {self.id}")
+        await handoff.progress.wait_started()
         return handoff
 
-    async def _call_prefill(self, inst: Instance) -> PrefillResult | None:
-        """Prefill's result, or None (decided and traced) when decode must do it all."""
+    async def _prefill_in_background(self, inst: Instance, handoff: Handoff) -> None:
+        assert handoff.progress is not None
+        try:
+            await self._call_prefill(inst, handoff)
+        finally:
+            if not handoff.progress.final:  # a bug, not a prefill failure: never leave the choices waiting
+                handoff.progress.fail("internal")
+
+    async def _call_prefill(self, inst: Instance, handoff: Handoff | None) -> PrefillResult | None:
+        """Prefill's result, or None (decided and traced) when decode must do it all.
+
+        With ``handoff`` (streamed) progress goes into ``handoff.progress`` as it arrives,
+        and the outcome too: the result (after ``handoff`` took it) or the failure."""
         state, t = self.state, self.trace.prefill
+        progress = handoff.progress if handoff is not None else None
         req = PrefillRequest(
             request_id=self.id,
             prompt_token_ids=self.prompt_ids,
             sampling=self.req.sampling(max_tokens=self.max_tokens, n=self.req.n, seed=self.req.seed),
             lease_ttl_s=state.settings.lease_ttl_s,
             want_trace=True,
+            stream_progress=progress is not None,
         )
         t.instance, t.request_id = inst.id, self.id
         inst.dispatched += 1
         inst.in_flight += 1
         started = time.perf_counter()
+        result: PrefillResult | None = None
         try:
-            result = await state.client.prefill(inst.url, req)
+            async with aclosing(state.client.prefill(inst.url, req)) as messages:
+                async for msg in messages:
+                    if msg.request_id != self.id:
+                        raise WorkerError("protocol", f"prefill answered for {msg.request_id}")
+                    if isinstance(msg, PrefillResult):
+                        result = msg
+                        break
+                    if progress is not None:
+                        progress.update(msg)
+            if result is None:
+                raise WorkerError("truncated", "prefill's answer ended without a PrefillResult")
             self._check(result)
         except WorkerError as exc:
             if exc.reason == _FULL:
@@ -188,18 +249,25 @@ class PromptJob:
             elif _marks_unusable(exc.reason):
                 state.registry.mark_unusable(inst, f"prefill {exc}")
             state.client.abort(inst.url, self.id)  # it may still be working (a timeout)
-            log.warning("prefill of %s on %s failed (%s); decode serves the whole request", self.id, inst.id, exc)
+            log.warning("prefill of %s on %s failed (%s); decode computes what it lacks", self.id, inst.id, exc)
             self._decide(placement.PREFILL_FAILED, exc.reason)
+            if progress is not None:
+                progress.fail(exc.reason)
             return None
         except asyncio.CancelledError:
             state.client.abort(inst.url, self.id)
             t.decision = "cancelled"  # the trace says where it was; not a placement decision
+            if progress is not None:
+                progress.fail("cancelled")
             raise
         finally:
             inst.in_flight -= 1
             t.call_s = time.perf_counter() - started
         t.result = result
         self._decide(placement.PREFILL)
+        if handoff is not None and progress is not None:
+            handoff.take_result(result)
+            progress.finish(result)
         return result
 
     def _check(self, result: PrefillResult) -> None:
@@ -230,6 +298,8 @@ class ChoiceJob:
         self.attempts: list[AttemptTrace] = job.trace.choices.setdefault(i, [])
         self.first_token_at: float | None = None
         self.last_token_at: float | None = None
+        self._first_taken = False  # prefill's first token (if any) is in ``generated``
+        self._final_sent = False  # this attempt forwarded the handoff's last update
 
     async def run(self, handoff: Handoff) -> None:
         """Generate until done; never raises but for cancellation (errors go to the outbox)."""
@@ -246,22 +316,36 @@ class ChoiceJob:
             return
         self._emit(Piece(text=self.text.finish()), reason)
 
+    def _take_first(self, handoff: Handoff) -> bool:
+        """Stream prefill's first token of this choice to the client (once); whether a stop
+        string already matched. Nothing to take when prefill did not answer."""
+        if self._first_taken:
+            return False
+        self._first_taken = True
+        if handoff.first_token_ids is None:
+            return False
+        first = handoff.first_token_ids[self.i]
+        first_lp = handoff.first_logprobs[self.i] if handoff.first_logprobs else None
+        piece = self.text.add([first], [first_lp] if first_lp else None)
+        self.generated.append(first)
+        self._emit(piece)
+        return self.text.stopped
+
     async def _generate(self, handoff: Handoff) -> str:
-        if handoff.first_token_ids is not None:
-            first = handoff.first_token_ids[self.i]
-            first_lp = handoff.first_logprobs[self.i] if handoff.first_logprobs else None
-            piece = self.text.add([first], [first_lp] if first_lp else None)
-            self.generated.append(first)
-            self._emit(piece)
-            if self.text.stopped:
-                return "stop"  # nothing sent to decode yet; the lease simply expires
         failures = 0
         full_until: float | None = None  # the deadline once an instance answered 429
         while True:
+            if not handoff.streaming and self._take_first(handoff):
+                return "stop"  # nothing sent to decode yet; the lease simply expires
             inst = await self._pick_decode(handoff.namespace)
-            req = self._decode_request(handoff, failures)
+            if handoff.streaming:
+                req = self._streamed_request(failures)
+            elif self._take_first(handoff):  # prefill finished while an instance was picked
+                return "stop"
+            else:
+                req = self._decode_request(handoff, failures)
             try:
-                return await self._stream(inst, req)
+                return await self._stream(inst, req, handoff if req.await_handoff else None)
             except WorkerError as exc:
                 if exc.reason == _FULL:
                     full_until = full_until or time.monotonic() + self.state.settings.queue_timeout_s
@@ -358,42 +442,40 @@ class ChoiceJob:
             want_trace=True,
         )
 
-    async def _stream(self, inst: Instance, req: DecodeRequest) -> str:
-        """Run one decode attempt to its end; the finish reason, or ``WorkerError``."""
+    def _streamed_request(self, attempt: int) -> DecodeRequest:
+        """A decode attempt that starts before prefill's result (``await_handoff``)."""
+        job = self.job
+        return DecodeRequest(
+            request_id=self.id if attempt == 0 else f"{self.id}.r{attempt}",
+            prompt_token_ids=job.prompt_ids,
+            sampling=job.req.sampling(max_tokens=job.max_tokens, n=1, seed=self.seed),
+            want_trace=True,
+            await_handoff=True,
+        )
+
+    async def _stream(self, inst: Instance, req: DecodeRequest, handoff: Handoff | None = None) -> str:
+        """Run one decode attempt to its end; the finish reason, or ``WorkerError``.
+
+        With ``handoff`` (a streamed attempt) prefill's progress is forwarded to decode
+        alongside reading its stream."""
         state = self.state
         a = AttemptTrace(
             instance=inst.id,
             request_id=req.request_id,
             tokens_before=len(self.generated),
             with_first_token=req.first_token_id is not None,
+            streamed=handoff is not None,
         )
         self.attempts.append(a)
         inst.dispatched += 1
         inst.in_flight += 1
-        ended_by_decode = False
+        self._ended_by_decode = False
+        self._final_sent = False
         try:
             async with state.client.decode(inst.url, req) as events:
-                async for ev in events:
-                    if a.first_event_s is None:
-                        a.first_event_s = time.perf_counter() - a.started
-                    a.num_cached_tokens = max(a.num_cached_tokens, ev.num_cached_tokens)
-                    piece = self.text.add(ev.token_ids, ev.logprobs)
-                    self.generated.extend(ev.token_ids[: piece.num_tokens])
-                    a.tokens += piece.num_tokens
-                    self._emit(piece)
-                    if ev.finish_reason is not None:
-                        ended_by_decode = True
-                        a.worker = ev.trace
-                    if self.text.stopped:
-                        a.outcome = "stop_string"
-                        state.metrics.aborts.labels("stop_string").inc()
-                        return "stop"
-                    if ev.finish_reason in ("stop", "length"):
-                        a.outcome = ev.finish_reason
-                        return ev.finish_reason
-                    if ev.finish_reason is not None:
-                        raise WorkerError(f"decode_{ev.finish_reason}", ev.error or "")
-                raise WorkerError("truncated", "the stream ended without a final event")
+                if handoff is None:
+                    return await self._read(events, a, streamed=False)
+                return await self._relay(inst, req, events, handoff, a)
         except WorkerError as exc:
             a.outcome = exc.reason
             raise
@@ -403,8 +485,88 @@ class ChoiceJob:
         finally:
             a.seconds = time.perf_counter() - a.started
             inst.in_flight -= 1
-            if not ended_by_decode:
+            if not self._ended_by_decode:
                 state.client.abort(inst.url, req.request_id)
+
+    async def _read(self, events, a: AttemptTrace, *, streamed: bool) -> str:
+        """Consume one decode stream: emit its tokens; the finish reason, or ``WorkerError``."""
+        state = self.state
+        async for ev in events:
+            if a.first_event_s is None:
+                a.first_event_s = time.perf_counter() - a.started
+            if streamed and ev.token_ids and not self._final_sent:
+                raise WorkerError("protocol", "decode generated before the handoff's last update")
+            a.num_cached_tokens = max(a.num_cached_tokens, ev.num_cached_tokens)
+            piece = self.text.add(ev.token_ids, ev.logprobs)
+            self.generated.extend(ev.token_ids[: piece.num_tokens])
+            a.tokens += piece.num_tokens
+            self._emit(piece)
+            if ev.finish_reason is not None:
+                self._ended_by_decode = True
+                a.worker = ev.trace
+            if self.text.stopped:
+                a.outcome = "stop_string"
+                state.metrics.aborts.labels("stop_string").inc()
+                return "stop"
+            if ev.finish_reason in ("stop", "length"):
+                a.outcome = ev.finish_reason
+                return ev.finish_reason
+            if ev.finish_reason is not None:
+                raise WorkerError(f"decode_{ev.finish_reason}", ev.error or "")
+        raise WorkerError("truncated", "the stream ended without a final event")
+
+    async def _relay(self, inst: Instance, req: DecodeRequest, events, handoff: Handoff, a: AttemptTrace) -> str:
+        """A streamed attempt: read decode's stream while forwarding prefill's progress."""
+        read = asyncio.ensure_future(self._read(events, a, streamed=True))
+        forward = asyncio.ensure_future(self._forward(inst, req.request_id, handoff, a, lease=req.request_id == self.id))
+        try:
+            done, _ = await asyncio.wait({read, forward}, return_when=asyncio.FIRST_COMPLETED)
+            if forward in done and forward.result():  # raises if forwarding failed
+                a.outcome = "stop_string"  # prefill's first token matched a stop string
+                self.state.metrics.aborts.labels("stop_string").inc()
+                return "stop"
+            return await read
+        finally:
+            for t in (read, forward):
+                t.cancel()
+            await asyncio.gather(read, forward, return_exceptions=True)
+
+    async def _forward(self, inst: Instance, request_id: str, handoff: Handoff, a: AttemptTrace, *, lease: bool) -> bool:
+        """Post every change of prefill's progress to decode as a ``HandoffUpdate``, until
+        the last one. Returns True when prefill's first token already ended the choice (a
+        stop string): nothing is forwarded then."""
+        progress = handoff.progress
+        assert progress is not None
+        sent: tuple[int, str | None] | None = None
+        while True:
+            version = progress.version
+            lease_id = progress.lease_id if lease else None
+            if progress.final:
+                if self._take_first(handoff):
+                    return True
+                first = handoff.first_token_ids[self.i] if handoff.first_token_ids is not None else None
+                first_lp = handoff.first_logprobs[self.i] if first is not None and handoff.first_logprobs else None
+                a.with_first_token = first is not None
+                self._final_sent = True
+                update = HandoffUpdate(
+                    request_id=request_id, durable_blocks=progress.durable_blocks, lease_id=lease_id, done=True,
+                    first_token_id=first, first_logprobs=first_lp, error=progress.error,
+                )
+                await self._post_update(inst, update, a, "final" if first is not None else "failed")
+                return False
+            if (progress.durable_blocks, lease_id) != sent:
+                sent = (progress.durable_blocks, lease_id)
+                update = HandoffUpdate(request_id=request_id, durable_blocks=progress.durable_blocks, lease_id=lease_id)
+                await self._post_update(inst, update, a, "progress")
+            await progress.wait_newer(version)
+
+    async def _post_update(self, inst: Instance, update: HandoffUpdate, a: AttemptTrace, kind: str) -> None:
+        try:
+            await self.state.client.handoff_update(inst.url, update)
+        except WorkerError as exc:  # decode cannot follow the handoff: the attempt is broken
+            raise WorkerError(f"handoff_{exc.reason}", exc.detail) from None
+        a.updates += 1
+        self.state.metrics.handoff_updates.labels(kind).inc()
 
     def _emit(self, piece: Piece, finish_reason: str | None = None) -> None:
         if piece.num_tokens:

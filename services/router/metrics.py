@@ -81,6 +81,7 @@ class RouterMetrics:
     pool_misses: Counter
     pool_bytes: Counter
     handoff: Histogram
+    handoff_updates: Counter
     registrations: Counter
     instances_dropped: Counter
     overloaded: Counter
@@ -105,7 +106,8 @@ class RouterMetrics:
             pool_hits=Counter("tidepool_router_pool_hit_blocks", "KV blocks instances loaded from the pool for this router's requests", registry=registry),
             pool_misses=Counter("tidepool_router_pool_miss_blocks", "KV blocks instances could not load from the pool, by reason", ["reason"], registry=registry),
             pool_bytes=Counter("tidepool_router_pool_bytes", "KV bytes moved through the pool, by direction", ["direction"], registry=registry),
-            handoff=Histogram("tidepool_router_handoff_seconds", "prefill's pool write time + decode's pool load time", buckets=_LATENCY, registry=registry),
+            handoff=Histogram("tidepool_router_handoff_seconds", "pool time of a handoff not overlapped with prefill's compute (prefill's writes after compute + decode's loads after prefill's result)", buckets=_LATENCY, registry=registry),
+            handoff_updates=Counter("tidepool_router_handoff_updates", "streamed handoff: prefill progress updates forwarded to decode, by kind (progress, final, failed)", ["kind"], registry=registry),
             registrations=Counter("tidepool_router_registrations", "instance registrations, by role", ["role"], registry=registry),
             instances_dropped=Counter("tidepool_router_instances_dropped", "instances dropped for missed heartbeats, by role", ["role"], registry=registry),
             instance_full=Counter("tidepool_router_instance_full", "429s from instances at their queue bound, by role", ["role"], registry=registry),

@@ -17,6 +17,11 @@ class RouterSettings(BaseSettings):
         help="tokenizer and chat template source: a .gguf file or Hugging Face folder (no weights "
         "are loaded); default: the embedded SmolLM2-135M-Instruct",
     )
+    cache_dir: str | None = setting(
+        "auto",
+        help="where a GGUF's metadata (the tokenizer) is cached for fast restarts; auto: "
+        "$XDG_CACHE_HOME/tidepool or ~/.cache/tidepool; none: off",
+    )
     served_model_name: str | None = setting(
         None, help="the model name clients send and /v1/models lists; default: the model's own name"
     )
@@ -42,6 +47,11 @@ class RouterSettings(BaseSettings):
     cache_store_timeout_s: float = setting(
         0.5, help="longest wait for cache_store's answer before prefilling anyway"
     )
+    stream_handoff: bool = setting(
+        True,
+        help="streamed handoff: prefill reports its progress and decode loads the blocks already "
+        "durable while prefill computes the rest (docs/HANDOFF.md); off: decode starts after prefill's result",
+    )
     prefill_timeout_s: float = setting(
         60.0, help="longest wait for a PrefillResult; after it decode serves the whole request"
     )
@@ -57,7 +67,9 @@ class RouterSettings(BaseSettings):
         2, help="times a broken decode stream is resumed on another (or a re-registered) instance"
     )
     retry_wait_s: float = setting(
-        5.0, help="how long a resumed stream waits for a usable decode instance to (re)appear"
+        30.0,
+        help="how long a request waits for a usable decode instance to (re)appear: long enough for a "
+        "supervisor to restart a crashed one (a resumed stream continues on it)",
     )
     # -- input limits and overload (services/router/body.py, executor.py, admission.py) --
     max_body_bytes: int = setting(

@@ -22,8 +22,9 @@ router reads these top-level keys and ignores anything else, or of another type:
 
 Totals (``RequestTrace.totals``) sum over prompts, choices and attempts. ``transfer_s``
 is all pool time (prefill's ``load_s`` and ``write_s``, decode's ``load_s``); a handoff's
-latency, for the metric, is prefill's ``write_s`` plus the ``load_s`` of the decode that
-took over from it.
+latency, for the metric, is the pool time not overlapped with prefill's compute: prefill's
+``write_s`` (its writes after compute ended) plus, for the decode that took over from it,
+``load_tail_s`` (its loads after prefill's result, in a streamed handoff) or ``load_s``.
 """
 
 from __future__ import annotations
@@ -122,6 +123,7 @@ class AttemptTrace:
     request_id: str
     tokens_before: int  # completion tokens the choice had when this attempt started (1: prefill's first token)
     with_first_token: bool
+    streamed: bool = False  # started before prefill's result (await_handoff)
     started: float = field(default_factory=time.perf_counter)
     outcome: str = "running"
     first_event_s: float | None = None
@@ -129,6 +131,7 @@ class AttemptTrace:
     tokens: int = 0
     num_cached_tokens: int = 0
     worker: dict[str, Any] | None = None
+    updates: int = 0  # HandoffUpdates forwarded to decode (streamed attempts)
 
     @property
     def numbers(self) -> WorkerNumbers:
@@ -140,6 +143,8 @@ class AttemptTrace:
             "request_id": self.request_id,
             "tokens_before": self.tokens_before,
             "with_first_token": self.with_first_token,
+            "streamed": self.streamed,
+            "handoff_updates": self.updates,
             "outcome": self.outcome,
             "first_event_s": None if self.first_event_s is None else round(self.first_event_s, 6),
             "seconds": None if self.seconds is None else round(self.seconds, 6),
@@ -232,8 +237,9 @@ class RequestTrace:
                     t.decode_s += dec.timings.get("decode_s", a.seconds or 0.0)
                     load_s = dec.timings.get("load_s")
                     t.transfer_s += load_s or 0.0
-                    if n == 0 and r is not None and (write_s is not None or load_s is not None):
-                        t.handoffs_s.append((write_s or 0.0) + (load_s or 0.0))
+                    exposed = dec.timings.get("load_tail_s", load_s)  # streamed: after prefill's result
+                    if n == 0 and r is not None and (write_s is not None or exposed is not None):
+                        t.handoffs_s.append((write_s or 0.0) + (exposed or 0.0))
             t.transfer_s += write_s or 0.0
         return t
 

@@ -25,9 +25,16 @@ from libs.protocol import (
     encode,
     internal_headers,
     iter_messages,
-    read_response,
 )
-from libs.protocol.messages import AbortRequest, DecodeRequest, PrefillRequest, PrefillResult, TokenEvent
+from libs.protocol.messages import (
+    AbortRequest,
+    DecodeRequest,
+    HandoffUpdate,
+    PrefillProgress,
+    PrefillRequest,
+    PrefillResult,
+    TokenEvent,
+)
 from services.router.settings import RouterSettings
 
 log = logging.getLogger("tidepool.router.workers")
@@ -86,13 +93,28 @@ class WorkerClient:
             await asyncio.wait(self._background, timeout=2.0)
         await self.session.close()
 
-    async def prefill(self, url: str, req: PrefillRequest) -> PrefillResult:
+    async def prefill(self, url: str, req: PrefillRequest) -> AsyncIterator[PrefillProgress | PrefillResult]:
+        """Prefill's answer as messages: ``PrefillProgress`` events (with
+        ``stream_progress``), then the ``PrefillResult``; a plain answer is a stream of one.
+        The whole answer must come within ``prefill_timeout_s``."""
         timeout = aiohttp.ClientTimeout(total=self.settings.prefill_timeout_s)
         with _failures(f"no PrefillResult within {self.settings.prefill_timeout_s} s"):
             async with self.session.post(url + "/v1/prefill", data=encode(req), headers=_HEADERS, timeout=timeout) as resp:
                 if resp.status != 200:
                     raise _status_error(resp.status, await resp.read())
-                return await read_response(resp, PrefillResult)
+                async for msg in iter_messages(resp):
+                    if not isinstance(msg, (PrefillProgress, PrefillResult)):
+                        raise WorkerError("protocol", f"prefill sent a {msg.TYPE}")
+                    yield msg
+
+    async def handoff_update(self, url: str, update: HandoffUpdate) -> None:
+        """Post one ``HandoffUpdate`` to a decode instance (a streamed handoff)."""
+        timeout = aiohttp.ClientTimeout(total=self.settings.decode_connect_timeout_s)
+        with _failures("decode did not take the handoff update in time"):
+            async with self.session.post(url + "/v1/handoff", data=encode(update), headers=_HEADERS, timeout=timeout) as resp:
+                body = await resp.read()
+                if resp.status != 200:
+                    raise _status_error(resp.status, body)
 
     @asynccontextmanager
     async def decode(self, url: str, req: DecodeRequest) -> AsyncIterator[AsyncIterator[TokenEvent]]:

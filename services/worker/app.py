@@ -52,7 +52,7 @@ def create_worker_app(settings: WorkerSettings, role: Role, routes: Callable[[we
 
     async def abort(request: web.Request) -> web.Response:
         msg = await read_message(request, AbortRequest)
-        runtime.engine.abort(msg.request_id)
+        runtime.abort(msg.request_id)
         return web.json_response({"aborted": msg.request_id})
 
     app.on_startup.append(on_startup)
@@ -94,7 +94,9 @@ def reachable_url(url: str) -> str:
 def run_worker(role: Role, routes: Callable[[web.Application, WorkerRuntime], None]) -> None:
     """``python -m services.<role>``: parse settings, load the engine, serve until signalled."""
     from services.common import parse_settings, run_service
+    from services.common.runner import configure_logging
 
     settings = parse_settings(WorkerSettings, prog=f"python -m services.{role}")
+    configure_logging(settings.log_level)  # before the engine loads: its log says where weights came from
     app = create_worker_app(settings, role, routes)
     run_service(app, settings, announce=announce_with(app))

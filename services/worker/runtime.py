@@ -24,9 +24,11 @@ from libs.kvpool.codec import BlockCodec
 from libs.kvpool.config import PoolConfig
 from libs.kvpool.redis_pool import RedisPool
 from libs.kvpool.writer import AsyncWriter
+from libs.model.weight_cache import resolve_cache_dir
 from libs.protocol import encode, internal_headers
 from libs.protocol.messages import Heartbeat, RegisterInstance
 from services.common import configure_torch_threads
+from services.worker.pool_health import PoolHealth
 from services.worker.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
@@ -51,6 +53,9 @@ class WorkerMetrics:
     handoff_seconds: Histogram
     ttft_seconds: Histogram
     tpot_seconds: Histogram
+    streamed_blocks: Counter
+    early_blocks: Counter
+    handoff_updates: Counter
 
     @classmethod
     def create(cls, registry: CollectorRegistry, runtime: "WorkerRuntime") -> "WorkerMetrics":
@@ -65,6 +70,12 @@ class WorkerMetrics:
             Gauge(name, help_, registry=registry).set_function(snap(attr))
         Gauge("tidepool_kv_blocks_used", "KV cache blocks in use", registry=registry).set_function(
             lambda: runtime.engine.snapshot.total_blocks - runtime.engine.snapshot.free_blocks
+        )
+        Gauge("tidepool_pool_up", "1 while the pool's Redis answers, 0 while it is known to be down", registry=registry).set_function(
+            lambda: 1.0 if runtime.pool_health.up else 0.0
+        )
+        Gauge("tidepool_pool_outages", "times the pool became unreachable (cumulative)", registry=registry).set_function(
+            lambda: runtime.pool_health.outages
         )
         Gauge("tidepool_prefix_cache_hit_blocks", "blocks served by the local prefix cache (cumulative)", registry=registry).set_function(snap("prefix_hit_blocks"))
         Gauge("tidepool_generated_tokens", "tokens generated (cumulative)", registry=registry).set_function(snap("generated_tokens"))
@@ -83,6 +94,9 @@ class WorkerMetrics:
             handoff_seconds=Histogram("tidepool_handoff_seconds", "pool transfer time of one request, by phase", ["phase"], buckets=_LATENCY_BUCKETS, registry=registry),
             ttft_seconds=Histogram("tidepool_worker_ttft_seconds", "arrival to first token produced here", buckets=_LATENCY_BUCKETS, registry=registry),
             tpot_seconds=Histogram("tidepool_worker_tpot_seconds", "time per output token after the first", buckets=_LATENCY_BUCKETS, registry=registry),
+            streamed_blocks=Counter("tidepool_prefill_streamed_blocks", "prefill: blocks durable in the pool before their prompt finished computing (streamed handoff)", registry=registry),
+            early_blocks=Counter("tidepool_handoff_early_blocks", "decode: blocks loaded before prefill finished (streamed handoff)", registry=registry),
+            handoff_updates=Counter("tidepool_handoff_updates", "decode: prefill progress updates received, by kind (progress, final, failed)", ["kind"], registry=registry),
         )
 
 
@@ -108,6 +122,7 @@ class WorkerRuntime:
             moe_strategy=settings.moe_strategy,
             moe_fake_balance=settings.moe_fake_balance,
             quantization=settings.quantization,
+            weight_cache_dir=str(cache) if (cache := resolve_cache_dir(settings.cache_dir)) else None,
             num_threads=settings.threads,
             swap_buffers=settings.swap_buffers,
             swap_max_blocks=settings.swap_max_blocks,
@@ -125,8 +140,11 @@ class WorkerRuntime:
                 bulk_model=settings.pool_bulk_model,
             )
         )
+        self.pool_health = PoolHealth(self.pool, check_s=settings.pool_check_s, timeout_s=settings.pool_check_s)
         self.writer: AsyncWriter | None = None
         self.in_flight = 0  # HTTP requests inside this instance (queue depth for the router)
+        # decode: requests waiting on a streamed handoff, by id (services/decode/handoff.py)
+        self.handoffs: dict[str, Any] = {}
         self._tasks: list[asyncio.Task[Any]] = []
         self._http: aiohttp.ClientSession | None = None
         self.url: str | None = settings.advertise_url
@@ -134,6 +152,13 @@ class WorkerRuntime:
 
     def _on_step(self, seconds: float, running: int) -> None:
         self.metrics.step_seconds.observe(seconds)
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request wherever it is: in the engine, or waiting on its handoff."""
+        waiting = self.handoffs.get(request_id)
+        if waiting is not None:
+            waiting.abort()
+        self.engine.abort(request_id)
 
     def keys(self, token_ids: list[int]) -> list[BlockKey]:
         return block_keys(self.namespace, token_ids)
@@ -149,6 +174,7 @@ class WorkerRuntime:
         self.writer = AsyncWriter(self.pool, workers=self.settings.pool_workers)
         if self.url is None and app_url is not None:
             self.url = app_url
+        self._tasks.append(asyncio.create_task(self.pool_health.run(), name="pool health"))
         if self.settings.router_url:
             self._http = aiohttp.ClientSession(
                 timeout=aiohttp.ClientTimeout(total=5), headers=internal_headers(self.settings.internal_token)
@@ -179,6 +205,7 @@ class WorkerRuntime:
             "in_flight": self.in_flight,
             "staging_in_use": self.llm.swapper.in_use,
             "writer": self.writer.stats() if self.writer is not None else None,
+            "pool": self.pool_health.stats(),
         }
 
     def healthy(self) -> bool:

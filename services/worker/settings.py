@@ -25,6 +25,11 @@ class WorkerSettings(BaseSettings):
     max_num_batched_tokens: int | None = setting(None, help="tokens per step at most (chunked prefill); default 1024 CPU / 8192 CUDA")
     enable_prefix_caching: bool = setting(True, help="reuse KV blocks of identical prefixes inside this instance")
     attention_backend: Literal["auto", "torch", "triton"] = setting("auto", help="attention kernels")
+    cache_dir: str | None = setting(
+        "auto",
+        help="where a GGUF's converted weights are cached and memory-mapped on the next start "
+        "(a warm start skips conversion); auto: $XDG_CACHE_HOME/tidepool or ~/.cache/tidepool; none: off",
+    )
     quantized_weights: bool = setting(False, help="CPU + GGUF: decode with the file's 4-bit weights (approximate, ~2x faster decode)")
     moe_strategy: Literal[STRATEGIES] = setting("auto", help="MoE models: how experts run (libs/model/moe/strategy.py)")
     moe_fake_balance: bool = setting(False, help="MoE models: FakeBalanceExpert routing, for load benchmarks only (changes the output)")
@@ -40,6 +45,9 @@ class WorkerSettings(BaseSettings):
     pool_bulk_model: Literal["threads", "asyncio"] = setting(
         "threads", help="how block values move: threads (blocking recv_into, GIL released) or asyncio (BufferedProtocol)"
     )
+    pool_check_s: float = setting(
+        1.0, help="seconds between pings of the pool's Redis; while it is down requests skip the pool (recompute)"
+    )
     router_url: str | None = setting(None, help="router to register with (heartbeats every heartbeat_s); none: standalone")
     advertise_url: str | None = setting(None, help="URL the router reaches this instance at; default http://<host>:<port>")
     instance_id: str | None = setting(None, help="stable id for this instance; default: random")
@@ -51,6 +59,9 @@ class WorkerSettings(BaseSettings):
         "past it a new one gets 429 with Retry-After and the router places it elsewhere or waits",
     )
     retry_after_s: int = setting(1, help="the Retry-After (seconds) of a 429")
+    handoff_timeout_s: float = setting(
+        120.0, help="decode: longest wait for prefill's last progress update in a streamed handoff before failing the request (the router resumes it)"
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -58,5 +69,5 @@ class WorkerSettings(BaseSettings):
             raise ValueError("threads must be >= 1")
         if self.max_queue_depth < 1 or self.retry_after_s < 1:
             raise ValueError("max_queue_depth and retry_after_s must be >= 1")
-        if self.heartbeat_s <= 0 or self.load_timeout_s <= 0:
-            raise ValueError("heartbeat_s and load_timeout_s must be > 0")
+        if min(self.heartbeat_s, self.load_timeout_s, self.pool_check_s, self.handoff_timeout_s) <= 0:
+            raise ValueError("heartbeat_s, load_timeout_s, pool_check_s and handoff_timeout_s must be > 0")

@@ -117,3 +117,30 @@ def test_kv_export_import_through_pinned_staging(models):
     ref = make(loaded).generate([ids], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0].token_ids
     assert [first] + got == ref
     assert pre.swapper.in_use == 0 and dec.swapper.in_use == 0
+
+
+def test_streamed_export_on_cuda_equals_the_export_at_the_end(models):
+    """Chunk-wise gathers (swap_out after each chunk's step, pinned staging) hand out the
+    same bytes as one gather at the end, piece by piece in block order."""
+    _, loaded = models
+    ids = prompts(1)[0] + list(range(100, 400))
+
+    def export(stream: bool) -> list[tuple[int, torch.Tensor]]:
+        eng = make(loaded, swap_max_blocks=8, max_num_batched_tokens=64, enable_prefix_caching=False)
+        eng.add_request("p", ids, SamplingParams(temperature=0, max_tokens=1), export_kv=True, stream_export=stream)
+        got = []
+        while eng.has_unfinished_requests():
+            for o in eng.step():
+                if o.exported_kv is not None:
+                    got += [(o.exported_kv.first_block + i, b.clone()) for i, (b, _) in enumerate(o.exported_kv.blocks())]
+                    o.exported_kv.release()
+        assert eng.swapper.in_use == 0
+        if stream:
+            assert eng.exports.num_streamed_blocks > 0
+        eng.close()
+        return got
+
+    streamed, at_end = export(True), export(False)
+    assert [i for i, _ in streamed] == [i for i, _ in at_end] == list(range(-(-len(ids) // 16)))
+    for (_, a), (_, b) in zip(streamed, at_end):
+        assert torch.equal(a, b)

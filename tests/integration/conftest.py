@@ -83,7 +83,10 @@ def cluster(tmp_path_factory: pytest.TempPathFactory):
         threads=1,
         log_dir=tmp_path_factory.mktemp("cluster-logs"),
         worker_args=["--num-blocks", "768", "--heartbeat-s", "0.2"],
-        router_args=["--heartbeat-timeout-s", "3", "--retry-wait-s", "10"],
+        # 64-token chunks: a long prompt's prefill takes many steps, so the streamed
+        # handoff (test_pd_stream.py) has blocks to hand over while prefill still computes.
+        prefill_args=["--max-num-batched-tokens", "64"],
+        router_args=["--heartbeat-timeout-s", "3"],
     )
     with LocalCluster(cfg) as c:
         yield c

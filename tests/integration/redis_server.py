@@ -22,6 +22,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from services.launch.redis import answers_ping
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -111,7 +113,7 @@ class RedisServer:
         raise RuntimeError(f"redis-server did not answer PING within {timeout_s}s: {self.log_tail()}")
 
     def _answers_ping(self) -> bool:
-        if self.password or self.tls:
+        if self.password or self.tls:  # a raw PING would get NOAUTH, or no TLS handshake
             import redis
 
             try:
@@ -119,12 +121,7 @@ class RedisServer:
                     return bool(client.ping())
             except redis.RedisError:
                 return False
-        try:
-            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
-                s.sendall(b"PING\r\n")
-                return s.recv(16).startswith(b"+PONG")
-        except OSError:
-            return False
+        return answers_ping(self.port)
 
     def stop(self) -> None:
         """Kill the server at once (SIGKILL: a crash, not a clean shutdown)."""

@@ -1,11 +1,13 @@
-"""``make run``'s launcher: starts Redis and the four services, prints the URL, serves the
-OpenAI API, and Ctrl-C stops every process it started (no orphans)."""
+"""``make run``'s launcher: starts Redis and the four services, prints the URL once a request
+would succeed, restarts a worker that is killed (a stream in flight on it goes on, on the
+restarted instance), and Ctrl-C stops every process it started (no orphans)."""
 
 import os
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -14,6 +16,7 @@ from services.launch.processes import free_port
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
+CHAT = [{"role": "user", "content": "Write a short story about a lighthouse keeper."}]
 
 
 def children_of(pid: int) -> set[int]:
@@ -37,7 +40,19 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
-def test_launcher_serves_and_ctrl_c_leaves_no_orphans(tmp_path):
+def child_running(parent: int, module: str) -> int | None:
+    """The pid of ``parent``'s live child running ``python -m <module>``."""
+    for pid in children_of(parent):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if module.encode() in argv and alive(pid):
+            return pid
+    return None
+
+
+def test_launcher_waits_for_ready_restarts_a_killed_worker_and_ctrl_c_leaves_no_orphans(tmp_path):
     from openai import OpenAI
 
     port = free_port()
@@ -56,16 +71,41 @@ def test_launcher_serves_and_ctrl_c_leaves_no_orphans(tmp_path):
                 url = line.split("Tidepool is up:")[1].split()[0]
             assert time.monotonic() < deadline, "".join(lines)
         assert url == f"http://127.0.0.1:{port}/v1"
+        # The URL is printed only once the router is ready (a decode has registered).
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=5) as r:
+            assert r.status == 200
         kids = children_of(proc.pid)
         assert len(kids) == 5  # redis, cache_store, router, prefill, decode
-        client = OpenAI(base_url=url, api_key="x", max_retries=0, timeout=60)
+        client = OpenAI(base_url=url, api_key="x", max_retries=0, timeout=120)
         model = client.models.list().data[0].id
-        resp = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Say hi."}], max_tokens=4, temperature=0)
-        assert resp.choices[0].message.content
+        ask = dict(model=model, messages=CHAT, max_tokens=48, temperature=0, extra_body={"ignore_eos": True})
+        expected = client.chat.completions.create(**ask).choices[0].message.content
+        assert expected
+
+        # SIGKILL the only decode while it streams: the launcher restarts it, the router
+        # resumes the stream on it, and the client sees one unbroken, identical completion.
+        decode = child_running(proc.pid, "services.decode")
+        assert decode is not None
+        stream = client.chat.completions.create(**ask, stream=True)
+        text = []
+        for i, chunk in enumerate(stream):
+            if chunk.choices and chunk.choices[0].delta.content:
+                text.append(chunk.choices[0].delta.content)
+            if i == 4:
+                os.kill(decode, signal.SIGKILL)
+        assert "".join(text) == expected
+        assert proc.poll() is None, "the launcher stopped when a worker died"
+        restarted = child_running(proc.pid, "services.decode")
+        assert restarted is not None and restarted != decode
+        again = client.chat.completions.create(**{**ask, "max_tokens": 8})
+        assert again.choices[0].message.content == expected[: len(again.choices[0].message.content)]
+
         proc.send_signal(signal.SIGINT)  # Ctrl-C
-        assert proc.wait(60) == 0
+        out, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 0, out
+        assert "decode-0 exited (SIGKILL)" in out and "decode-0 is back" in out, out
         time.sleep(0.5)
-        assert not [k for k in kids if alive(k)], "orphans left behind"
+        assert not [k for k in kids | {restarted} if alive(k)], "orphans left behind"
     finally:
         if proc.poll() is None:
             proc.kill()

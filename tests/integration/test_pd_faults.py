@@ -97,13 +97,14 @@ def test_killed_prefill_costs_latency_not_requests_and_rejoins(cluster, client, 
     tok = reference_engine.tokenizer
     ref = tok.decode(engine_tokens(reference_engine, tok.encode_chat(CHAT), 10))
     prefill = cluster.prefills[0]
-    prefill.kill()
-    try:
+    restarts = cluster.supervisor.restarts(prefill.name)
+    with cluster.supervisor.paused(prefill):  # held down until the request is answered
+        prefill.kill()
         resp = client.chat.completions.create(model=model, messages=CHAT, temperature=0, max_tokens=10, extra_body=TRACE)
         assert resp.choices[0].message.content == ref
         assert trace_of(resp)["prompts"][0]["prefill"]["decision"] != "prefill"  # decode served it alone
-    finally:
-        cluster.restart(prefill)
+    # The supervisor starts it again; it re-registers under its id.
+    wait_until(lambda: cluster.supervisor.restarts(prefill.name) == restarts + 1, 120, "the supervisor to restart prefill")
     wait_until(lambda: any(w.get("role") == "prefill" and w.get("usable", True) for w in cluster.workers()), 30, "prefill to re-register")
     resp = client.chat.completions.create(model=model, messages=CHAT, temperature=0, max_tokens=10, extra_body=TRACE)
     assert resp.choices[0].message.content == ref
@@ -126,21 +127,29 @@ def test_client_disconnect_frees_the_decode_blocks(cluster, client):
     assert s["free_blocks"] == s["total_blocks"]
 
 
-def test_redis_restart_costs_latency_not_requests(cluster, client, reference_engine):
+def test_redis_restart_costs_latency_not_requests_and_the_pool_is_used_again(cluster, client, reference_engine):
     model = client.models.list().data[0].id
     tok = reference_engine.tokenizer
     msgs = [{"role": "user", "content": "Name a colour of the sunset and explain why in one sentence."}]
     ref = tok.decode(engine_tokens(reference_engine, tok.encode_chat(msgs), 8))
-    cluster.redis.kill()
-    try:
+    workers = [c.url for c in cluster.prefills + cluster.decodes]
+    pool_state = lambda url: cluster.get_json(url + "/stats")["pool"]  # noqa: E731
+    recoveries = {url: pool_state(url)["recoveries"] for url in workers}
+    restarts = cluster.supervisor.restarts("redis")
+    with cluster.supervisor.paused(cluster.redis):  # an outage of known length
+        cluster.redis.kill()
         resp = client.chat.completions.create(model=model, messages=msgs, temperature=0, max_tokens=8, extra_body=TRACE)
         assert resp.choices[0].message.content == ref
         totals = trace_of(resp)["totals"]
         assert totals["bytes_written"] == 0 and totals["bytes_read"] == 0  # no pool, all recomputed
         wait_until(lambda: _status(cluster.cache_store.url + "/health") == 503, 15, "cache_store to report unhealthy")
-    finally:
-        cluster.start_redis()  # same port, empty pool
+        for url in workers:  # every worker noticed, and skips the pool meanwhile
+            wait_until(lambda: pool_state(url)["up"] is False, 15, f"{url} to see the pool down")
+    # The supervisor restarts Redis on its port, empty; cache_store and the workers detect it.
+    wait_until(lambda: cluster.supervisor.restarts("redis") == restarts + 1, 30, "the supervisor to restart Redis")
     wait_until(lambda: _status(cluster.cache_store.url + "/health") == 200, 30, "cache_store to recover")
+    for url in workers:
+        wait_until(lambda: pool_state(url)["up"] is True and pool_state(url)["recoveries"] > recoveries[url], 15, f"{url} to see the pool back")
     resp = client.chat.completions.create(model=model, messages=msgs + [{"role": "assistant", "content": "Red."}, {"role": "user", "content": "Another?"}], temperature=0, max_tokens=8, extra_body=TRACE)
     assert trace_of(resp)["totals"]["bytes_written"] > 0  # the pool is used again
 

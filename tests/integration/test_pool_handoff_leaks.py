@@ -54,6 +54,9 @@ def runtime(pool: RedisPool, swapper: BlockSwapper) -> SimpleNamespace:
         namespace=NS,
         settings=SimpleNamespace(load_timeout_s=5.0),
         writer=AsyncWriter(pool, workers=2, queue_size=16, batch_blocks=4),
+        # Every handoff must try the pool, also right after a connection was killed: the
+        # worker's outage tracking (services/worker/pool_health.py) is tested on its own.
+        pool_health=SimpleNamespace(usable=True, report_failure=lambda exc: None),
     )
     rt.metrics = WorkerMetrics.create(CollectorRegistry(), rt)
     return rt

@@ -39,6 +39,18 @@ def test_compose_is_valid_and_complete():
     assert len(tokens) == 1 and len(tokens.pop()) >= 16
 
 
+def test_router_health_is_readiness_and_workers_do_not_wait_for_it():
+    services = compose_config("compose.yaml")["services"]
+    assert "/ready" in " ".join(services["router"]["healthcheck"]["test"])
+    for role in ("prefill", "decode"):
+        # The router is ready only once a decode has registered: waiting for it would deadlock.
+        assert services[role]["depends_on"]["router"]["condition"] == "service_started"
+        assert services[role]["restart"] == "unless-stopped"
+        assert services[role]["environment"]["TIDEPOOL_CACHE_DIR"] == "/cache"
+        # (docker-compose 1.x prints volumes as "name:/cache:rw", 2.x as a mapping)
+        assert any(":/cache" in v if isinstance(v, str) else v["target"] == "/cache" for v in services[role]["volumes"])
+
+
 @pytest.mark.parametrize("role", ["prefill", "decode"])
 def test_workers_can_scale(role):
     svc = compose_config("compose.yaml")["services"][role]

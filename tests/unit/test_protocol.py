@@ -27,8 +27,10 @@ from libs.protocol import (
     Heartbeat,
     InstanceAck,
     Limits,
+    HandoffUpdate,
     Message,
     MessageStreamResponse,
+    PrefillProgress,
     PrefillRequest,
     PrefillResult,
     ProtocolError,
@@ -141,6 +143,33 @@ def prefill_results(draw: st.DrawFn) -> PrefillResult:
 
 
 @st.composite
+def prefill_progress(draw: st.DrawFn) -> PrefillProgress:
+    total = draw(counts)
+    return PrefillProgress(
+        request_id=draw(ident),
+        num_blocks=total,
+        durable_blocks=draw(st.integers(0, total)),
+        lease_id=draw(st.none() | text),
+        computed_tokens=draw(counts),
+    )
+
+
+@st.composite
+def handoff_updates(draw: st.DrawFn) -> HandoffUpdate:
+    done = draw(st.booleans())
+    first = draw(st.none() | token_ids) if done else None
+    return HandoffUpdate(
+        request_id=draw(ident),
+        durable_blocks=draw(counts),
+        lease_id=draw(st.none() | text),
+        done=done,
+        first_token_id=first,
+        first_logprobs=None if first is None else draw(st.none() | token_logprobs()),
+        error=draw(st.none() | text),
+    )
+
+
+@st.composite
 def decode_requests(draw: st.DrawFn) -> DecodeRequest:
     first = draw(st.none() | token_ids)
     prompt = draw(st.lists(token_ids, min_size=1, max_size=40))
@@ -154,6 +183,7 @@ def decode_requests(draw: st.DrawFn) -> DecodeRequest:
         block_keys=draw(st.lists(text, max_size=4)),
         lease_id=draw(st.none() | text),
         want_trace=draw(st.booleans()),
+        await_handoff=first is None and draw(st.booleans()),
     )
 
 
@@ -196,7 +226,10 @@ STRATEGIES: dict[type[Message], st.SearchStrategy[Any]] = {
         sampling=sampling_specs(),
         lease_ttl_s=st.floats(0, 1e6, exclude_min=True),
         want_trace=st.booleans(),
+        stream_progress=st.booleans(),
     ),
+    PrefillProgress: prefill_progress(),
+    HandoffUpdate: handoff_updates(),
     PrefillResult: prefill_results(),
     DecodeRequest: decode_requests(),
     TokenEvent: token_events(),
@@ -291,6 +324,12 @@ def test_encode_converts_friendly_inputs() -> None:
         (TokenEvent(request_id="r", trace={"x": object()}), ErrorCode.WRONG_TYPE, "trace.x"),
         (Heartbeat(instance_id="i", role="router", running=0, waiting=0, free_blocks=0, total_blocks=0),  # type: ignore[arg-type]
          ErrorCode.INVALID_VALUE, "role"),
+        (PrefillProgress(request_id="r", num_blocks=3, durable_blocks=4), ErrorCode.INVALID_VALUE, "durable_blocks"),
+        (DecodeRequest(request_id="r", prompt_token_ids=[1], first_token_id=5, sampling=SamplingSpec(max_tokens=1),
+                       await_handoff=True), ErrorCode.INVALID_VALUE, "first_token_id"),
+        (HandoffUpdate(request_id="r", first_token_id=5), ErrorCode.INVALID_VALUE, "first_token_id"),  # not done yet
+        (HandoffUpdate(request_id="r", done=True, first_logprobs=TokenLogprobs(token_id=1, logprob=0.0)),
+         ErrorCode.INVALID_VALUE, "first_logprobs"),
     ],
 )
 def test_encode_rejects_invalid_messages(msg: Message, code: ErrorCode, field: str) -> None:

@@ -185,6 +185,26 @@ async def test_dead_instances_are_dropped_and_come_back_by_registering(bare: Clu
     assert decode.heartbeats_sent > 1
 
 
+async def test_ready_only_while_a_decode_instance_is_registered(bare: Cluster) -> None:
+    async def status(path: str) -> tuple[int, dict[str, Any]]:
+        async with bare.http() as http, http.get(path) as resp:
+            return resp.status, await resp.json()
+
+    code, body = await status("/ready")
+    assert code == 503 and body["ready"] is False and "no decode" in body["reason"]
+    assert (await status("/health"))[0] == 200  # liveness is not readiness
+    await bare.add_prefill("p1")
+    assert (await status("/ready"))[0] == 503  # a prefill alone cannot answer a request
+    decode = await bare.add_decode("d1")
+    code, body = await status("/ready")
+    assert code == 200 and body["live"] == {"prefill": 1, "decode": 1}
+    await decode.stop_heartbeats()
+    await eventually(lambda: _ids(bare) == ["p1"], what="d1 dropped")
+    assert (await status("/ready"))[0] == 503
+    await decode.join(bare.url)
+    assert (await status("/ready"))[0] == 200
+
+
 def _ids(c: Cluster) -> list[str]:
     return sorted(c.state.registry.instances)
 
