@@ -1,13 +1,17 @@
 """Hypothesis against the internal msgpack endpoints of real processes: the router's
-register/heartbeat, prefill's /v1/prefill, decode's /v1/decode, and both /v1/abort.
+register/heartbeat, prefill's /v1/prefill, decode's /v1/decode and /v1/handoff, and both
+/v1/abort.
 
 Bodies are drawn from five families: valid messages (kept cheap: a few tokens to
 generate), valid messages with one field broken (a wrong type, a missing or extra key,
 a wrong type name or version), another message type, arbitrary msgpack values, and
 arbitrary bytes, sometimes under the wrong Content-Type. Pass bar: never a 5xx, every
 4xx a typed JSON error (``{"error": {"message", "type", "param", "code"}}`` with a
-code), every 200 a well-formed answer (a ``PrefillResult``; a decode stream that ends with
-a final event), and every service healthy and serving afterwards.
+code), every 200 a well-formed answer (a ``PrefillResult``, after ``PrefillProgress``
+events when ``stream_progress`` asked for them; a decode stream that ends with a final
+event), and every service healthy and serving afterwards. Valid decode requests do not
+``await_handoff`` (no prefill would ever send the handoff: each would wait out decode's
+``handoff_timeout_s``); /v1/handoff gets updates for requests that wait for none.
 
 ``TIDEPOOL_FUZZ_EXAMPLES`` examples per endpoint (``make test``: 60; ``make fuzz``: 2000).
 """
@@ -26,11 +30,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from libs.protocol import INTERNAL_TOKEN_HEADER, Message, StreamDecoder, decode, encode
+from libs.protocol import INTERNAL_TOKEN_HEADER, Message, StreamDecoder, encode
 from libs.protocol.messages import (
     AbortRequest,
     DecodeRequest,
     Heartbeat,
+    HandoffUpdate,
+    PrefillProgress,
     PrefillRequest,
     PrefillResult,
     RegisterInstance,
@@ -70,6 +76,8 @@ def _cheap(msg: Message, model: str = "") -> Message:
             msg = replace(msg, prompt_token_ids=[t % VOCAB for t in msg.prompt_token_ids])
             if isinstance(msg, DecodeRequest) and msg.first_token_id is not None:
                 msg = replace(msg, first_token_id=msg.first_token_id % VOCAB)
+    if isinstance(msg, DecodeRequest):
+        msg = replace(msg, await_handoff=False)
     return msg
 
 
@@ -136,7 +144,8 @@ def check(url: str, expected: type[Message], body: bytes, content_type: str, tok
         check_error(status, ctype, raw)
         return status
     if expected is PrefillRequest:
-        decode(raw, PrefillResult)
+        *progress, result = StreamDecoder().feed(raw)
+        assert isinstance(result, PrefillResult) and all(isinstance(m, PrefillProgress) for m in progress), (progress, result)
     elif expected is DecodeRequest:
         events = list(StreamDecoder(TokenEvent).feed(raw))
         assert events and events[-1].finish_reason is not None, events[-3:]
@@ -198,6 +207,7 @@ def test_router_internal_endpoints(router: tuple[str, str], path: str, cls: type
     [
         ("prefill", "/v1/prefill", PrefillRequest),
         ("decode", "/v1/decode", DecodeRequest),
+        ("decode", "/v1/handoff", HandoffUpdate),
         ("prefill", "/v1/abort", AbortRequest),
         ("decode", "/v1/abort", AbortRequest),
     ],
@@ -214,7 +224,8 @@ def test_worker_internal_endpoints(cluster: Any, client: Any, role: str, path: s
         statuses.append(check(child.url + path, cls, *body, token))
 
     run()
-    assert 200 in statuses and any(400 <= s < 500 for s in statuses), sorted(set(statuses))
+    # A handoff update answers a waiting request; none waits here, so every one is a 4xx.
+    assert (200 in statuses or cls is HandoffUpdate) and any(400 <= s < 500 for s in statuses), sorted(set(statuses))
     assert healthy(child.url) and healthy(cluster.url)
     messages = [{"role": "user", "content": "Say hello."}]
     resp = client.chat.completions.create(model=client.models.list().data[0].id, messages=messages, max_tokens=2)
