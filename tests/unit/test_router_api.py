@@ -311,8 +311,8 @@ async def test_out_of_range_values_are_400(cluster: Cluster, extra: dict, param:
         ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs=true
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ({"messages": []}, "messages"),
-        ({"messages": [{"role": 5, "content": "x"}]}, "messages"),
-        ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
+        ({"messages": [{"role": 5, "content": "x"}]}, "messages[0].role"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0].type"),
         ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools[0].function.name"),
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "nope"}}}}}]}, "tools[0].function.parameters"),
         ({"tool_choice": "required"}, "tool_choice"),
@@ -353,7 +353,7 @@ async def test_unknown_model_is_404(cluster: Cluster) -> None:
         (b"{not json", None),
         (b"[1, 2]", None),
         (b'{"prompt": "x", "max_tokens": "5"}', "max_tokens"),
-        (b'{"prompt": "x", "n": 2.0}', "n"),
+        (b'{"prompt": "x", "n": 2.5}', "n"),
         (b'{"prompt": "x", "temperature": "hot"}', "temperature"),
         (b'{"prompt": "x", "temperature": true}', "temperature"),
         (b'{"prompt": "x", "stream": "yes"}', "stream"),
@@ -365,7 +365,7 @@ async def test_unknown_model_is_404(cluster: Cluster) -> None:
         (b'{"prompt": ""}', "prompt"),
         (b'{}', "prompt"),
         (b'{"prompt": "x", "model": 7}', "model"),
-        (b'{"prompt": "x", "tidepool": {"trace": "yes"}}', "trace"),
+        (b'{"prompt": "x", "tidepool": {"trace": "yes"}}', "tidepool.trace"),
         (b'\xff\xfe', None),
     ],
 )
