@@ -21,6 +21,7 @@ mkdir -p /tmp/redis-root && for f in .device-debs/*.deb; do dpkg -x "$f" /tmp/re
 export LD_LIBRARY_PATH="/tmp/redis-root/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}"
 export PATH="/tmp/redis-root/usr/bin:$PATH"
 TOK="$PWD/.device-assets/tokenizer"
+export TIDEPOOL_TOKENIZER_DIR="$TOK"  # tests/models.py: the GGUF cannot travel
 STAMP=$(date -u +%Y-%m-%dT%H:%MZ)
 
 step() {  # step NAME LIMIT_S COMMAND...
@@ -39,7 +40,7 @@ step() {  # step NAME LIMIT_S COMMAND...
 
 for s in "$@"; do
     case $s in
-        tests) step tests 150 python3 -m pytest -q -p no:cacheprovider --timeout 120 tests/gpu ;;
+        tests) step tests 200 python3 -m pytest -v -p no:cacheprovider --timeout 60 --durations=15 tests/gpu ;;
         pd) step gpu_pd 270 python3 -m bench.gpu_pd --tokenizer "$TOK" --prompt-len 2048 --requests 8 \
                 --prefill-chunks 512,1024,2048 --out bench/results/gpu_pd_h100.json ;;
         pool) step pool 150 python3 bench/pool_throughput.py --redis-bin /tmp/redis-root/usr/bin \
