@@ -9,6 +9,8 @@
 #
 #   bench/gpu_session.sh tests pd pool          # issue 8 and the GPU test suite
 #   bench/gpu_session.sh fp8 moe                # FP8 GEMM/decode, MoE executors
+#   bench/gpu_session.sh engine                 # issue 10: the engine's GPU tests and benchmarks
+#   QUICK=1 bench/gpu_session.sh engine         # the same, benchmarks shortened (--quick)
 set -u
 OUT=${OUT:-/tmp/gpu-session-out}
 mkdir -p "$OUT" bench/results
@@ -50,6 +52,11 @@ for s in "$@"; do
              step fp8_decode 120 python3 -m bench.fp8_decode_bench --out bench/results/fp8_decode_h100.json ;;
         moe) step moe 240 python3 -m bench.moe_bench --write-thresholds --reps 5 --warmup 2 \
                 --out bench/results/moe_bench_h100.json --markdown bench/results/moe_bench_h100.md ;;
+        engine) step engine_tests 240 python3 -m pytest -v -p no:cacheprovider --timeout 120 --durations=15 -k engine \
+                    tests/gpu/test_engine_gpu.py tests/gpu/test_moe_gpu.py tests/gpu/test_fp8_gpu.py
+                step gpu_engine 300 python3 -m bench.gpu_engine ${QUICK:+--quick} --out bench/results/gpu_engine_h100.json
+                step async_scheduling 150 python3 -m bench.async_scheduling --device cuda --reps 2 ${QUICK:+--quick} \
+                    --out bench/results/async_scheduling_h100.json ;;
         *) step custom 300 bash -c "$s" ;;  # any other command, run as given
     esac
 done
