@@ -25,7 +25,7 @@ def prefill_then_decode(cluster, prompt: list[int], max_tokens: int, between=Non
     async def go():
         spec = SamplingSpec(temperature=0, max_tokens=max_tokens)
         rid = f"fault-{time.monotonic_ns()}"
-        async with aiohttp.ClientSession() as s:
+        async with aiohttp.ClientSession(headers=cluster.internal_headers()) as s:
             async with s.post(cluster.prefills[0].url + "/v1/prefill", data=encode(PrefillRequest(request_id=rid, prompt_token_ids=prompt, sampling=spec)), headers=HEADERS) as r:
                 assert r.status == 200, await r.text()
                 result = decode(await r.read(), PrefillResult)
