@@ -141,8 +141,12 @@ class ModelRunner:
         prefill = prefill_token_buckets(prefill_max_tokens) if prefill_max_tokens > 0 else []
         if self.staging.device_packs is not None:
             layouts = [ForwardGraphs.decode_layout(b, W) for b in decode] + [ForwardGraphs.prefill_layout(t, prefill_seqs, W) for t in prefill]
-            # Room for the sampling part behind the forward inputs of any graph layout.
-            room = [Layout(L.tokens, L.seqs, L.width, 4 * L.seqs, 256, 4 * L.seqs).sizes() for L in layouts]
+            # Room for the sampling part behind the forward inputs of any graph layout (a
+            # verify step, libs/engine/spec, samples at every one of its tokens).
+            room = [
+                Layout(L.tokens, L.seqs, L.width, max(4 * L.seqs, L.tokens), max(256, 2 * L.tokens), 4 * L.seqs, max(4 * L.seqs, L.tokens)).sizes()
+                for L in layouts
+            ]
             current = tuple(p.numel() for p in self.staging.device_packs)
             want = tuple(max([c, *(r[i] for r in room)]) for i, c in enumerate(current))
             self.staging.set_device_packs(tuple(torch.zeros(n, dtype=p.dtype, device=self.device) for n, p in zip(want, self.staging.device_packs)))
