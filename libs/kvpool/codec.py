@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-import xxhash
 
 from libs.kvpool.header import (
     DTYPE_CODES,
@@ -37,6 +36,7 @@ from libs.kvpool.header import (
     BlockHeader,
     Buffer,
     check_body,
+    checksum,
     unpack_header,
 )
 from libs.kvpool.layout import LAYOUT_VERSION, KVLayout
@@ -92,12 +92,7 @@ class BlockCodec:
 
     @staticmethod
     def _checksum(runs: list[memoryview]) -> int:
-        if len(runs) == 1:
-            return xxhash.xxh3_64_intdigest(runs[0])
-        h = xxhash.xxh3_64()
-        for run in runs:
-            h.update(run)
-        return h.intdigest()
+        return checksum(runs)
 
     def _header(self, num_tokens: int, checksum: int) -> memoryview:
         lay = self.layout
@@ -192,10 +187,9 @@ class BlockCodec:
                 lay.num_layers, 2, num_tokens, lay.num_kv_heads, lay.head_dim
             ).copy_(block[:, :, :num_tokens])
         out = memoryview(buf)
-        checksum = xxhash.xxh3_64_intdigest(out[HEADER_NBYTES:])
         HEADER.pack_into(
             out, 0, MAGIC, LAYOUT_VERSION, self._code,
-            lay.num_layers, lay.num_kv_heads, lay.head_dim, num_tokens, checksum,
+            lay.num_layers, lay.num_kv_heads, lay.head_dim, num_tokens, checksum([out[HEADER_NBYTES:]]),
         )
         return out
 
