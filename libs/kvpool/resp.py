@@ -195,6 +195,12 @@ class ReplyParser:
     def pending(self) -> int:
         return len(self._expect)
 
+    @property
+    def direct(self) -> bool:
+        """Whether the last ``get_buffer()`` was a sink's memory: all of it belongs to one
+        payload, so a blocking reader may wait until it is full (``MSG_WAITALL``)."""
+        return self._direct
+
     def take(self) -> list[Any]:
         results, self._results = self._results, []
         return results
