@@ -122,6 +122,7 @@ class PrefillJob:
     keys: list[BlockKey] = field(init=False)
     lease_id: str | None = None
     durable: list[bool] = field(init=False)  # per block: in the pool under the lease
+    _index: dict[str, int] = field(init=False, repr=False)  # str(key) -> block index
     watermark: int = 0  # leading durable blocks
     computed_tokens: int = 0
     changed: asyncio.Event = field(default_factory=asyncio.Event)
@@ -132,15 +133,15 @@ class PrefillJob:
     def __post_init__(self) -> None:
         self.keys = self.rt.keys(self.msg.prompt_token_ids)
         self.durable = [False] * len(self.keys)
+        self._index = {str(k): i for i, k in enumerate(self.keys)}
 
     @property
     def streamed(self) -> bool:
         return self.msg.stream_progress
 
-    def _mark_durable(self, first: int, end: int, written: set[str] | None = None) -> None:
+    def _mark_durable(self, first: int, end: int) -> None:
         for i in range(first, end):
-            if written is None or str(self.keys[i]) in written:
-                self.durable[i] = True
+            self.durable[i] = True
         w = self.watermark
         while w < len(self.durable) and self.durable[w]:
             w += 1
@@ -232,10 +233,14 @@ class PrefillJob:
         return self._result(final, first, first_lp, load, store, skip, t_engine, t_computed)
 
     async def _store(self, piece, skip: int) -> StoreResult:
-        first, end = piece.first_block, piece.end_block
-        result = await store_blocks(self.rt, piece, self.keys, skip, self.lease_id)
-        self._mark_durable(max(first, skip), end, result.written)
-        return result
+        # Each block is announced as soon as its write is acknowledged (not when the whole
+        # piece is): decode reads the first blocks of a piece while the rest is written.
+        return await store_blocks(self.rt, piece, self.keys, skip, self.lease_id, on_written=self._written)
+
+    def _written(self, key: str) -> None:
+        i = self._index.get(key)
+        if i is not None:
+            self._mark_durable(i, i + 1)
 
     def _result(self, final, first, first_lp, load: LoadResult, store: StoreResult, skip: int, t_engine: float, t_computed: float) -> PrefillResult:
         rt, msg, prompt = self.rt, self.msg, self.msg.prompt_token_ids

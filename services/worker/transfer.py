@@ -37,6 +37,7 @@ import logging
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 import torch
@@ -270,10 +271,14 @@ async def _record(rt: WorkerRuntime, reasons: dict[str, int]) -> None:
             pass
 
 
-async def store_blocks(rt: WorkerRuntime, exported: ExportedKV, keys: list[BlockKey], skip: int, lease_id: str | None) -> StoreResult:
+async def store_blocks(
+    rt: WorkerRuntime, exported: ExportedKV, keys: list[BlockKey], skip: int, lease_id: str | None,
+    on_written: Callable[[str], None] | None = None,
+) -> StoreResult:
     """Write the exported blocks (``keys[exported.first_block:]`` on) that are not among the
     first ``skip`` (those already in the pool) under ``lease_id``; releases the staging
-    once every write settled.
+    once every write settled. ``on_written(str(key))`` hears of each block as soon as it is
+    written (the streamed handoff announces it durable from there).
 
     The blocks are encoded (checksummed in place) in chunks on worker threads, all chunks
     at once, and each chunk is handed to the writer as soon as it is ready: the
@@ -299,7 +304,7 @@ async def store_blocks(rt: WorkerRuntime, exported: ExportedKV, keys: list[Block
             for i in range(0, len(blocks), _ENCODE_CHUNK)
         ]
         assert rt.writer is not None
-        session = rt.writer.begin(lease_id=lease_id)
+        session = rt.writer.begin(lease_id=lease_id, on_written=on_written)
         try:
             for c, encoded in enumerate(encodes):
                 for key, value in zip(keys[first + c * _ENCODE_CHUNK :], await encoded):
