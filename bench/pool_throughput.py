@@ -92,11 +92,13 @@ class Prompt:
         self.dests = [self.codec.value_views(memoryview(self.headers[i]), self.dst[i], 16) for i in range(len(self.keys))]
         self.nbytes = len(self.keys) * VALUE_NBYTES
         self.codec_s: list[float] = []  # CPU seconds in the codec, appended from any thread
+        self.codec_wall_s: list[float] = []  # the same calls' wall seconds (GIL waits, preemption included)
 
     def _encode(self, lo: int, hi: int) -> list:
-        t0 = time.thread_time()
+        t0, w0 = time.thread_time(), time.perf_counter()
         values = [self.codec.encode_views(self.src[i], 16) for i in range(lo, hi)]
         self.codec_s.append(time.thread_time() - t0)
+        self.codec_wall_s.append(time.perf_counter() - w0)
         return values
 
     async def encode_put(self, pool: RedisPool, chunk: int) -> None:
@@ -115,9 +117,10 @@ class Prompt:
         """As decode loads: each value verified in place as soon as it lands (on_landed)."""
 
         def verify(i: int) -> None:
-            t0 = time.thread_time()
+            t0, w0 = time.thread_time(), time.perf_counter()
             self.codec.verify_landed(memoryview(self.headers[i]), self.dst[i], 16)
             self.codec_s.append(time.thread_time() - t0)
+            self.codec_wall_s.append(time.perf_counter() - w0)
 
         outcomes = await pool.get_blocks_into(self.ns, self.keys, self.dests, on_landed=verify)
         assert not any(outcomes), outcomes
@@ -126,9 +129,37 @@ class Prompt:
         assert torch.equal(self.dst.view(torch.uint8), self.src.view(torch.uint8)), "a block came back different"
 
 
+def codec_probe(prompt: Prompt) -> str:
+    """One thread's costs on this host, alone, in the prompt's own staging memory (pinned
+    when CUDA is there) beside ordinary memory: tells a slow codec row apart from a slow
+    memory or a slow hash build. Run after a warm-up get, so ``dst`` holds landed values."""
+    import xxhash
+
+    def best(fn: Callable[[], None], reps: int = 3) -> float:
+        out = float("inf")
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            out = min(out, time.perf_counter() - t0)
+        return out
+
+    n = len(prompt.keys)
+    staged = prompt.src.view(torch.uint8).numpy().reshape(n, -1)
+    plain = staged.copy()  # pageable, same bytes
+    rate = lambda rows: rows.nbytes / best(lambda: [xxhash.xxh3_64().update(r) for r in rows]) / 1e9  # noqa: E731
+    encode = best(lambda: [prompt.codec.encode_views(prompt.src[i], 16) for i in range(n)]) / n
+    verify = best(lambda: [prompt.codec.verify_landed(memoryview(prompt.headers[i]), prompt.dst[i], 16) for i in range(n)]) / n
+    oneshot = "releases" if int(xxhash.VERSION.split(".")[0]) >= 4 else "HOLDS"  # python-xxhash's C source
+    return (f"Codec probe (one thread, alone): xxhash {xxhash.VERSION} (its one-shot xxh3_64_intdigest {oneshot} the GIL; "
+            f"the codec hashes through xxh3_64().update, which releases it); xxh3 over the staging rows {rate(staged):.1f} GB/s"
+            f"{' (pinned)' if prompt.src.is_pinned() else ''}, over ordinary memory {rate(plain):.1f} GB/s; "
+            f"encode_views {encode * 1e6:.1f} us/block, verify_landed {verify * 1e6:.1f} us/block.")
+
+
 @dataclass
 class Samples:
     values: dict[str, list[float]] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
 
     def add(self, label: str, value: float) -> None:
         self.values.setdefault(label, []).append(value)
@@ -190,13 +221,21 @@ class Ours:
             p.check()
         return self
 
-    async def row(self, label: str) -> tuple[float, float]:
-        """GB/s of ``label`` (median of rounds) and the codec's share of its time."""
+    async def row(self, label: str) -> tuple[float, float, float, float]:
+        """GB/s of ``label`` (median of rounds); the codec's share of its time: CPU seconds
+        (``thread_time``) and wall seconds inside the codec calls, over the wall; and the
+        bulk path's system calls per block (each one takes the GIL back)."""
         for p in self.prompts:
             p.codec_s.clear()
+            p.codec_wall_s.clear()
+        calls0 = self.pool.bulk.counters["syscalls"]
         start = time.perf_counter()
         gbps = await timed(self.calls[label], self.nbytes, self.args.rounds)
-        return gbps, sum(sum(p.codec_s) for p in self.prompts) / (time.perf_counter() - start)
+        wall = time.perf_counter() - start
+        blocks = self.args.rounds * sum(len(p.keys) for p in self.prompts)
+        return (gbps, sum(sum(p.codec_s) for p in self.prompts) / wall,
+                sum(sum(p.codec_wall_s) for p in self.prompts) / wall,
+                (self.pool.bulk.counters["syscalls"] - calls0) / blocks)
 
     async def close(self) -> None:
         for p in self.prompts:
@@ -211,6 +250,7 @@ async def single_redis(url: str, port: int, args: argparse.Namespace) -> Samples
     samples = Samples()
     prompts = [Prompt(0)]
     ours = {model: await Ours(url, prompts, model, args).start() for model in args.models}
+    samples.notes.append(codec_probe(prompts[0]))
     try:
         for _ in range(args.reps):
             theirs = redis_benchmark(args.redis_benchmark, port, args.max_parallel, args.pipeline_blocks, args.bench_requests, False)
@@ -218,10 +258,12 @@ async def single_redis(url: str, port: int, args: argparse.Namespace) -> Samples
                 samples.add(f"redis-benchmark {test}", gbps)
             for model, rows in ours.items():
                 for label in BASELINE:
-                    gbps, share = await rows.row(label)
+                    gbps, share, wall_share, syscalls = await rows.row(label)
                     samples.add(f"{model} {label}", gbps)
                     samples.add(f"{model} {label} ratio", gbps / theirs[BASELINE[label]])
                     samples.add(f"{model} {label} codec", share)
+                    samples.add(f"{model} {label} codec wall", wall_share)
+                    samples.add(f"{model} {label} syscalls", syscalls)
     finally:
         for rows in ours.values():
             await rows.close()
@@ -239,7 +281,7 @@ async def on_cluster(url: str, port: int, nodes: int, args: argparse.Namespace) 
             for test, gbps in theirs.items():
                 samples.add(f"redis-benchmark {test}", gbps)
             for label in BASELINE:
-                gbps, _ = await ours.row(label)
+                gbps, _, _, _ = await ours.row(label)
                 samples.add(label, gbps)
                 samples.add(f"{label} ratio", gbps / theirs[BASELINE[label]])
     finally:
@@ -299,17 +341,18 @@ def main() -> None:
         redis.kill()
     raw["single"] = single.values
     lines += [
-        "| one Redis | GB/s | ratio to redis-benchmark | codec share |",
-        "|---|---:|---:|---:|",
+        "| one Redis | GB/s | ratio to redis-benchmark | codec share: CPU / wall | syscalls per block |",
+        "|---|---:|---:|---:|---:|",
     ]
     for model in args.models:
         for label, test in BASELINE.items():
             lines.append(
                 f"| {model}: {label} | {single.spread(f'{model} {label}')} | **{single.spread(f'{model} {label} ratio')}** "
-                f"| {100 * single.median(f'{model} {label} codec'):.1f}% |"
+                f"| {100 * single.median(f'{model} {label} codec'):.1f}% / {100 * single.median(f'{model} {label} codec wall'):.1f}% "
+                f"| {single.median(f'{model} {label} syscalls'):.1f} |"
             )
     for test in ("SET", "GET"):
-        lines.append(f"| redis-benchmark {test} | {single.spread('redis-benchmark ' + test)} | | |")
+        lines.append(f"| redis-benchmark {test} | {single.spread('redis-benchmark ' + test)} | | | |")
     sizes = [int(n) for n in args.cluster_sizes.split(",") if n]
     if sizes:
         lines += [
@@ -344,7 +387,8 @@ def main() -> None:
         f"redis-benchmark -c {args.max_parallel} (x nodes) -P {args.pipeline_blocks} -n {args.bench_requests} (x nodes). "
         f"GB/s of value bytes: median (min-max) over {args.reps} interleaved reps, each one redis-benchmark run then "
         f"the median of {args.rounds} calls of ours (after {args.warmup} warm-up calls); ratios within each rep. "
-        "Codec share: CPU time in BlockCodec (header, checksum) / the row's wall time.",
+        "Codec share: CPU time (thread_time) and wall time in BlockCodec calls (header, checksum) / the row's wall time.",
+        *single.notes,
         "",
     ]
     table = "\n".join(header + lines) + "\n"
