@@ -3,11 +3,11 @@
 One 2048-token prompt of SmolLM2-135M bf16 KV (30 layers, 3 kv heads, head dim 64, block
 size 16): 128 blocks of 368,640 B plus the 24-byte header. What prefill and decode do:
 
-- ``encode + put``: ``BlockCodec.encode_views`` over the staging rows (header and
-  checksum; the payload is not copied), in chunks of ``pipeline_blocks`` on worker
-  threads, each chunk written by ``RedisPool.put_blocks`` as soon as it is encoded
-  (MULTI/SET/EVAL account/EXEC per block on the bulk path), as prefill stores; vs
-  ``redis-benchmark SET``;
+- ``encode + put``: ``BlockCodec.encode_pending`` over the staging rows (the header and
+  views of the payload, which is never copied), written in chunks of ``pipeline_blocks``
+  by ``RedisPool.put_blocks``, all at once (MULTI/SET/EVAL account/EXEC per block on the
+  bulk path), each value checksummed by the bulk thread that sends it, as prefill
+  stores; vs ``redis-benchmark SET``;
 - ``get + decode``: one ``RedisPool.get_blocks_into`` of all 128 blocks straight into the
   staging rows, each verified in place by ``BlockCodec.verify_landed`` (header fields,
   checksum) as soon as it lands, as decode loads; vs ``redis-benchmark GET``;
@@ -66,7 +66,7 @@ import uvloop  # noqa: E402
 from libs.blocks.keys import Namespace, block_keys  # noqa: E402
 from libs.kvpool.codec import BlockCodec  # noqa: E402
 from libs.kvpool.config import BULK_MODELS, PoolConfig  # noqa: E402
-from libs.kvpool.header import HEADER_NBYTES  # noqa: E402
+from libs.kvpool.header import HEADER_NBYTES, PendingValue  # noqa: E402
 from libs.kvpool.layout import KVLayout  # noqa: E402
 from libs.kvpool.redis_pool import RedisPool  # noqa: E402
 from services.launch.processes import Child, free_port  # noqa: E402
@@ -88,27 +88,30 @@ class Prompt:
         self.src = torch.empty(len(self.keys), *LAYOUT.block_shape, dtype=LAYOUT.dtype, pin_memory=pin)
         self.src.copy_(torch.randn(self.src.shape).to(LAYOUT.dtype))
         self.dst = torch.empty_like(self.src, pin_memory=pin)
+        # Slots as the services use them: one numpy view per staging buffer (BlockCodec.byte_rows).
+        self.src_rows, self.dst_rows = self.codec.byte_rows(self.src), self.codec.byte_rows(self.dst)
         self.headers = np.empty((len(self.keys), HEADER_NBYTES), dtype=np.uint8)
-        self.dests = [self.codec.value_views(memoryview(self.headers[i]), self.dst[i], 16) for i in range(len(self.keys))]
+        self.dests = [self.codec.value_views(memoryview(self.headers[i]), self.dst_rows[i], 16) for i in range(len(self.keys))]
         self.nbytes = len(self.keys) * VALUE_NBYTES
         self.codec_s: list[float] = []  # CPU seconds in the codec, appended from any thread
         self.codec_wall_s: list[float] = []  # the same calls' wall seconds (GIL waits, preemption included)
 
-    def _encode(self, lo: int, hi: int) -> list:
+    def _timed(self, fn: Callable[[], object]) -> None:
         t0, w0 = time.thread_time(), time.perf_counter()
-        values = [self.codec.encode_views(self.src[i], 16) for i in range(lo, hi)]
+        fn()
         self.codec_s.append(time.thread_time() - t0)
         self.codec_wall_s.append(time.perf_counter() - w0)
-        return values
 
     async def encode_put(self, pool: RedisPool, chunk: int) -> None:
-        """As prefill stores (services/worker/transfer.py): chunks checksummed on worker
-        threads, all at once, each written as soon as it is ready."""
+        """As prefill stores (services/worker/transfer.py): every block a pending value at
+        once (header, views of its row), written in chunks of ``chunk`` blocks, all at once;
+        each value checksummed by the bulk thread that sends it (``_TimedPending.seal``)."""
+        values: list = []
+        self._timed(lambda: values.extend(_TimedPending(self, self.codec.encode_pending(r, 16)) for r in self.src_rows))
 
         async def one(lo: int) -> None:
             hi = min(lo + chunk, len(self.keys))
-            values = await asyncio.to_thread(self._encode, lo, hi)
-            results = await pool.put_blocks(self.ns, list(zip(self.keys[lo:hi], values)))
+            results = await pool.put_blocks(self.ns, list(zip(self.keys[lo:hi], values[lo:hi])))
             assert not any(results), results
 
         await asyncio.gather(*(one(lo) for lo in range(0, len(self.keys), chunk)))
@@ -117,16 +120,28 @@ class Prompt:
         """As decode loads: each value verified in place as soon as it lands (on_landed)."""
 
         def verify(i: int) -> None:
-            t0, w0 = time.thread_time(), time.perf_counter()
-            self.codec.verify_landed(memoryview(self.headers[i]), self.dst[i], 16)
-            self.codec_s.append(time.thread_time() - t0)
-            self.codec_wall_s.append(time.perf_counter() - w0)
+            self._timed(lambda: self.codec.verify_landed(memoryview(self.headers[i]), self.dst_rows[i], 16))
 
         outcomes = await pool.get_blocks_into(self.ns, self.keys, self.dests, on_landed=verify)
         assert not any(outcomes), outcomes
 
     def check(self) -> None:
         assert torch.equal(self.dst.view(torch.uint8), self.src.view(torch.uint8)), "a block came back different"
+
+
+class _TimedPending(PendingValue):
+    """A pending value whose seal (the checksum, on the sending thread) counts as codec time."""
+
+    __slots__ = ("_prompt",)
+
+    def __init__(self, prompt: Prompt, value: PendingValue) -> None:
+        super().__init__(value.parts[0], value.parts[1:])
+        self._prompt = prompt
+
+    def seal(self) -> list[memoryview]:
+        out: list[memoryview] = []
+        self._prompt._timed(lambda: out.extend(super(_TimedPending, self).seal()))
+        return out
 
 
 def codec_probe(prompt: Prompt) -> str:
@@ -147,13 +162,17 @@ def codec_probe(prompt: Prompt) -> str:
     staged = prompt.src.view(torch.uint8).numpy().reshape(n, -1)
     plain = staged.copy()  # pageable, same bytes
     rate = lambda rows: rows.nbytes / best(lambda: [xxhash.xxh3_64().update(r) for r in rows]) / 1e9  # noqa: E731
-    encode = best(lambda: [prompt.codec.encode_views(prompt.src[i], 16) for i in range(n)]) / n
-    verify = best(lambda: [prompt.codec.verify_landed(memoryview(prompt.headers[i]), prompt.dst[i], 16) for i in range(n)]) / n
+    codec, headers = prompt.codec, prompt.headers
+    encode = best(lambda: [codec.encode_pending(r, 16).seal() for r in prompt.src_rows]) / n
+    encode_t = best(lambda: [codec.encode_views(prompt.src[i], 16) for i in range(n)]) / n
+    verify = best(lambda: [codec.verify_landed(memoryview(headers[i]), prompt.dst_rows[i], 16) for i in range(n)]) / n
+    verify_t = best(lambda: [codec.verify_landed(memoryview(headers[i]), prompt.dst[i], 16) for i in range(n)]) / n
     oneshot = "releases" if int(xxhash.VERSION.split(".")[0]) >= 4 else "HOLDS"  # python-xxhash's C source
     return (f"Codec probe (one thread, alone): xxhash {xxhash.VERSION} (its one-shot xxh3_64_intdigest {oneshot} the GIL; "
             f"the codec hashes through xxh3_64().update, which releases it); xxh3 over the staging rows {rate(staged):.1f} GB/s"
             f"{' (pinned)' if prompt.src.is_pinned() else ''}, over ordinary memory {rate(plain):.1f} GB/s; "
-            f"encode_views {encode * 1e6:.1f} us/block, verify_landed {verify * 1e6:.1f} us/block.")
+            f"per block, slots as byte rows (torch rows): encode + seal {encode * 1e6:.1f} ({encode_t * 1e6:.1f}) us, "
+            f"verify_landed {verify * 1e6:.1f} ({verify_t * 1e6:.1f}) us.")
 
 
 @dataclass

@@ -163,8 +163,11 @@ class _BlockingConnection:
         self._send([ep.hello])
         ep.check_hello(self._receive())
 
-    def exchange(self, iov: Sequence[Buffer], sinks: Sequence[Sink | None]) -> list[Any]:
-        """Send ``iov``, then read one reply per sink. Raises TransportError (and closes) on any failure."""
+    def exchange(self, iov: Sequence[Buffer], sinks: Sequence[Sink | None], seals: Sequence[Callable[[], object]] = ()) -> list[Any]:
+        """Seal the pending values (checksums, here on this thread), send ``iov``, then read
+        one reply per sink. Raises TransportError (and closes) on any failure."""
+        for seal in seals:
+            seal()
         try:
             if self.sock is None:
                 try:
@@ -476,8 +479,10 @@ class BulkClient:
         self.counters["bytes_sent"] += frames.nbytes
         try:
             if self._executor is None:
+                for seal in frames.seals:  # on the loop: hashing a pipeline's values (~15 us a block)
+                    seal()
                 return await conn.exchange(iov, sinks)
-            return await _in_thread(self._executor, conn, lambda: conn.exchange(iov, sinks))
+            return await _in_thread(self._executor, conn, lambda: conn.exchange(iov, sinks, frames.seals))
         except TransportError:
             self.counters["failures"] += 1
             pool.drop_idle()

@@ -53,9 +53,46 @@ DECODE_REASONS: Final[tuple[str, ...]] = get_args(DecodeReason)
 
 # Anything the buffer protocol can hand to a socket or to xxhash without a copy.
 Buffer = Union[bytes, bytearray, memoryview]
-# What a pool write takes: one buffer, or a list/tuple of parts that make the value back
-# to back (a header and views of staging memory: scatter-gather, never concatenated).
-Value = Union[Buffer, Sequence[Buffer]]
+CHECKSUM_OFFSET: Final = 16  # where the checksum sits in the header (the table above)
+_CHECKSUM = struct.Struct("<Q")
+
+
+class PendingValue:
+    """A block value whose checksum is not computed yet: ``parts`` are the 24-byte header
+    (checksum field still 0) and the payload runs, views of staging memory.
+
+    ``seal()`` hashes the runs and writes the checksum into the header; it is idempotent
+    and returns the parts. Whoever sends the value seals it, where it sends it: the bulk
+    path on the thread that is about to ``sendmsg`` it (libs/kvpool/resp.py,
+    ``Frames.seals``), so hashing costs no hop of its own and overlaps with the other
+    sockets' transfers; anything else that reads the parts (``value_parts``) seals first.
+    """
+
+    __slots__ = ("parts", "_runs", "_header", "_sealed")
+
+    def __init__(self, header: memoryview, runs: list[memoryview]) -> None:
+        if header.nbytes != HEADER_NBYTES:
+            raise ValueError(f"header has {header.nbytes} bytes, the header is {HEADER_NBYTES}")
+        self._header = header
+        self._runs = runs
+        self.parts: list[memoryview] = [header, *runs]
+        self._sealed = False
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def seal(self) -> list[memoryview]:
+        if not self._sealed:
+            _CHECKSUM.pack_into(self._header, CHECKSUM_OFFSET, checksum(self._runs))
+            self._sealed = True
+        return self.parts
+
+
+# What a pool write takes: one buffer, a list/tuple of parts that make the value back
+# to back (a header and views of staging memory: scatter-gather, never concatenated), or
+# a PendingValue (the same, checksummed by whoever sends it).
+Value = Union[Buffer, Sequence[Buffer], PendingValue]
 
 
 def _flat(buf: Buffer) -> memoryview:
@@ -66,14 +103,19 @@ def _flat(buf: Buffer) -> memoryview:
 
 
 def value_parts(value: Value) -> list[memoryview]:
-    """A value as flat byte views: a list or tuple is parts sent back to back, anything
-    else one buffer (bytes, bytearray, memoryview, a numpy array...)."""
+    """A value as flat byte views: a list or tuple is parts sent back to back, a
+    PendingValue its parts once sealed, anything else one buffer (bytes, bytearray,
+    memoryview, a numpy array...)."""
+    if isinstance(value, PendingValue):
+        return value.seal()
     if isinstance(value, (list, tuple)):
         return [_flat(part) for part in value]
     return [_flat(value)]  # type: ignore[arg-type]
 
 
 def value_nbytes(value: Value) -> int:
+    if isinstance(value, PendingValue):
+        return value.nbytes
     if isinstance(value, (list, tuple)):
         return sum(memoryview(part).nbytes for part in value)
     return memoryview(value).nbytes  # type: ignore[arg-type]
