@@ -144,6 +144,9 @@ async def one(session: aiohttp.ClientSession, url: str, model: str, prompt: list
         "client_ttft_s": first,
         "client_second_token_s": second,
         "prefill_compute_s": t.get("queue_s", 0.0) + t.get("compute_s", 0.0),
+        "engine_steps": pre["worker"].get("engine_steps", 0.0),
+        "engine_step_s": pre["worker"].get("engine_step_s", 0.0),
+        "device_busy_s": pre["worker"].get("device_busy_s", 0.0),
         "write_exposed_s": t.get("write_s", 0.0),
         "read_s": dec.get("load_s", 0.0),
         "read_exposed_s": read_exposed,
@@ -201,7 +204,7 @@ def report(args: argparse.Namespace, colo: dict[str, list[dict]], rows: list[dic
            f"co-located engine (one process, no pool): TTFT {ms(colo_ttft)} ms, TTFT + one decode step {ms(colo_second)} ms"
            + (f" (the same engine with its step budget at the prefill chunk, what chunking alone costs: {chunked})" if chunked else "") + "\n"]
     headers = ["pool", "prefill chunk", "handoff", "client TTFT ms", "client 2nd token ms", "vs co-located TTFT + 1 step",
-               "prefill compute ms", "pool not overlapped with compute ms (writes after + reads after)", "pool reads ms (all)", "blocks loaded before the result"]
+               "prefill compute ms (in engine steps / device busy, steps)", "pool not overlapped with compute ms (writes after + reads after)", "pool reads ms (all)", "blocks loaded before the result"]
     body = []
     for nodes in args.redis_nodes:
         for chunk in args.prefill_chunks:
@@ -209,7 +212,9 @@ def report(args: argparse.Namespace, colo: dict[str, list[dict]], rows: list[dic
                 sel = [r for r in rows if r["chunk"] == chunk and r["stream_handoff"] == mode and r["redis_nodes"] == nodes]
                 second = med(sel, "client_second_token_s")
                 body.append([pool_name(nodes), chunk, "streamed" if mode else "serial", ms(med(sel, "client_ttft_s")), ms(second),
-                             f"{second / colo_second:.2f}x", ms(med(sel, "prefill_compute_s")),
+                             f"{second / colo_second:.2f}x",
+                             f"{ms(med(sel, 'prefill_compute_s'))} ({ms(med(sel, 'engine_step_s'))} / {ms(med(sel, 'device_busy_s'))}, "
+                             f"{med(sel, 'engine_steps'):.0f})",
                              f"{ms(med(sel, 'pool_exposed_s'))} ({ms(med(sel, 'write_exposed_s'))} + {ms(med(sel, 'read_exposed_s'))})",
                              ms(med(sel, "read_s")), f"{100 * med(sel, 'early_share'):.0f}%"])
     out.append(table(headers, body))
@@ -251,7 +256,12 @@ def main() -> None:
     for nodes in args.redis_nodes:
         for chunk in args.prefill_chunks:
             with LocalCluster(cluster_config(args, model, chunk, nodes)) as cluster:
-                rows += [{"redis_nodes": nodes, **r} for r in asyncio.run(drive(cluster.url, args, chunk))]
+                got = [{"redis_nodes": nodes, **r} for r in asyncio.run(drive(cluster.url, args, chunk))]
+            rows += got
+            # As it goes, so that a run cut short by a time limit still says something.
+            print(f"{pool_name(nodes)}, {chunk}-token chunks: client 2nd token median "
+                  + ", ".join(f"{'streamed' if m else 'serial'} {1e3 * med([r for r in got if r['stream_handoff'] == m], 'client_second_token_s'):.1f} ms"
+                              for m in (True, False)), flush=True)
     assert all(r["decision"] == "prefill" and r["streamed"] == r["stream_handoff"] for r in rows), rows
     device = torch.cuda.get_device_name() if cuda else f"CPU ({platform.machine()}, {os.cpu_count()} cores)"
     text = report(args, colo, rows, device)

@@ -129,6 +129,7 @@ class PrefillJob:
     progress_done: bool = False
     streamed_blocks: int = 0  # blocks durable before compute finished
     compute_done_at: float = 0.0  # wall clock when compute ended (decode's ``load_done_at`` is comparable on one host)
+    engine_time: dict[str, float] = field(default_factory=dict)  # _engine_clock's advance while this prompt computed
 
     def __post_init__(self) -> None:
         self.keys = self.rt.keys(self.msg.prompt_token_ids)
@@ -189,6 +190,7 @@ class PrefillJob:
             load = await load_blocks(rt, keys[:pool_run], local, max_tokens=len(prompt) - 1)
 
         t_engine = time.perf_counter()
+        engine0 = _engine_clock(rt)
         stream = rt.engine.add_request(
             msg.request_id, prompt, self.params, kv_import=load.kv_import, export_kv=True, stream_export=self.streamed,
             grammar=self.grammar,
@@ -216,6 +218,7 @@ class PrefillJob:
                 stream.abort()  # the handler was cancelled (client gone) or the engine failed
         t_computed = time.perf_counter()
         self.compute_done_at = time.time()
+        self.engine_time = {k: round(v - engine0[k], 6) for k, v in _engine_clock(rt).items()}
         self.streamed_blocks = self.watermark
         if final is not None and final.exported_kv is not None:
             self.computed_tokens = len(prompt)
@@ -268,6 +271,7 @@ class PrefillJob:
             "streamed_blocks": self.streamed_blocks,
             "durable_blocks": self.watermark,
             "compute_done_at": self.compute_done_at,
+            **self.engine_time,
             **timings,
         }
         rt.metrics.requests.labels("ok").inc()
@@ -295,6 +299,15 @@ class PrefillJob:
             timings=timings,
             trace=trace if msg.want_trace else None,
         )
+
+
+def _engine_clock(rt: WorkerRuntime) -> dict[str, float]:
+    """The engine's running totals: steps, wall seconds inside its steps (host work, launches
+    and waits for the GIL included) and device-busy seconds (CUDA events; 0 off CUDA). Their
+    advance over one prompt's compute, in its trace, tells the device's share of
+    ``compute_s`` from the host's (exact when the prompt ran alone, as in bench/gpu_pd.py)."""
+    snap = rt.engine.snapshot
+    return {"engine_steps": float(snap.steps), "engine_step_s": snap.busy_s, "device_busy_s": rt.llm.timer.busy_s}
 
 
 def add_routes(app: web.Application, runtime: WorkerRuntime) -> None:
