@@ -343,6 +343,6 @@ def _stored(rt: WorkerRuntime, result: StoreResult, t0: float) -> StoreResult:
 
 def _slots(codec, exported: ExportedKV) -> list[tuple[np.ndarray, int]]:
     """``(slot, tokens)`` of every block of ``exported``, slots as byte rows (blocks until its device copies landed)."""
-    tokens = [n for _, n in exported.blocks()]
     rows = [row for buf in exported.buffers for row in codec.byte_rows(buf.host)]
-    return list(zip(rows, tokens))
+    bs, first = exported.block_size, exported.first_block
+    return [(row, min(bs, exported.num_tokens - (first + j) * bs)) for j, row in enumerate(rows)]
