@@ -10,6 +10,7 @@ and single-threaded by design (services drive it from a worker thread, see
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 from typing import Sequence as Seq
@@ -17,6 +18,7 @@ from typing import Sequence as Seq
 import torch
 
 from kernels.swap import BlockSwapper
+from kernels.swap.heads import HeadSlice
 from libs.engine.async_runner import AsyncRunner
 from libs.engine.block_manager import BlockManager
 from libs.engine.config import EngineConfig
@@ -54,10 +56,14 @@ class LLMEngine:
         self.model_config = mc = loaded.config
         self.device, self.dtype = device, dtype
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        # A pool block holds every KV head; this process's cache only the model's own
+        # (all of them, except under tensor parallelism).
         self.layout = KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim, config.block_size, dtype)
+        heads = HeadSlice(loaded.model.kv_heads[0], loaded.model.kv_heads[1] - loaded.model.kv_heads[0], mc.num_kv_heads, loaded.model.kv_written)
+        cache_layout = dataclasses.replace(self.layout, num_kv_heads=heads.count)
         self.namespace = loaded.fingerprint.namespace(config.block_size)
-        num_blocks = self._num_blocks(device)
-        cache = self.layout.allocate(num_blocks, device)
+        num_blocks = self._num_blocks(device, cache_layout)
+        cache = cache_layout.allocate(num_blocks, device)
         self.block_manager = BlockManager(num_blocks, config.block_size, self.namespace, enable_prefix_caching=config.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -68,7 +74,7 @@ class LLMEngine:
             self.block_manager,
         )
         # Staging for PD handoff: exports (prefill) and imports (decode) move through here.
-        self.swapper = BlockSwapper(cache, max_blocks=config.swap_max_blocks, num_buffers=config.swap_buffers)
+        self.swapper = BlockSwapper(cache, max_blocks=config.swap_max_blocks, num_buffers=config.swap_buffers, heads=heads)
         self.runner = ModelRunner(loaded.model, cache, config.block_size, mc.vocab_size, device, self.swapper)
         self.exports = ExportQueue(self.block_manager, config.block_size, self.runner.export_blocks)
         self.forks = Forks(self.scheduler, self.block_manager, self.runner.copy_blocks, config.block_size)
@@ -95,7 +101,7 @@ class LLMEngine:
         self.num_generated_tokens = 0
         self.num_prompt_tokens_computed = 0
 
-    def _num_blocks(self, device: torch.device) -> int:
+    def _num_blocks(self, device: torch.device, cache_layout: KVLayout) -> int:
         cfg = self.config
         if cfg.num_blocks is not None:
             return cfg.num_blocks
@@ -106,7 +112,7 @@ class LLMEngine:
             budget = free * cfg.gpu_memory_utilization
         else:
             budget = 2**30
-        return max(16, int(budget // self.layout.block_nbytes))
+        return max(16, int(budget // cache_layout.block_nbytes))
 
     # -- requests -----------------------------------------------------------------------
 
