@@ -29,6 +29,8 @@ from libs.engine.kv_export import ExportQueue
 from libs.engine.model_runner import ModelRunner
 from libs.engine.outputs import CompletionOutput, RequestOutput
 from libs.engine.step_timer import StepTimer
+from libs.engine.tp.group import JoinInfo, TensorParallelGroup
+from libs.engine.tp.runner import TensorParallelRunner
 from libs.engine.params import SamplingParams
 from libs.engine.scheduler import Scheduler, SchedulerConfig
 from libs.engine.sequence import KVImport, Sequence
@@ -39,17 +41,27 @@ from libs.model import LoadedModel, MoEOptions, load_model, make_backend
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig | None = None, *, loaded: LoadedModel | None = None):
+    def __init__(self, config: EngineConfig | None = None, *, loaded: LoadedModel | None = None, join: JoinInfo | None = None):
+        """``join``: this process is rank ``join.rank`` (not 0) of a tensor-parallel
+        instance (libs/engine/tp); without it, ``tensor_parallel_size > 1`` makes this
+        process rank 0, which starts the others."""
         self.config = config = config or EngineConfig()
         config.apply_threads()
         device = config.resolve_device()
         dtype = config.resolve_dtype(device)
+        self.tp: TensorParallelGroup | None = None
+        if config.tensor_parallel_size > 1:
+            if loaded is not None:
+                raise ValueError("a tensor-parallel engine loads its own shard of the model: pass no LoadedModel")
+            self.tp = TensorParallelGroup.join(config, join) if join is not None else TensorParallelGroup.start(config)
+            device = self.tp.device
         if loaded is None:
             loaded = load_model(
                 config.model, dtype=dtype, device=device, backend=make_backend(config.attention_backend, device),
                 quantized_weights=config.quantized_weights, quantization=config.quantization,
                 moe=MoEOptions(strategy=config.moe_strategy, fake_balance=config.moe_fake_balance),
                 cache_dir=Path(config.weight_cache_dir) if config.weight_cache_dir else None,
+                tp=self.tp.group if self.tp is not None else None,
             )
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
@@ -63,6 +75,8 @@ class LLMEngine:
         cache_layout = dataclasses.replace(self.layout, num_kv_heads=heads.count)
         self.namespace = loaded.fingerprint.namespace(config.block_size)
         num_blocks = self._num_blocks(device, cache_layout)
+        if self.tp is not None:  # block ids must mean the same blocks on every rank
+            num_blocks = self.tp.agree_min(num_blocks)
         cache = cache_layout.allocate(num_blocks, device)
         self.block_manager = BlockManager(num_blocks, config.block_size, self.namespace, enable_prefix_caching=config.enable_prefix_caching)
         self.scheduler = Scheduler(
@@ -74,8 +88,18 @@ class LLMEngine:
             self.block_manager,
         )
         # Staging for PD handoff: exports (prefill) and imports (decode) move through here.
-        self.swapper = BlockSwapper(cache, max_blocks=config.swap_max_blocks, num_buffers=config.swap_buffers, heads=heads)
-        self.runner = ModelRunner(loaded.model, cache, config.block_size, mc.vocab_size, device, self.swapper)
+        # Under TP its rows are shared by the ranks, each moving its own heads of a block.
+        host_buffers = None
+        if self.tp is not None:
+            host_buffers = self.tp.shared_staging((config.swap_max_blocks, *self.layout.block_shape), dtype, config.swap_buffers)
+        self.swapper = BlockSwapper(
+            cache, max_blocks=config.swap_max_blocks, num_buffers=config.swap_buffers, heads=heads, host_buffers=host_buffers
+        )
+        runner_args = (loaded.model, cache, config.block_size, mc.vocab_size, device, self.swapper)
+        if self.tp is not None and self.tp.rank == 0:  # the other ranks run what this one sends
+            self.runner: ModelRunner = TensorParallelRunner(*runner_args, tp=self.tp)
+        else:
+            self.runner = ModelRunner(*runner_args)
         self.exports = ExportQueue(self.block_manager, config.block_size, self.runner.export_blocks)
         self.forks = Forks(self.scheduler, self.block_manager, self.runner.copy_blocks, config.block_size)
         if device.type == "cuda" and config.cuda_graphs and loaded.model.layers[0].self_attn.backend.name == "triton":
@@ -83,7 +107,8 @@ class LLMEngine:
                 max_batch=min(config.max_num_seqs, config.graph_max_batch),
                 max_blocks_per_seq=-(-self.max_model_len // config.block_size),
             )
-        self._prepare = AsyncRunner("prepare-inputs") if config.resolve_async_prepare(device) else None
+        leader = self.tp is None or self.tp.rank == 0
+        self._prepare = AsyncRunner("prepare-inputs") if config.resolve_async_prepare(device) and leader else None
         self._ahead: tuple[StepPlan, StepInputs, torch.Tensor] | None = None
         self.timer = StepTimer(device)
         self.prepared_ahead_hits = 0
@@ -369,6 +394,8 @@ class LLMEngine:
             self._prepare.close()
         self.bitmasks.close()
         self.swapper.close()
+        if self.tp is not None:
+            self.tp.close()
 
     def _import(self, imports: list) -> None:
         for imp, rows, blocks in imports:

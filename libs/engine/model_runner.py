@@ -11,7 +11,6 @@ from __future__ import annotations
 import torch
 
 from kernels.swap import BlockSwapper, StagingBuffer, StagingStateError
-from kernels.swap import reference as swap_reference
 from libs.engine.cuda_graphs import DecodeGraphs
 from libs.engine.inputs import StepInputs
 from libs.engine.sampler import DeviceSamples, Sampler, SamplingBatch
@@ -62,14 +61,13 @@ class ModelRunner:
         for buf in imp.buffers:
             lo, hi = max(rows[0], offset), min(rows[-1] + 1, offset + buf.n)
             if lo < hi:
-                ids = block_ids[lo - rows[0] : hi - rows[0]]
-                if hi - lo == buf.n:
-                    self.swapper.swap_in(buf, ids)
-                else:  # only part of this buffer is needed (the rest was a local cache hit)
-                    swap_reference.scatter_blocks(buf.host[lo - offset : hi - offset], ids, self.cache)
-                    if self.device.type == "cuda":
-                        torch.cuda.current_stream().synchronize()  # before the buffer is reused
+                # Only part of a buffer may be needed (the rest was a local cache hit); the
+                # buffer's event orders its reuse after this copy.
+                self._swap_in(buf, block_ids[lo - rows[0] : hi - rows[0]], lo - offset)
             offset += buf.n
+
+    def _swap_in(self, buf: StagingBuffer, block_ids: list[int], first_row: int) -> None:
+        self.swapper.swap_in(buf, block_ids, first_row=first_row)
 
     def export_blocks(self, block_ids: list[int]) -> list[StagingBuffer] | None:
         """Gather blocks into staging buffers of the swapper, or None if not enough are
@@ -78,12 +76,15 @@ class ModelRunner:
         bufs: list[StagingBuffer] = []
         try:
             for i in range(0, len(block_ids), step):
-                bufs.append(self.swapper.swap_out(block_ids[i : i + step]))
+                bufs.append(self._swap_out(block_ids[i : i + step]))
         except StagingStateError:
             for b in bufs:
                 b.release()
             return None
         return bufs
+
+    def _swap_out(self, block_ids: list[int]) -> StagingBuffer:
+        return self.swapper.swap_out(block_ids)
 
     # -- the step -----------------------------------------------------------------------
 
