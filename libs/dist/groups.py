@@ -20,8 +20,10 @@ forward pass must finish within seconds.
 
 Collectives have a timeout (``timeout_s``): a peer that died or hangs makes them raise
 (gloo) or aborts the process (NCCL's watchdog, ``TORCH_NCCL_ASYNC_ERROR_HANDLING``),
-never a silent hang. The control handle's wait (``control_timeout_s``) is long; a dead
-peer still ends it at once, as gloo sees its connection close.
+never a silent hang. The control handle's timeout (``control_timeout_s``) is each
+process's own (gloo keeps it per process): a TP instance gives its receiving ranks a long
+one (a dead peer still ends their wait at once, as gloo sees its connection close) and
+its sending rank the collective timeout (a send a stopped peer never takes fails).
 
 Every process must call ``init_parallel`` with the same layout (building a group is a
 collective), and ``shutdown_parallel`` at the end.

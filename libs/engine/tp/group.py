@@ -170,8 +170,12 @@ class TensorParallelGroup:
 
 def _init(config: EngineConfig, rank: int, init_method: str, device: torch.device) -> Group:
     n = config.tensor_parallel_size
+    # The control handle's timeout is each process's own: rank 0 only sends on it, and a
+    # send that a stopped rank never takes must fail like any collective (tp_timeout_s);
+    # the others wait there for their next step as long as the instance is idle.
+    control_timeout_s = config.tp_timeout_s if rank == 0 else config.tp_idle_timeout_s
     groups = init_parallel(
         ParallelLayout(world_size=n, tp_size=n), rank=rank, init_method=init_method, device=device,
-        timeout_s=config.tp_timeout_s, control_timeout_s=config.tp_idle_timeout_s,
+        timeout_s=config.tp_timeout_s, control_timeout_s=control_timeout_s,
     )
     return groups.tp
