@@ -46,6 +46,10 @@ def _build_parser() -> argparse.ArgumentParser:
         "--tensor-parallel-size", type=int, default=1,
         help="tensor-parallel ranks: one process each, started by this one (CUDA: GPUs cuda:k..k+N-1; CPU: gloo) (default 1)",
     )
+    g.add_argument(
+        "--async-scheduling", choices=("auto", "on", "off"), default="auto",
+        help="launch each step before the previous one's tokens are read back (default auto: on only where measured faster)",
+    )
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     return parser
 
@@ -59,6 +63,7 @@ def _generate(args: argparse.Namespace) -> int:
         model=args.model, device=args.device, dtype=args.dtype, quantized_weights=args.quantized,
         moe_strategy=args.moe_strategy, moe_fake_balance=args.moe_fake_balance, quantization=args.quantization,
         tensor_parallel_size=args.tensor_parallel_size,
+        async_scheduling=args.async_scheduling,
     ))
     try:
         return _run(engine, args, params)

@@ -318,5 +318,8 @@ async def _stream(request: web.Request, run: RequestRun, formatter: Formatter) -
         await send(event(chunk))
     await send(_DONE)
     assert response is not None
-    await response.write_eof()
+    try:
+        await response.write_eof()
+    except ConnectionResetError:
+        pass  # the client read [DONE] and hung up first: the request completed
     return response

@@ -42,6 +42,9 @@ class WorkerSettings(BaseSettings):
     tp_timeout_s: float = setting(
         60.0, help="a tensor-parallel collective not done in this time fails the instance, which deregisters and exits"
     )
+    async_scheduling: Literal["auto", "on", "off"] = setting(
+        "auto", help="launch step N+1 before step N's tokens are read back (auto: on only where measured faster; see README)"
+    )
     swap_buffers: int = setting(8, help="staging buffers for pool transfers (bounds concurrent handoffs)")
     swap_max_blocks: int = setting(64, help="blocks per staging buffer")
     redis_url: str = setting("redis://127.0.0.1:6379/0", help="the pool's Redis")

@@ -214,3 +214,28 @@ async def test_stats_and_workers_endpoints(cluster: Cluster) -> None:
             workers = (await resp.json())["data"]
     assert stats["model"] == MODEL and stats["instances"]["decode"] == {"live": 2, "usable": 2}
     assert sorted((w["role"], w["id"]) for w in workers) == [("decode", "decode-0"), ("decode", "decode-1"), ("prefill", "prefill-0")]
+
+
+async def test_a_client_hanging_up_after_done_is_an_ok_request(
+    cluster: Cluster, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A client that closes as soon as it has read ``[DONE]`` makes the final
+    ``write_eof`` fail; everything was delivered, so the request is ``ok``, not ``error``."""
+    from aiohttp import web
+
+    write_eof = web.StreamResponse.write_eof
+
+    async def reset(self: web.StreamResponse, data: bytes = b"") -> None:
+        await write_eof(self, data)  # everything reached the client, then the socket reset
+        raise ConnectionResetError("client closed after [DONE]")
+
+    monkeypatch.setattr(web.StreamResponse, "write_eof", reset)
+    caplog.set_level(logging.INFO, logger="tidepool.router.requests")
+    stream = await cluster.openai().completions.create(model=MODEL, prompt=long_prompt(), max_tokens=3, stream=True)
+    assert len([c async for c in stream]) >= 3
+    await eventually(lambda: any(r.name == "tidepool.router.requests" for r in caplog.records), what="the request's log line")
+    (line,) = [r.getMessage() for r in caplog.records if r.name == "tidepool.router.requests"]
+    assert "outcome=ok" in line, line
+    m = await cluster.metrics()
+    assert value(m, "tidepool_router_requests_total", endpoint="completions", outcome="ok") == 1
+    assert value(m, "tidepool_router_requests_total", endpoint="completions", outcome="error") == 0

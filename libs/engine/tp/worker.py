@@ -5,7 +5,9 @@ rank 0 (``LLMEngine`` with ``join``: its shard of the weights, a cache of its KV
 the shared staging, the same CUDA graphs captured in the same order), then executes what
 rank 0 sends until told to stop (libs/engine/tp/runner.py has the sending side):
 
-- ``forward``: the step's inputs; the logits are rank 0's to sample, so they are dropped;
+- ``forward``: a step's plan and forward inputs (libs/engine/tp/runner.py), copied into
+  this rank's step staging and run; the logits are rank 0's to sample, so they are dropped;
+- ``graphs``: capture the same graphs as rank 0, now;
 - ``copy``: block copies; ``scatter`` / ``gather``: its heads of staging rows into or out
   of its cache; ``sync``: wait for those copies, then meet the others at a barrier;
 - ``stop``: leave.
@@ -26,7 +28,7 @@ import torch
 from libs.engine.engine import LLMEngine
 from libs.engine.tp.group import JoinInfo, TensorParallelGroup
 from libs.engine.tp.launch import config_from_json
-from libs.engine.tp.runner import decode_inputs
+from libs.engine.tp.runner import ForwardPlan, receive_views
 
 log = logging.getLogger("tidepool.tp")
 
@@ -36,13 +38,17 @@ def serve(engine: LLMEngine) -> int:
     tp: TensorParallelGroup = engine.tp  # type: ignore[assignment]
     runner, swapper = engine.runner, engine.swapper
     handled = 0
+    runner._bind()  # this rank's model writes this rank's cache
     with torch.inference_mode():
         while True:
             msg = tp.channel.recv()
             handled += 1
             a = msg.args
             if msg.op == "forward":
-                runner.forward(*decode_inputs(a, msg.tensors))
+                plan = ForwardPlan.from_args(a)
+                runner.forward_pass(plan, receive_views(runner.staging, plan.layout, msg.tensors))
+            elif msg.op == "graphs":
+                runner.enable_graphs(a["max_batch"], a["prefill_max_tokens"], a["prefill_seqs"], emulate=a["emulate"])
             elif msg.op == "copy":
                 runner.copy_blocks([tuple(c) for c in a["copies"]])
             elif msg.op == "scatter":
