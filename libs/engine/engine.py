@@ -99,6 +99,7 @@ class LLMEngine:
         self.namespace = loaded.fingerprint.namespace(config.block_size)
         num_blocks = self._num_blocks(device, cache_layout)
         if self.tp is not None:  # block ids must mean the same blocks on every rank
+            self.tp.wait_loaded()
             num_blocks = self.tp.agree_min(num_blocks)
         cache = cache_layout.allocate(num_blocks, device)
         self.block_manager = BlockManager(num_blocks, config.block_size, self.namespace, enable_prefix_caching=config.enable_prefix_caching)

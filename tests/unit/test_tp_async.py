@@ -22,7 +22,7 @@ import torch
 from libs.engine import LLM, SamplingParams
 from libs.kvpool.codec import BlockCodec
 from tests.models import CHAT_PROMPTS, RAW_PROMPTS
-from tests.unit.test_tp_engine import GREEDY, LONG, N, import_and_continue, tp_config
+from tests.unit.test_tp_engine import GREEDY, N, SEEDED, assert_same_tokens, import_and_continue, prompts, tp_config
 
 if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
     pytest.skip("torch.distributed with gloo is needed", allow_module_level=True)
@@ -34,11 +34,8 @@ def test_async_scheduling_on_graph_layouts_equals_tp1(engine):
         assert eng.async_scheduling and eng.queue.threaded
         eng.enable_graphs(emulate=True)
         tok = eng.tokenizer
-        ps = [tok.encode(LONG), tok.encode_chat(CHAT_PROMPTS[2]), tok.encode(RAW_PROMPTS[1])]
-        assert [o.token_ids for o in eng.generate(ps, GREEDY)] == [r.token_ids for r in engine.generate(ps, GREEDY)]
-        seeded = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=10, n=2, seed=3, ignore_eos=True)
-        ids = tok.encode_chat(CHAT_PROMPTS[0])
-        assert [o.token_ids for o in eng.generate([ids], seeded)] == [r.token_ids for r in engine.generate([ids], seeded)]
+        assert_same_tokens(eng, engine, prompts(tok), GREEDY)
+        assert_same_tokens(eng, engine, [tok.encode_chat(CHAT_PROMPTS[1])], SEEDED)
         replays = dict(eng.runner.graphs.replays)
         assert replays["decode"] > 0 and replays["prefill"] > 0
 

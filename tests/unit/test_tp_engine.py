@@ -46,16 +46,25 @@ def tp_engine():
     eng.close()
 
 
+SEEDED = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=12, n=2, seed=7, ignore_eos=True)
+
+
 def prompts(tok) -> list[list[int]]:
+    """A prompt of two chunks batched with two short ones."""
     return [tok.encode(LONG), tok.encode_chat(CHAT_PROMPTS[0]), tok.encode(RAW_PROMPTS[3])]
+
+
+def assert_same_tokens(eng: LLM, ref: LLM, ps: list[list[int]], params: SamplingParams) -> list:
+    """``eng`` and ``ref`` generate the same tokens for ``ps``; ``ref``'s outputs."""
+    ours, theirs = eng.generate(ps, params), ref.generate(ps, params)
+    assert [o.token_ids for o in ours] == [r.token_ids for r in theirs]
+    return theirs
 
 
 def test_rank0_plans_and_rank1_follows(tp_engine, engine):
     tok = tp_engine.tokenizer
     ps = prompts(tok)
-    ours = tp_engine.generate(ps, GREEDY)
-    ref = engine.generate(ps, GREEDY)
-    assert [o.token_ids for o in ours] == [r.token_ids for r in ref]
+    ref = assert_same_tokens(tp_engine, engine, ps, GREEDY)
     assert tp_engine.runner.cache.shape[4] == 1  # rank 0 holds one of SmolLM2's 3 KV heads
     assert tp_engine.tp.channel.messages >= tp_engine.num_steps  # a plan per step, at least
     # A prefix cache hit (the long prompt again) computes only its tail, and still agrees.
@@ -64,12 +73,8 @@ def test_rank0_plans_and_rank1_follows(tp_engine, engine):
 
 
 def test_seeded_sampling_with_forks_equals_tp1(tp_engine, engine):
-    params = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=12, n=2, seed=7, ignore_eos=True)
-    ids = tp_engine.tokenizer.encode_chat(CHAT_PROMPTS[1])
-    ours = tp_engine.generate([ids], params)
-    ref = engine.generate([ids], params)
-    assert [o.token_ids for o in ours] == [r.token_ids for r in ref]
-    assert ours[0].token_ids != ours[1].token_ids
+    ref = assert_same_tokens(tp_engine, engine, [tp_engine.tokenizer.encode_chat(CHAT_PROMPTS[1])], SEEDED)
+    assert ref[0].token_ids != ref[1].token_ids
 
 
 # -- the handoff through whole-block values ---------------------------------------------------

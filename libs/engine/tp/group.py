@@ -7,6 +7,8 @@ KV heads, maps the shared staging) so every collective of start-up pairs up.
 
 What the group provides the engine:
 
+- ``wait_loaded``: every rank has its shard (the one wait not bounded by the collective
+  timeout: loading may take minutes);
 - ``agree_min``: one value every rank accepts (the KV cache's block count: each rank
   sizes its cache from its own free memory, the smallest wins, so block ids mean the
   same blocks everywhere);
@@ -105,6 +107,16 @@ class TensorParallelGroup:
         return cls(config, _init(config, info.rank, info.init_method, device), device, info.staging_name, None)
 
     # -- start-up agreements ----------------------------------------------------------------
+
+    def wait_loaded(self) -> None:
+        """Every rank has loaded its shard. Loading takes as long as it takes (a large
+        model, a slow disk, a rank started seconds later), so this one wait is bounded by
+        ``tp_idle_timeout_s``, not the collective timeout; a rank that dies meanwhile ends
+        it at once (gloo sees its connection close)."""
+        try:
+            dist.monitored_barrier(group=self.group.control_handle, timeout=timedelta(seconds=self.config.tp_idle_timeout_s))
+        except RuntimeError as e:
+            raise TensorParallelError(f"a tensor-parallel rank did not finish loading: {e}") from e
 
     def agree_min(self, value: int) -> int:
         t = torch.tensor([value], dtype=torch.int64)
