@@ -9,7 +9,9 @@ Models: the tiny test model and, on the CPU, the real SmolLM2-135M (its GGUF, fl
 on CUDA, SmolLM2-135M's shape with random bf16 weights. This is what decides where
 ``async_scheduling="auto"`` turns it on (libs/engine/config.py).
 
-    python -m bench.async_scheduling [--device cpu] [--threads 1] [--reps 3] [--out results.json]
+    python -m bench.async_scheduling [--device cpu] [--threads 1] [--reps 3] [--quick] [--out results.json]
+
+``--quick`` halves the measured steps.
 """
 
 from __future__ import annotations
@@ -107,11 +109,12 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="half the measured steps")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    res = run(device, args.reps)
+    res = run(device, args.reps, quick=args.quick)
     print_table(res, f"\ndecode, sync vs async scheduling, {device}, {args.threads} thread(s), median of {args.reps}, torch {torch.__version__}\n")
     if args.out:
         with open(args.out, "w") as fh:

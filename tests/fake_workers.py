@@ -36,8 +36,10 @@ from aiohttp import web
 
 from libs.blocks import NamespaceRoot, block_keys
 from libs.protocol import (
+    INTERNAL_TOKEN_HEADER,
     MessageStreamResponse,
     encode,
+    internal_headers,
     msgpack_response,
     read_message,
 )
@@ -123,7 +125,9 @@ class FakeInstance:
     # records
     aborts: list[str] = field(default_factory=list)
     requests: list[Any] = field(default_factory=list)
+    tokens_seen: list[str | None] = field(default_factory=list)  # internal token of each call
     url: str = ""
+    internal_token: str | None = None  # sent with registration and heartbeats
 
     def __post_init__(self) -> None:
         self.app = web.Application()
@@ -141,7 +145,7 @@ class FakeInstance:
         await site.start()
         host, port = self._runner.addresses[0][:2]
         self.url = f"http://{host}:{port}"
-        self._http = aiohttp.ClientSession()
+        self._http = aiohttp.ClientSession(headers=internal_headers(self.internal_token))
         return self
 
     async def stop(self) -> None:
@@ -223,6 +227,7 @@ class FakeInstance:
     # -- handlers ------------------------------------------------------------------------------
 
     async def _abort(self, request: web.Request) -> web.Response:
+        self.tokens_seen.append(request.headers.get(INTERNAL_TOKEN_HEADER))
         msg = await read_message(request, AbortRequest)
         self.aborts.append(msg.request_id)
         return web.json_response({"aborted": msg.request_id})
@@ -255,6 +260,7 @@ class FakePrefill(FakeInstance):
 
     async def _prefill(self, request: web.Request) -> web.StreamResponse:
         req = await read_message(request, PrefillRequest)
+        self.tokens_seen.append(request.headers.get(INTERNAL_TOKEN_HEADER))
         self.requests.append(req)
         self.in_flight += 1
         try:
@@ -391,6 +397,7 @@ class FakeDecode(FakeInstance):
 
     async def _decode(self, request: web.Request) -> web.StreamResponse:
         req = await read_message(request, DecodeRequest)
+        self.tokens_seen.append(request.headers.get(INTERNAL_TOKEN_HEADER))
         self.requests.append(req)
         fault = await self._fault()
         if fault is not None:

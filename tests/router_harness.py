@@ -93,6 +93,7 @@ class Cluster:
         return inst
 
     async def _add(self, cls: type[F], role: str, instance_id: str, join: bool, kwargs: dict[str, Any]) -> F:
+        kwargs.setdefault("internal_token", self.state.settings.internal_token)  # as real instances share it
         inst = cls(role=role, model=fake_model(), model_name=MODEL, instance_id=instance_id, **kwargs)
         await inst.start()
         if join:

@@ -11,7 +11,7 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bf
 
 
 # Where "auto" turns async scheduling on: only where a benchmark showed it faster at every
-# batch size (bench/RESULTS.md, "Async scheduling"; python -m bench.async_scheduling).
+# batch size (bench/RESULTS.md, issue 10's section; python -m bench.async_scheduling).
 # CPU: measured, not faster at batch 1 (the worker thread and the engine thread share the
 # GIL and, on small machines, the cores), so off. CUDA: not measured yet, so off until it is.
 ASYNC_SCHEDULING_DEFAULTS: dict[str, bool] = {"cuda": False, "cpu": False}

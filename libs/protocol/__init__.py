@@ -16,9 +16,11 @@ TokenEvent)`` on the client. There is no pickle anywhere and msgpack ext types a
 
 from libs.protocol.errors import ErrorCode, ProtocolError, TruncatedStreamError
 from libs.protocol.http import (
+    INTERNAL_TOKEN_HEADER,
     MSGPACK_CONTENT_TYPE,
     bad_request,
     error_body,
+    internal_headers,
     json_error,
     msgpack_response,
     read_message,
@@ -47,6 +49,7 @@ from libs.protocol.stream import MessageStreamResponse, StreamDecoder, iter_mess
 
 __all__ = [
     "DEFAULT_LIMITS",
+    "INTERNAL_TOKEN_HEADER",
     "MSGPACK_CONTENT_TYPE",
     "AbortRequest",
     "DecodeRequest",
@@ -76,6 +79,7 @@ __all__ = [
     "encode",
     "error_body",
     "from_wire",
+    "internal_headers",
     "iter_messages",
     "json_error",
     "message_types",

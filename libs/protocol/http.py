@@ -20,6 +20,13 @@ from libs.protocol.limits import DEFAULT_LIMITS, Limits
 from libs.protocol.message import Message, decode, encode
 
 MSGPACK_CONTENT_TYPE = "application/msgpack"
+# The header carrying the services' shared internal token (services/common/app.py).
+INTERNAL_TOKEN_HEADER = "X-Tidepool-Internal-Token"
+
+
+def internal_headers(token: str | None) -> dict[str, str]:
+    """The headers a service's calls to another service carry: the token when there is one."""
+    return {INTERNAL_TOKEN_HEADER: token} if token else {}
 
 M = TypeVar("M", bound=Message)
 

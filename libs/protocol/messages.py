@@ -23,6 +23,9 @@ from typing import Any, Literal
 from libs.protocol.message import Message, check
 
 MAX_LOGPROBS = 20
+# The longest context an instance may register: a prompt travels as one array, and arrays
+# are bounded by the decode limits (limits.py, ``max_array_len``).
+MAX_MODEL_LEN = 1 << 20
 
 Role = Literal["prefill", "decode"]
 FinishReason = Literal["stop", "length", "abort", "error"]
@@ -400,7 +403,7 @@ class RegisterInstance(Message, version=1):
         url: base URL the router reaches it at.
         model: the served model's name.
         namespace: the block-key namespace (hex); instances share blocks only within one.
-        max_model_len: longest prompt + completion the instance accepts, >= 1.
+        max_model_len: longest prompt + completion the instance accepts, in 1..MAX_MODEL_LEN.
         block_size: tokens per KV block; with ``namespace`` it lets the router compute
             block keys (libs.blocks.NamespaceRoot) without loading the model.
         quantization: how the weights run (``none`` or ``fp8``); prefill and decode must
@@ -422,7 +425,7 @@ class RegisterInstance(Message, version=1):
 
     def validate(self) -> None:
         check(len(self.instance_id) > 0, "instance_id", "must not be empty")
-        check(self.max_model_len >= 1, "max_model_len", "must be >= 1")
+        check(1 <= self.max_model_len <= MAX_MODEL_LEN, "max_model_len", f"must be in 1..{MAX_MODEL_LEN}")
         check(self.block_size >= 1, "block_size", "must be >= 1")
         check(0 < len(self.quantization) <= 32, "quantization", "must be 1 to 32 characters")
 

@@ -15,7 +15,7 @@ class CacheStoreSettings(BaseSettings):
 
     port: int = setting(8300, help="TCP port to bind; 0 picks a free one")
     redis_url: str = setting("redis://127.0.0.1:6379/0", help="the pool's Redis")
-    redis_password: str | None = setting(None, help="Redis password (prefer the env variable)")
+    redis_password: str | None = setting(None, help="Redis password (prefer the env variable)", secret=True)
     key_prefix: str = setting("tidepool", help="prefix of every Redis key of this pool")
     redis_timeout_s: float = setting(2.0, help="Redis connect and socket timeout, seconds")
     budget_bytes: int = setting(
@@ -47,9 +47,7 @@ class CacheStoreSettings(BaseSettings):
         self.pool_config()  # a bad URL or prefix fails at startup, with the usage line
 
     def __repr__(self) -> str:
-        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        if self.redis_password is not None:
-            fields["redis_password"] = "***"
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.repr}  # no secrets
         fields["redis_url"] = redact_url(self.redis_url)
         return f"CacheStoreSettings({', '.join(f'{k}={v!r}' for k, v in fields.items())})"
 

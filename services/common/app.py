@@ -1,14 +1,22 @@
 """The aiohttp application every service starts from: ops endpoints, errors, request log.
 
 ``create_app`` gives a service ``GET /health``, ``GET /metrics`` and ``GET /stats``, a JSON
-error middleware and per-request logging and metrics, so each service only adds its own
-routes. Metrics go to a :class:`prometheus_client.CollectorRegistry` owned by the app (never
+error middleware, per-request logging and metrics, and the internal-token check, so each
+service only adds its own routes.
+
+Internal token: with ``settings.internal_token`` set, every request to an internal route
+must carry it in ``X-Tidepool-Internal-Token`` (libs/protocol/http.py), or it is answered
+401 before its handler runs. Which routes are internal is the service's call
+(``internal``): by default all but the operations endpoints; the router exempts its
+public ``/v1`` API (behind the API key instead). The comparison is constant-time
+(``hmac.compare_digest``), so response timing does not leak how much of a guess was right. Metrics go to a :class:`prometheus_client.CollectorRegistry` owned by the app (never
 the process-global one), so several apps can live in one test process without clashing.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import inspect
 import json
 import logging
@@ -19,7 +27,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram
 from prometheus_client import generate_latest
 
-from libs.protocol.http import json_error
+from libs.protocol.http import INTERNAL_TOKEN_HEADER, json_error
 from services.common.settings import BaseSettings
 
 SERVICE_NAME = web.AppKey("service_name", str)
@@ -29,8 +37,9 @@ METRICS_REGISTRY = web.AppKey("metrics_registry", CollectorRegistry)
 StatsFn = Callable[[], "Mapping[str, Any] | Awaitable[Mapping[str, Any]]"]
 HealthFn = Callable[[], "bool | Awaitable[bool]"]
 
+OPS_ROUTES = frozenset({"/health", "/ready", "/metrics", "/stats"})
 # Scraped and polled constantly: logged at DEBUG so the INFO log shows real traffic.
-_OPS_PATHS = frozenset({"/health", "/ready", "/metrics", "/stats", "/internal/v1/heartbeat"})
+_OPS_PATHS = OPS_ROUTES | {"/internal/v1/heartbeat"}
 DEFAULT_CLIENT_MAX_SIZE = 64 * 1024 * 1024
 
 
@@ -93,6 +102,27 @@ def _error_middleware(log: logging.Logger) -> Any:
     return errors
 
 
+def _internal_token_middleware(token: str, internal: Callable[[str], bool]) -> Any:
+    expected = token.encode()
+
+    @web.middleware
+    async def check_token(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+        if internal(request.path):
+            given = request.headers.get(INTERNAL_TOKEN_HEADER)
+            if given is None:
+                return json_error(401, f"this endpoint needs the services' internal token ({INTERNAL_TOKEN_HEADER})", code="missing_internal_token")
+            if not hmac.compare_digest(given.encode(), expected):
+                return json_error(401, "wrong internal token", code="invalid_internal_token")
+        return await handler(request)
+
+    return check_token
+
+
+def not_ops(path: str) -> bool:
+    """The default notion of an internal route: everything but the operations endpoints."""
+    return path not in OPS_ROUTES
+
+
 def _access_middleware(log: logging.Logger, registry: CollectorRegistry) -> Any:
     """Log one line per request and count it in ``tidepool_http_*`` metrics."""
     requests = Counter(
@@ -141,6 +171,7 @@ def create_app(
     health: HealthFn,
     registry: CollectorRegistry | None = None,
     client_max_size: int = DEFAULT_CLIENT_MAX_SIZE,
+    internal: Callable[[str], bool] = not_ops,
 ) -> web.Application:
     """A service's application with ``/health``, ``/metrics``, ``/stats`` and error handling.
 
@@ -149,13 +180,15 @@ def create_app(
     unhealthy). Both may be sync or async. Pass the ``registry`` the service registered its
     own metrics on; without one a fresh registry is made (``app[METRICS_REGISTRY]``).
     ``client_max_size`` bounds ``request.read()/json()`` bodies (aiohttp answers 413 above).
+    ``internal`` says which paths need the internal token when ``settings.internal_token``
+    is set.
     """
     log = logging.getLogger(f"tidepool.{name}")
     registry = registry if registry is not None else CollectorRegistry()
-    app = web.Application(
-        middlewares=[_access_middleware(log, registry), _error_middleware(log)],
-        client_max_size=client_max_size,
-    )
+    middlewares = [_access_middleware(log, registry), _error_middleware(log)]
+    if settings.internal_token is not None:
+        middlewares.append(_internal_token_middleware(settings.internal_token, internal))
+    app = web.Application(middlewares=middlewares, client_max_size=client_max_size)
     app[SERVICE_NAME] = name
     app[SETTINGS] = settings
     app[METRICS_REGISTRY] = registry

@@ -38,14 +38,19 @@ _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
 
 
-def setting(default: Any = dataclasses.MISSING, *, help: str, metavar: str | None = None) -> Any:
-    """A settings field: ``default`` (omit it for a required knob) and its ``--help`` text."""
+def setting(default: Any = dataclasses.MISSING, *, help: str, metavar: str | None = None, secret: bool = False) -> Any:
+    """A settings field: ``default`` (omit it for a required knob) and its ``--help`` text.
+
+    A ``secret`` (a token, a password) is left out of the settings' ``repr``, so it never
+    reaches a log line; pass it by environment variable rather than on the command line,
+    where every user of the machine can read it.
+    """
     if not help:
         raise ValueError("every setting needs help text")
     metadata = {"help": help, "metavar": metavar}
     if isinstance(default, (list, dict, set)):
         raise TypeError("mutable defaults are not allowed; use a tuple")
-    return dataclasses.field(default=default, metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata, repr=not secret)
 
 
 LogLevel = Literal["debug", "info", "warning", "error", "critical"]
@@ -61,10 +66,19 @@ class BaseSettings:
     shutdown_timeout_s: float = setting(
         10.0, help="seconds in-flight requests get to finish after SIGINT/SIGTERM"
     )
+    internal_token: str | None = setting(
+        None,
+        help="shared secret of the services: when set, this service's internal endpoints (register, "
+        "heartbeat, prefill, decode, abort, the pool's REST API) answer 401 without it, and its calls to "
+        "other services carry it. Set the same value on every service, by the environment variable",
+        secret=True,
+    )
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
+        if self.internal_token is not None and len(self.internal_token) < 16:
+            raise ValueError("internal_token must be at least 16 characters (or unset)")
         if self.shutdown_timeout_s < 0:
             raise ValueError(f"shutdown_timeout_s must be >= 0, got {self.shutdown_timeout_s}")
 

@@ -31,7 +31,7 @@ from libs.engine.async_engine import EngineStepError
 from libs.kvpool.pool import PoolError
 from libs.protocol import MessageStreamResponse, read_message
 from libs.protocol.messages import DecodeRequest, TokenEvent
-from services.worker.app import RUNTIME, rejected
+from services.worker.app import RUNTIME, full, rejected
 from services.worker.convert import sampling_params, wire_logprob
 from services.worker.grammar import start_grammar
 from services.worker.runtime import WorkerRuntime
@@ -43,6 +43,9 @@ log = logging.getLogger(__name__)
 
 async def handle_decode(request: web.Request) -> web.StreamResponse:
     rt: WorkerRuntime = request.app[RUNTIME]
+    refused = full(rt)
+    if refused is not None:
+        return refused
     msg = await read_message(request, DecodeRequest)
     t0 = time.perf_counter()
     prompt = msg.prompt_token_ids

@@ -19,7 +19,12 @@ from services.launch.processes import ServiceStartError
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m services.launch", description="Run Redis, cache_store, router, prefill and decode locally.")
+    p = argparse.ArgumentParser(
+        prog="python -m services.launch",
+        description="Run Redis, cache_store, router, prefill and decode locally.",
+        epilog="The services share an internal token: TIDEPOOL_INTERNAL_TOKEN from this environment, or a "
+        "random one. Any other TIDEPOOL_* variable reaches every service (see python -m services.<name> --help).",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address the router binds (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="router port: the OpenAI API (default 8000)")
     p.add_argument("--model", default=None, help="a .gguf file or HF folder (default: embedded SmolLM2-135M-Instruct)")

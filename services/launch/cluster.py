@@ -9,12 +9,18 @@ that a restarted one is found where the others expect it.
 ``start()`` returns once the router is *ready* (``GET /ready``: a decode instance is
 registered, so a request would succeed) and every instance has registered. From then on
 the :class:`~services.launch.supervisor.Supervisor` restarts any process that dies.
+
+The services share an internal token (services/common/app.py): ``TIDEPOOL_INTERNAL_TOKEN``
+from the launcher's environment, or a fresh random one. Secrets (the token, the Redis URL,
+which may hold a password) reach the children through their environment, never their
+command line, which any user of the machine can read; a restarted child gets the same.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import secrets
 import time
 import urllib.error
 import urllib.request
@@ -44,6 +50,8 @@ class ClusterConfig:
     pool_url: str | None = None  # where services reach Redis (e.g. a proxy in front of it); default: Redis itself
     pool_gb: float = 1.0  # Redis maxmemory; cache_store's budget is 80% of it
     api_key: str | None = None  # the router requires it when set
+    # the services' shared secret; default: TIDEPOOL_INTERNAL_TOKEN, else a random one
+    internal_token: str = field(default_factory=lambda: os.environ.get("TIDEPOOL_INTERNAL_TOKEN") or secrets.token_urlsafe(32))
     log_dir: Path = Path(".run/logs")
     ready_timeout_s: float = 180.0
     supervise: bool = True  # restart any process that dies (services/launch/supervisor.py)
@@ -85,8 +93,8 @@ class LocalCluster:
             elif self.redis_url is None:
                 self.start_redis()
             self.cache_store = self._child("cache_store", "services.cache_store", [
-                "--port", str(free_port()), "--redis-url", self.pool_url,
-                "--budget-bytes", str(int(cfg.pool_gb * 0.8 * 2**30)), *cfg.cache_store_args,
+                "--port", str(free_port()), "--budget-bytes", str(int(cfg.pool_gb * 0.8 * 2**30)),
+                *cfg.cache_store_args,
             ])
             self.cache_store.start()
             self.router = self._child("router", "services.router", [
@@ -161,13 +169,16 @@ class LocalCluster:
         return [c for c in [self.redis, *nodes, self.cache_store, self.router, *self.prefills, *self.decodes] if c is not None]
 
     def _child(self, name: str, module: str, args: list[str], threads: int | None = None) -> Child:
-        return Child(name, python_argv(module, *args), env=child_env(threads), log_path=self.config.log_dir / f"{name}.log", echo=self.config.echo)
+        env = {**child_env(threads), "TIDEPOOL_INTERNAL_TOKEN": self.config.internal_token}
+        if self.redis_url is not None:
+            env["TIDEPOOL_REDIS_URL"] = self.pool_url
+        return Child(name, python_argv(module, *args), env=env, log_path=self.config.log_dir / f"{name}.log", echo=self.config.echo)
 
     def _worker(self, role: str, index: int, router_url: str) -> Child:
         cfg = self.config
         extra = cfg.prefill_args if role == "prefill" else cfg.decode_args
         args = [
-            "--port", "0", "--redis-url", self.pool_url, "--router-url", router_url,
+            "--port", "0", "--router-url", router_url,
             "--device", cfg.device, "--dtype", cfg.dtype, "--threads", str(cfg.worker_threads()),
             "--instance-id", f"{role}-{index}",
             *(["--model", cfg.model] if cfg.model else []), *cfg.worker_args, *extra, *cfg.instance_args.get(f"{role}-{index}", []),
@@ -188,8 +199,12 @@ class LocalCluster:
         assert self.router is not None and self.router.url is not None
         return self.router.url
 
+    def internal_headers(self) -> dict[str, str]:
+        """What a call to an internal endpoint (prefill, decode, the pool's REST API) needs."""
+        return {"X-Tidepool-Internal-Token": self.config.internal_token}
+
     def get_json(self, url: str, timeout: float = 5.0) -> dict:
-        req = urllib.request.Request(url)
+        req = urllib.request.Request(url, headers=self.internal_headers())
         if self.config.api_key:
             req.add_header("Authorization", f"Bearer {self.config.api_key}")
         with urllib.request.urlopen(req, timeout=timeout) as r:

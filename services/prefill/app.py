@@ -43,7 +43,7 @@ from libs.engine.async_engine import EngineStepError
 from libs.kvpool.pool import PoolError
 from libs.protocol import MessageStreamResponse, msgpack_response, read_message
 from libs.protocol.messages import PrefillProgress, PrefillRequest, PrefillResult
-from services.worker.app import RUNTIME, rejected
+from services.worker.app import RUNTIME, full, rejected
 from services.worker.convert import sampling_params, wire_logprob
 from services.worker.grammar import start_grammar
 from services.worker.runtime import WorkerRuntime
@@ -58,6 +58,9 @@ class PrefillAborted(Exception):
 
 async def handle_prefill(request: web.Request) -> web.StreamResponse:
     rt: WorkerRuntime = request.app[RUNTIME]
+    refused = full(rt)
+    if refused is not None:
+        return refused
     msg = await read_message(request, PrefillRequest)
     t0 = time.perf_counter()
     prompt = msg.prompt_token_ids

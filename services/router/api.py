@@ -10,15 +10,22 @@ tokenizing step, still before anything is sent downstream.
 Rules worth knowing:
 
 - ``null`` means "not given" for every optional field, as in OpenAI's API.
-- Unknown fields are ignored (clients and SDKs send extras); known fields the router does
-  not implement are refused when they would change the result (``suffix``, ``best_of`` !=
-  ``n``, ``echo`` with ``logprobs``).
+- Every field is honoured or refused with a 400 naming it. A field no endpoint knows is
+  ``unknown_parameter`` (as OpenAI answers "Unrecognized request argument supplied");
+  known fields the router does not implement are ``unsupported_parameter`` when they
+  would change the result (``suffix``, ``store``, non-text ``modalities``, ``best_of`` !=
+  ``n``, ``echo`` with ``logprobs``) and accepted at their no-op value. The OpenAPI
+  document (openapi.py) lists the same fields.
 - Output constraints (``response_format``, vLLM's ``structured_outputs`` and ``guided_*``,
-  llama.cpp's ``grammar`` and ``json_schema``) are read by constraints.py, tools
-  (``tools``, ``tool_choice``, ``parallel_tool_calls``, legacy ``functions``) by tools.py;
-  ``logit_bias`` maps token ids (as strings, OpenAI's form) to biases in [-100, 100].
-- Types are strict: ``"n": 2.0`` or ``"temperature": "0.5"`` is a 400, as is ``true`` for a
-  number (JSON booleans are not numbers).
+  llama.cpp's ``grammar`` and ``json_schema``; both endpoints) are read by constraints.py,
+  tools (``tools``, ``tool_choice``, ``parallel_tool_calls``, legacy ``functions`` /
+  ``function_call``; chat only) by tools.py; ``logit_bias`` maps token ids (as strings,
+  OpenAI's form) to biases in [-100, 100]. Whether a schema, regex or grammar compiles is
+  decided by the grammar engine, off the event loop (prepare.py).
+- Chat messages are checked as OpenAI checks them: roles, keys per role, content parts,
+  tool calls and the tool messages answering them (chat_messages.py).
+- Types are JSON's: ``"temperature": "0.5"`` is a 400, as is ``true`` for a number (JSON
+  booleans are not numbers) and ``"n": 2.5``; ``"n": 2.0`` is 2 (fields.py).
 - Completions default ``max_tokens`` to 16 (OpenAI's default, capped to the context left);
   chat defaults to the whole context left.
 - vLLM extensions: ``top_k`` (-1 or 0 = off), ``min_p``, ``repetition_penalty``,
@@ -35,9 +42,11 @@ from typing import Any, Literal
 
 from libs.protocol.messages import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingSpec, StructuredSpec
 from libs.structured import GrammarSpec
-from services.router.constraints import Constraint, parse_constraint
+from services.router.chat_messages import parse_messages
+from services.router.constraints import CONSTRAINT_FIELDS, Constraint, conflict, parse_constraint
 from services.router.errors import ApiError, bad_request
-from services.router.tools import ToolRequest, parse_tools
+from services.router.fields import Fields, as_int, json_type, missing
+from services.router.tools import TOOL_REQUEST_FIELDS, ToolRequest, parse_tools
 
 Kind = Literal["completion", "chat"]
 
@@ -45,7 +54,8 @@ MAX_N = 128
 MAX_CHOICES = 1024  # prompts x n in one request
 MAX_STOP_STRINGS = 32
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
-_SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+TOP_K_MAX = 2**31 - 1  # larger means "keep every token" anyway; bounded so it fits every integer type downstream
 
 
 @dataclass(frozen=True)
@@ -132,75 +142,36 @@ def choice_seed(seed: int | None, index: int) -> int | None:
     return (seed + index) % 2**64
 
 
-class _Fields:
-    """Typed access to a JSON object's fields; every failure is a 400 naming the field."""
-
-    def __init__(self, body: dict[str, Any]) -> None:
-        self.body = body
-
-    def raw(self, name: str) -> Any:
-        return self.body.get(name)
-
-    def given(self, name: str) -> bool:
-        return self.body.get(name) is not None
-
-    def _typed(self, name: str, py_type: type, label: str) -> Any:
-        """The field's value (None when absent or null), which must be exactly ``py_type``."""
-        value = self.body.get(name)
-        if value is not None and type(value) is not py_type:
-            raise bad_request(f"'{name}' must be {label}, got {_json_type(value)}", name, "invalid_type")
-        return value
-
-    def integer(self, name: str, default: int | None, lo: int | None = None, hi: int | None = None) -> int | None:
-        value = self._typed(name, int, "an integer")
-        if value is None:
-            return default
-        if (lo is not None and value < lo) or (hi is not None and value > hi):
-            raise bad_request(f"'{name}' must be in [{_bound(lo)}, {_bound(hi)}], got {value}", name)
-        return value
-
-    def number(self, name: str, default: float, lo: float, hi: float, *, lo_open: bool = False) -> float:
-        value = self.body.get(name)
-        if value is None:
-            return default
-        if type(value) not in (int, float):
-            raise bad_request(f"'{name}' must be a number, got {_json_type(value)}", name, "invalid_type")
-        value = float(value)
-        below = value <= lo if lo_open else value < lo
-        if not math.isfinite(value) or below or value > hi:
-            interval = f"({lo}, {hi}]" if lo_open else f"[{lo}, {hi}]"
-            raise bad_request(f"'{name}' must be in {interval}, got {value}", name)
-        return value
-
-    def boolean(self, name: str, default: bool) -> bool:
-        value = self._typed(name, bool, "a boolean")
-        return default if value is None else value
-
-    def string(self, name: str, default: str | None) -> str | None:
-        value = self._typed(name, str, "a string")
-        return default if value is None else value
-
-    def obj(self, name: str) -> "_Fields":
-        return _Fields(self._typed(name, dict, "an object") or {})
-
-
-def _json_type(value: Any) -> str:
-    if value is None:
-        return "null"
-    return {bool: "boolean", int: "integer", float: "number", str: "string", list: "array", dict: "object"}.get(
-        type(value), type(value).__name__
-    )
-
-
-def _bound(value: int | None) -> str:
-    return "-inf" if value is None else str(value)
+# Every field each endpoint reads; any other is a 400 naming it (fields.py). Fields the
+# server cannot honour are listed too, and refused with a 400 unless they hold their
+# no-op value (an empty ``tools``, ``"response_format": {"type": "text"}``, ...).
+COMMON_FIELDS = frozenset(
+    {
+        "model", "n", "stream", "stream_options", "max_tokens", "stop", "temperature", "top_p",
+        "presence_penalty", "frequency_penalty", "seed", "logprobs", "logit_bias", "user",
+        # vLLM's sampling extensions
+        "top_k", "min_p", "repetition_penalty", "ignore_eos", "min_tokens", "stop_token_ids",
+        # Tidepool's own
+        "tidepool",
+    }
+) | CONSTRAINT_FIELDS  # fmt: skip
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "suffix", "best_of"}
+CHAT_FIELDS = COMMON_FIELDS | TOOL_REQUEST_FIELDS | {
+    "messages", "max_completion_tokens", "top_logprobs", "store", "modalities",
+}  # fmt: skip
+STREAM_OPTIONS_FIELDS = frozenset({"include_usage"})
+TIDEPOOL_FIELDS = frozenset({"trace", "stream_handoff"})
 
 
 def parse_request(body: Any, kind: Kind, *, served_model: str, vocab_size: int) -> GenerateRequest:
     """Validate a decoded JSON body of ``kind``; raise :class:`ApiError` naming the problem."""
     if type(body) is not dict:
-        raise bad_request(f"the request body must be a JSON object, got {_json_type(body)}", None, "invalid_type")
-    f = _Fields(body)
+        raise bad_request(f"the request body must be a JSON object, got {json_type(body)}", None, "invalid_type")
+    f = Fields(body)
+    if kind == "completion":
+        for name in sorted(TOOL_REQUEST_FIELDS & body.keys()):
+            raise bad_request(f"'{name}' is only supported by /v1/chat/completions", name, "unsupported_parameter")
+    f.only(CHAT_FIELDS if kind == "chat" else COMPLETION_FIELDS)
     model = f.string("model", served_model)
     if model != served_model:
         raise ApiError(404, f"The model `{model}` does not exist.", code="model_not_found", param="model")
@@ -209,15 +180,17 @@ def parse_request(body: Any, kind: Kind, *, served_model: str, vocab_size: int) 
     assert n is not None
     stream = f.boolean("stream", False)
     options = f.obj("stream_options")
+    options.only(STREAM_OPTIONS_FIELDS)
     if f.given("stream_options") and not stream:
         raise bad_request("'stream_options' is only allowed when 'stream' is true", "stream_options")
     include_usage = options.boolean("include_usage", False)
     ext = f.obj("tidepool")
+    ext.only(TIDEPOOL_FIELDS)
     want_trace = ext.boolean("trace", False)
-    stream_handoff = ext._typed("stream_handoff", bool, "a boolean")
+    stream_handoff = ext.boolean("stream_handoff", None)
 
     if kind == "chat":
-        messages = _messages(f)
+        messages = parse_messages(f.raw("messages"))
         prompts: tuple[str | tuple[int, ...], ...] = ()
         max_tokens = f.integer("max_completion_tokens", None, 1)
         if max_tokens is None:
@@ -225,12 +198,10 @@ def parse_request(body: Any, kind: Kind, *, served_model: str, vocab_size: int) 
         logprobs = _chat_logprobs(f)
         echo = False
         tools = parse_tools(body)
+        _refuse_chat_extras(f)
     else:
         messages = ()
         tools = None
-        for name in ("tools", "tool_choice", "functions", "function_call"):
-            if f.given(name):
-                raise bad_request(f"'{name}' is only supported by /v1/chat/completions", name, "unsupported_parameter")
         prompts = _prompts(f.raw("prompt"), vocab_size)
         max_tokens = f.integer("max_tokens", None, 1)
         logprobs = f.integer("logprobs", None, 0, MAX_LOGPROBS)
@@ -249,7 +220,7 @@ def parse_request(body: Any, kind: Kind, *, served_model: str, vocab_size: int) 
             raise bad_request("'best_of' must equal 'n' (server-side best-of is not supported)", "best_of", "unsupported_parameter")
     constraint = parse_constraint(body)
     if constraint is not None and tools is not None and tools.constraint() is not None:
-        raise bad_request(
+        raise conflict(
             f"'{constraint.param}' cannot be combined with tool_choice '{tools.choice}' (it constrains the output too)",
             constraint.param,
         )
@@ -258,7 +229,7 @@ def parse_request(body: Any, kind: Kind, *, served_model: str, vocab_size: int) 
     if num_prompts * n > MAX_CHOICES:
         raise bad_request(f"{num_prompts} prompts x n={n} exceeds {MAX_CHOICES} choices per request", "n")
 
-    top_k = f.integer("top_k", -1, -1)
+    top_k = f.integer("top_k", -1, -1, TOP_K_MAX)
     assert top_k is not None
     min_tokens = f.integer("min_tokens", 0, 0)
     assert min_tokens is not None
@@ -275,7 +246,7 @@ def parse_request(body: Any, kind: Kind, *, served_model: str, vocab_size: int) 
         stream=stream,
         include_usage=include_usage,
         stop=_stop(f.raw("stop")),
-        stop_token_ids=_token_ids(f.raw("stop_token_ids"), "stop_token_ids", vocab_size, allow_empty=True),
+        stop_token_ids=token_ids(f.raw("stop_token_ids"), "stop_token_ids", vocab_size, allow_empty=True),
         temperature=f.number("temperature", 1.0, 0.0, 2.0),
         top_p=f.number("top_p", 1.0, 0.0, 1.0, lo_open=True),
         top_k=-1 if top_k == 0 else top_k,
@@ -283,7 +254,7 @@ def parse_request(body: Any, kind: Kind, *, served_model: str, vocab_size: int) 
         presence_penalty=f.number("presence_penalty", 0.0, -2.0, 2.0),
         frequency_penalty=f.number("frequency_penalty", 0.0, -2.0, 2.0),
         repetition_penalty=f.number("repetition_penalty", 1.0, 0.0, 10.0, lo_open=True),
-        seed=f.integer("seed", None, _SEED_MIN, _SEED_MAX),
+        seed=f.integer("seed", None, SEED_MIN, SEED_MAX),
         ignore_eos=f.boolean("ignore_eos", False),
         logprobs=logprobs,
         echo=echo,
@@ -291,27 +262,12 @@ def parse_request(body: Any, kind: Kind, *, served_model: str, vocab_size: int) 
         user=f.string("user", None),
         constraint=constraint,
         tools=tools,
-        logit_bias=_logit_bias(f.raw("logit_bias"), vocab_size),
+        logit_bias=_logit_bias(f, vocab_size),
         stream_handoff=stream_handoff,
     )
 
 
-def _messages(f: _Fields) -> tuple[dict[str, Any], ...]:
-    """Shape checks only; roles and content parts are checked when the template renders."""
-    messages = f.raw("messages")
-    if messages is None:
-        raise bad_request("'messages' is required", "messages", "missing_required_parameter")
-    if type(messages) is not list:
-        raise bad_request(f"'messages' must be an array, got {_json_type(messages)}", "messages", "invalid_type")
-    if not messages:
-        raise bad_request("'messages' must not be empty", "messages")
-    for i, m in enumerate(messages):
-        if type(m) is not dict:
-            raise bad_request(f"'messages[{i}]' must be an object, got {_json_type(m)}", f"messages[{i}]", "invalid_type")
-    return tuple(messages)
-
-
-def _chat_logprobs(f: _Fields) -> int | None:
+def _chat_logprobs(f: Fields) -> int | None:
     """Chat: ``logprobs: true`` turns them on, ``top_logprobs: k`` adds k alternatives."""
     enabled = f.boolean("logprobs", False)
     top = f.integer("top_logprobs", None, 0, MAX_LOGPROBS)
@@ -322,43 +278,50 @@ def _chat_logprobs(f: _Fields) -> int | None:
     return top or 0
 
 
-def _logit_bias(value: Any, vocab_size: int) -> tuple[tuple[int, float], ...]:
+def _refuse_chat_extras(f: Fields) -> None:
+    """OpenAI chat fields this server cannot honour: a 400 unless they hold their no-op value."""
+    if f.boolean("store", False):
+        raise bad_request("'store' is not supported (this server keeps no completions)", "store", "unsupported_parameter")
+    modalities = f.array("modalities")
+    if modalities is not None and modalities != ["text"]:
+        raise bad_request("only 'modalities': [\"text\"] is supported", "modalities", "unsupported_parameter")
+
+
+def _logit_bias(f: Fields, vocab_size: int) -> tuple[tuple[int, float], ...]:
     """OpenAI's ``logit_bias``: ``{"token id": bias}`` with biases in [-100, 100]."""
-    if value is None:
-        return ()
-    if type(value) is not dict:
-        raise bad_request(f"'logit_bias' must be an object, got {_json_type(value)}", "logit_bias", "invalid_type")
-    if len(value) > MAX_LOGIT_BIAS:
-        raise bad_request(f"'logit_bias' has {len(value)} entries, at most {MAX_LOGIT_BIAS}", "logit_bias")
+    bias = f.obj("logit_bias")
+    if len(bias.body) > MAX_LOGIT_BIAS:
+        raise bad_request(f"'logit_bias' has {len(bias.body)} entries, at most {MAX_LOGIT_BIAS}", "logit_bias")
     out = []
-    for key, bias in value.items():
+    for key in bias.body:
         if not key.isdigit() or not key.isascii():
             raise bad_request(f"'logit_bias' keys must be token ids, got {key!r}", "logit_bias")
         token = int(key)
         if token >= vocab_size:
             raise bad_request(f"'logit_bias' token id {token} is not in the vocabulary (size {vocab_size})", "logit_bias")
-        if type(bias) not in (int, float) or not math.isfinite(bias) or not -100 <= bias <= 100:
-            raise bad_request(f"'logit_bias[{key}]' must be a number in [-100, 100], got {bias!r}", "logit_bias")
-        out.append((token, float(bias)))
+        value = bias.raw(key)
+        if type(value) not in (int, float) or not math.isfinite(value) or not -100 <= value <= 100:
+            raise bad_request(f"'logit_bias[{key}]' must be a number in [-100, 100], got {value!r}", "logit_bias")
+        out.append((token, float(value)))
     return tuple(out)
 
 
 def _prompts(value: Any, vocab_size: int) -> tuple[str | tuple[int, ...], ...]:
     """A string, a list of strings, a list of token ids, or a list of lists of token ids."""
     if value is None:
-        raise bad_request("'prompt' is required", "prompt", "missing_required_parameter")
+        raise missing("prompt")
     if type(value) is str:
         return (value,)
     if type(value) is not list:
-        raise bad_request(f"'prompt' must be a string or an array, got {_json_type(value)}", "prompt", "invalid_type")
+        raise bad_request(f"'prompt' must be a string or an array, got {json_type(value)}", "prompt", "invalid_type")
     if not value:
         raise bad_request("'prompt' must not be an empty array", "prompt")
     if all(type(v) is str for v in value):
         return tuple(value)
-    if all(type(v) is int for v in value):
-        return (_token_ids(value, "prompt", vocab_size),)
+    if all(as_int(v) is not None for v in value):
+        return (token_ids(value, "prompt", vocab_size),)
     if all(type(v) is list for v in value):
-        return tuple(_token_ids(v, f"prompt[{i}]", vocab_size) for i, v in enumerate(value))
+        return tuple(token_ids(v, f"prompt[{i}]", vocab_size) for i, v in enumerate(value))
     raise bad_request(
         "'prompt' must be a string, an array of strings, an array of token ids or an array of token id arrays",
         "prompt",
@@ -366,19 +329,20 @@ def _prompts(value: Any, vocab_size: int) -> tuple[str | tuple[int, ...], ...]:
     )
 
 
-def _token_ids(value: Any, name: str, vocab_size: int, *, allow_empty: bool = False) -> tuple[int, ...]:
+def token_ids(value: Any, name: str, vocab_size: int, *, allow_empty: bool = False) -> tuple[int, ...]:
     if value is None and allow_empty:
         return ()
     if type(value) is not list:
-        raise bad_request(f"'{name}' must be an array of token ids, got {_json_type(value)}", name, "invalid_type")
+        raise bad_request(f"'{name}' must be an array of token ids, got {json_type(value)}", name, "invalid_type")
     if not value and not allow_empty:
         raise bad_request(f"'{name}' must not be empty", name)
-    for i, t in enumerate(value):
-        if type(t) is not int:
-            raise bad_request(f"'{name}[{i}]' must be an integer token id, got {_json_type(t)}", name, "invalid_type")
+    ids = [as_int(t) for t in value]
+    for i, t in enumerate(ids):
+        if t is None:
+            raise bad_request(f"'{name}[{i}]' must be an integer token id, got {json_type(value[i])}", name, "invalid_type")
         if not 0 <= t < vocab_size:
             raise bad_request(f"'{name}[{i}]' = {t} is not a token id (vocabulary size {vocab_size})", name)
-    return tuple(value)
+    return tuple(ids)  # type: ignore[arg-type]
 
 
 def _stop(value: Any) -> tuple[str, ...]:
@@ -386,15 +350,27 @@ def _stop(value: Any) -> tuple[str, ...]:
         return ()
     stops = [value] if type(value) is str else value
     if type(stops) is not list:
-        raise bad_request(f"'stop' must be a string or an array of strings, got {_json_type(value)}", "stop", "invalid_type")
+        raise bad_request(f"'stop' must be a string or an array of strings, got {json_type(value)}", "stop", "invalid_type")
     if len(stops) > MAX_STOP_STRINGS:
         raise bad_request(f"'stop' has {len(stops)} strings, at most {MAX_STOP_STRINGS}", "stop")
     for s in stops:
         if type(s) is not str:
-            raise bad_request(f"'stop' entries must be strings, got {_json_type(s)}", "stop", "invalid_type")
+            raise bad_request(f"'stop' entries must be strings, got {json_type(s)}", "stop", "invalid_type")
         if not s:
             raise bad_request("'stop' strings must not be empty", "stop")
     return tuple(dict.fromkeys(stops))
+
+
+def prompt_too_long(req: GenerateRequest, max_model_len: int, prompt_index: int, size: str) -> ApiError:
+    """The 400 for a prompt of ``size`` (its length, in words) that leaves no room for a completion."""
+    where = "" if req.num_prompts == 1 else f" (prompt {prompt_index})"
+    return ApiError(
+        400,
+        f"This model's maximum context length is {max_model_len} tokens; the prompt{where} has {size}, "
+        "leaving no room for a completion.",
+        code="context_length_exceeded",
+        param="messages" if req.kind == "chat" else "prompt",
+    )
 
 
 def resolve_max_tokens(req: GenerateRequest, prompt_len: int, max_model_len: int, prompt_index: int = 0) -> int:
@@ -404,17 +380,9 @@ def resolve_max_tokens(req: GenerateRequest, prompt_len: int, max_model_len: int
     token. An explicit ``max_tokens`` that does not fit is an error (the client asked for
     more than the model can give); the defaults are capped to what is left.
     """
-    param = "messages" if req.kind == "chat" else "prompt"
     room = max_model_len - prompt_len
     if room < 1:
-        where = "" if req.num_prompts == 1 else f" (prompt {prompt_index})"
-        raise ApiError(
-            400,
-            f"This model's maximum context length is {max_model_len} tokens; the prompt{where} has "
-            f"{prompt_len} tokens, leaving no room for a completion.",
-            code="context_length_exceeded",
-            param=param,
-        )
+        raise prompt_too_long(req, max_model_len, prompt_index, f"{prompt_len} tokens")
     if req.max_tokens is not None:
         if req.max_tokens > room:
             raise ApiError(

@@ -6,6 +6,7 @@
 ``GET /v1/models``                 the served model
 ``POST /tokenize /detokenize``     vLLM's utility endpoints (tokenize.py)
 ``GET /v1/workers``                registered instances: role, url, load, last seen, usable
+``GET /openapi.json``              the OpenAPI document of the public API (openapi.py)
 ``POST /internal/v1/register``     ``RegisterInstance`` -> ``InstanceAck`` (msgpack)
 ``POST /internal/v1/heartbeat``    ``Heartbeat`` -> ``InstanceAck``; 404 from an unknown instance
 ``POST /internal/v1/deregister``   ``DeregisterInstance`` -> ``InstanceAck``; 404 from an unknown instance
@@ -13,9 +14,12 @@
 ``GET /health /metrics /stats``    services/common (``/health`` is liveness only)
 =================================  =============================================================
 
-With ``api_key`` set, every ``/v1/`` route needs ``Authorization: Bearer <key>`` (401
-otherwise). The internal routes are not behind it: instances do not hold the client key,
-and like every service the router binds to localhost unless told otherwise.
+With ``api_key`` set, every ``/v1/`` route and ``/tokenize`` and ``/detokenize`` need
+``Authorization: Bearer <key>`` (401 otherwise), compared in constant time (vLLM leaves
+its utility endpoints open; here they run the tokenizer, which is work worth a key). The
+internal routes are not behind it: instances do not hold the client key. They are behind
+the services' shared ``internal_token`` when one is set (services/common/app.py), and
+like every service the router binds to localhost unless told otherwise.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from services.router.detok import TokenRenderer
 from services.router.errors import ApiError
 from services.router.generate import handle
 from services.router.metrics import RouterMetrics
+from services.router.openapi import openapi_document
 from services.router.registry import IncompatibleInstance, Registry
 from services.router.settings import RouterSettings
 from services.router.state import STATE, RouterState
@@ -48,6 +53,7 @@ from services.router.workers import WorkerClient
 log = logging.getLogger("tidepool.router")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+KEYED_PATHS = frozenset({"/tokenize", "/detokenize"})  # behind the API key, besides /v1/
 
 
 def _auth_middleware(api_key: str) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:
@@ -55,7 +61,7 @@ def _auth_middleware(api_key: str) -> Callable[[web.Request, Handler], Awaitable
 
     @web.middleware
     async def auth(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if request.path.startswith("/v1/"):
+        if request.path.startswith("/v1/") or request.path in KEYED_PATHS:
             header = request.headers.get("Authorization", "")
             scheme, _, token = header.partition(" ")
             if scheme.lower() != "bearer" or not token:
@@ -210,9 +216,25 @@ def create_router_app(settings: RouterSettings, tokenizer: Tokenizer | None = No
             "prefill_threshold_tokens": settings.prefill_threshold_tokens,
             "cache_store_url": settings.cache_store_url,
             "api_key_required": settings.api_key is not None,
+            "admission": {
+                "running": state.admission.running,
+                "waiting": state.admission.waiting,
+                "max_running": settings.max_running_requests,
+                "max_waiting": settings.max_waiting_requests,
+            },
+            "prepare": {"pending": state.executor.pending, "max_pending": settings.prepare_queue},
         }
 
-    app = create_app("router", settings, stats=stats, health=lambda: True, registry=metrics_registry)
+    RouterMetrics.watch_limits(metrics_registry, state.admission, state.executor)
+    app = create_app(
+        "router",
+        settings,
+        stats=stats,
+        health=lambda: True,
+        registry=metrics_registry,
+        client_max_size=settings.max_body_bytes,
+        internal=lambda path: path.startswith("/internal/"),
+    )
     if settings.api_key is not None:
         app.middlewares.append(_auth_middleware(settings.api_key))
     app[STATE] = state
@@ -228,7 +250,7 @@ def create_router_app(settings: RouterSettings, tokenizer: Tokenizer | None = No
             reaper.cancel()
             await asyncio.gather(reaper, return_exceptions=True)
             await state.client.close()
-            state.executor.shutdown(wait=False, cancel_futures=True)
+            state.executor.shutdown()
 
     app.cleanup_ctx.append(lifecycle)
     app.router.add_post("/v1/completions", _completions)
@@ -238,6 +260,12 @@ def create_router_app(settings: RouterSettings, tokenizer: Tokenizer | None = No
     app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/v1/workers", _workers)
     app.router.add_get("/ready", _ready)
+    document = openapi_document(served_model=served, vocab_size=tokenizer.vocab_size, api_key=settings.api_key is not None)
+
+    async def openapi(request: web.Request) -> web.Response:
+        return web.json_response(document)
+
+    app.router.add_get("/openapi.json", openapi)
     app.router.add_post("/internal/v1/register", _register)
     app.router.add_post("/internal/v1/heartbeat", _heartbeat)
     app.router.add_post("/internal/v1/deregister", _deregister)

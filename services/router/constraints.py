@@ -14,10 +14,14 @@ Structured outputs can be requested four ways, and all land in one
 - vLLM's older ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar``;
 - llama.cpp's ``grammar`` (GBNF) and ``json_schema`` (a schema object).
 
-At most one of them may constrain a request (two are a 400: which one would win?), and a
-tool call forced by ``tool_choice`` is a constraint too (tools.py). The spec is then
-compiled by the router on a thread (libs/structured, cached), so a malformed schema, regex
-or grammar is a 400 naming the problem before anything goes downstream.
+At most one of them may constrain a request (two are a 400 ``conflicting_parameters``:
+which one would win?), and a tool call forced by ``tool_choice`` is a constraint too
+(tools.py). Fields are read through :class:`~services.router.fields.Fields`, so the rules
+of every other field hold here (``null`` is "not given", unknown keys are a 400 naming
+them). The spec is then compiled by the router on its bounded executor (prepare.py;
+libs/structured, cached), so a malformed schema, regex or grammar is a 400
+``invalid_grammar`` naming the field and the problem before anything goes downstream;
+a schema given as JSON text that does not parse is the same 400.
 """
 
 from __future__ import annotations
@@ -28,11 +32,21 @@ from typing import Any
 
 from libs.structured import GrammarError, GrammarSpec
 from services.router.errors import ApiError, bad_request
+from services.router.fields import Fields, json_type
 
-_STRUCTURED_KEYS = frozenset(
-    {"json", "regex", "choice", "grammar", "json_object", "disable_fallback", "disable_any_whitespace",
-     "disable_additional_properties", "whitespace_pattern", "structural_tag"}
-)
+# Every field that can constrain a request's output: api.py lists them among the fields
+# both endpoints read, openapi.py describes them.
+CONSTRAINT_FIELDS = frozenset(
+    {"response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+     "grammar", "json_schema"}
+)  # fmt: skip
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+STRUCTURED_FIELDS = frozenset(
+    {*STRUCTURED_KINDS, "disable_fallback", "disable_any_whitespace", "disable_additional_properties",
+     "whitespace_pattern", "structural_tag"}
+)  # fmt: skip
+RESPONSE_FORMATS = ("text", "json_object", "json_schema")
+JSON_SCHEMA_FIELDS = frozenset({"name", "schema", "strict", "description"})
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
 
@@ -44,24 +58,32 @@ class Constraint:
     param: str
 
 
-def _type(value: Any) -> str:
-    return {bool: "boolean", int: "integer", float: "number", str: "string", list: "array", dict: "object"}.get(type(value), "null")
+def invalid_grammar(message: str, param: str) -> ApiError:
+    return bad_request(message, param, "invalid_grammar")
+
+
+def conflict(message: str, param: str) -> ApiError:
+    """A 400 for fields each valid alone that cannot be given together."""
+    return bad_request(message, param, "conflicting_parameters")
 
 
 def _schema(value: Any, param: str, *, strict: bool = False) -> GrammarSpec:
+    """A JSON schema given as an object, a boolean or (vLLM) JSON text."""
     if type(value) is str:
         try:
             value = json.loads(value)
         except json.JSONDecodeError as e:
-            raise bad_request(f"'{param}' is not valid JSON: {e}", param) from None
+            raise invalid_grammar(f"'{param}' is not valid JSON: {e}", param) from None
+        if type(value) not in (dict, bool):
+            raise invalid_grammar(f"'{param}' must be a JSON schema (an object), got {json_type(value)}", param)
     if type(value) not in (dict, bool):
-        raise bad_request(f"'{param}' must be a JSON schema (an object), got {_type(value)}", param, "invalid_type")
+        raise bad_request(f"'{param}' must be a JSON schema (an object), got {json_type(value)}", param, "invalid_type")
     return GrammarSpec.json_schema(value, strict=strict)
 
 
 def _string(value: Any, param: str) -> str:
     if type(value) is not str:
-        raise bad_request(f"'{param}' must be a string, got {_type(value)}", param, "invalid_type")
+        raise bad_request(f"'{param}' must be a string, got {json_type(value)}", param, "invalid_type")
     if not value:
         raise bad_request(f"'{param}' must not be empty", param)
     return value
@@ -73,69 +95,57 @@ def _choice(value: Any, param: str) -> GrammarSpec:
     return GrammarSpec.choice(value)
 
 
-def _response_format(fmt: Any) -> GrammarSpec | None:
-    param = "response_format"
-    if type(fmt) is not dict:
-        raise bad_request(f"'{param}' must be an object, got {_type(fmt)}", param, "invalid_type")
-    kind = fmt.get("type")
-    extra = set(fmt) - {"type", "json_schema"}
-    if extra:
-        key = sorted(extra)[0]
-        raise bad_request(f"Unrecognized request argument supplied: {param}.{key}", f"{param}.{key}", "unknown_parameter")
+def _response_format(f: Fields) -> Constraint | None:
+    fmt = f.obj("response_format")
+    kind = fmt.required_string("type")
+    if kind not in RESPONSE_FORMATS:
+        allowed = ", ".join(f"'{k}'" for k in RESPONSE_FORMATS)
+        raise bad_request(f"'{fmt.name('type')}' must be one of {allowed}, got {kind!r}", fmt.name("type"))
+    fmt.only({"type", "json_schema"} if kind == "json_schema" else {"type"})
     if kind == "text":
         return None
     if kind == "json_object":
-        return GrammarSpec("json_object")
-    if kind != "json_schema":
-        raise bad_request(
-            f"'{param}.type' must be 'text', 'json_object' or 'json_schema', got {kind!r}", f"{param}.type"
-        )
-    js = fmt.get("json_schema")
-    if type(js) is not dict:
-        raise bad_request(f"'{param}.json_schema' must be an object", f"{param}.json_schema", "invalid_type")
-    unknown = set(js) - {"name", "schema", "strict", "description"}
-    if unknown:
-        key = sorted(unknown)[0]
-        raise bad_request(
-            f"Unrecognized request argument supplied: {param}.json_schema.{key}", f"{param}.json_schema.{key}", "unknown_parameter"
-        )
-    if "name" in js and (type(js["name"]) is not str or not js["name"]):
-        raise bad_request(f"'{param}.json_schema.name' must be a non-empty string", f"{param}.json_schema.name")
-    strict = js.get("strict")
-    if strict is not None and type(strict) is not bool:
-        raise bad_request(f"'{param}.json_schema.strict' must be a boolean", f"{param}.json_schema.strict", "invalid_type")
-    if js.get("schema") is None:
-        return GrammarSpec("json_object")
-    return _schema(js["schema"], f"{param}.json_schema.schema", strict=bool(strict))
+        return Constraint(GrammarSpec("json_object"), fmt.path)
+    js = Fields.of(fmt.raw("json_schema"), fmt.name("json_schema")) if fmt.given("json_schema") else None
+    if js is None:
+        raise bad_request(f"'{fmt.name('json_schema')}' is required when the type is 'json_schema'", fmt.name("json_schema"), "missing_required_parameter")
+    js.only(JSON_SCHEMA_FIELDS)
+    name = js.string("name", None)
+    if name is not None and not name:
+        raise bad_request(f"'{js.name('name')}' must not be empty", js.name("name"))
+    js.string("description", None)
+    strict = js.boolean("strict", False)
+    if not js.given("schema"):
+        return Constraint(GrammarSpec("json_object"), fmt.path)
+    return Constraint(_schema(js.raw("schema"), js.name("schema"), strict=strict), js.name("schema"))
 
 
-def _structured_outputs(so: Any) -> tuple[GrammarSpec, str]:
-    param = "structured_outputs"
-    if type(so) is not dict:
-        raise bad_request(f"'{param}' must be an object, got {_type(so)}", param, "invalid_type")
-    for key in so:
-        if key not in _STRUCTURED_KEYS:
-            raise bad_request(f"Unrecognized request argument supplied: {param}.{key}", f"{param}.{key}", "unknown_parameter")
-    for key, refused in (("structural_tag", None), ("whitespace_pattern", None), ("disable_additional_properties", False)):
-        if so.get(key) not in (None, refused):
-            raise bad_request(f"'{param}.{key}' is not supported", f"{param}.{key}", "unsupported_parameter")
-    if so.get("disable_any_whitespace") is False:
+def _structured_outputs(so: Fields) -> Constraint:
+    so.only(STRUCTURED_FIELDS)
+    for key in ("structural_tag", "whitespace_pattern"):
+        if so.given(key):
+            raise bad_request(f"'{so.name(key)}' is not supported", so.name(key), "unsupported_parameter")
+    if so.boolean("disable_additional_properties", False):
         raise bad_request(
-            f"'{param}.disable_any_whitespace': false is not supported (JSON output is always compact)",
-            f"{param}.disable_any_whitespace",
+            f"'{so.name('disable_additional_properties')}': true is not supported",
+            so.name("disable_additional_properties"),
             "unsupported_parameter",
         )
-    for key in ("disable_fallback", "disable_any_whitespace", "json_object"):
-        if so.get(key) is not None and type(so[key]) is not bool:
-            raise bad_request(f"'{param}.{key}' must be a boolean", f"{param}.{key}", "invalid_type")
-    given = [k for k in ("json", "regex", "choice", "grammar") if so.get(k) is not None]
-    if so.get("json_object"):
+    if not so.boolean("disable_any_whitespace", True):
+        raise bad_request(
+            f"'{so.name('disable_any_whitespace')}': false is not supported (JSON output is always compact)",
+            so.name("disable_any_whitespace"),
+            "unsupported_parameter",
+        )
+    so.boolean("disable_fallback", False)  # there is no fallback engine either way
+    given = [k for k in STRUCTURED_KINDS[:-1] if so.given(k)]
+    if so.boolean("json_object", False):
         given.append("json_object")
     if len(given) != 1:
         raise bad_request(
-            f"'{param}' must set exactly one of json, regex, choice, grammar, json_object (got {len(given)})", param
+            f"'{so.path}' must set exactly one of {', '.join(STRUCTURED_KINDS)} (got {len(given)})", so.path
         )
-    return _spec(given[0], so.get(given[0]), f"{param}.{given[0]}"), f"{param}.{given[0]}"
+    return Constraint(_spec(given[0], so.raw(given[0]), so.name(given[0])), so.name(given[0]))
 
 
 def _spec(kind: str, value: Any, param: str) -> GrammarSpec:
@@ -150,27 +160,27 @@ def _spec(kind: str, value: Any, param: str) -> GrammarSpec:
 
 def parse_constraint(body: dict[str, Any]) -> Constraint | None:
     """The one output constraint ``body`` asks for, or None; a 400 naming what is wrong."""
+    f = Fields(body)
     found: list[Constraint] = []
-    if body.get("response_format") is not None:
-        spec = _response_format(body["response_format"])
-        if spec is not None:
-            found.append(Constraint(spec, "response_format.json_schema.schema" if spec.kind == "json_schema" else "response_format"))
-    if body.get("structured_outputs") is not None:
-        spec, param = _structured_outputs(body["structured_outputs"])
-        found.append(Constraint(spec, param))
+    if f.given("response_format"):
+        c = _response_format(f)
+        if c is not None:
+            found.append(c)
+    if f.given("structured_outputs"):
+        found.append(_structured_outputs(f.obj("structured_outputs")))
     for field, kind in _GUIDED.items():
-        if body.get(field) is not None:
-            found.append(Constraint(_spec(kind, body[field], field), field))
-    if body.get("grammar") is not None:  # llama.cpp
-        found.append(Constraint(GrammarSpec("grammar", _string(body["grammar"], "grammar")), "grammar"))
-    if body.get("json_schema") is not None:  # llama.cpp
-        found.append(Constraint(_schema(body["json_schema"], "json_schema"), "json_schema"))
+        if f.given(field):
+            found.append(Constraint(_spec(kind, f.raw(field), field), field))
+    if f.given("grammar"):  # llama.cpp
+        found.append(Constraint(GrammarSpec("grammar", _string(f.raw("grammar"), "grammar")), "grammar"))
+    if f.given("json_schema"):  # llama.cpp
+        found.append(Constraint(_schema(f.raw("json_schema"), "json_schema"), "json_schema"))
     if len(found) > 1:
         names = ", ".join(f"'{c.param}'" for c in found)
-        raise bad_request(f"only one output constraint may be given, got {names}", found[1].param)
+        raise conflict(f"only one output constraint may be given, got {names}", found[1].param)
     return found[0] if found else None
 
 
 def compile_error(e: GrammarError, param: str) -> ApiError:
     """The 400 for a constraint that does not compile, naming the field and the problem."""
-    return bad_request(f"'{param}' is invalid: {e}", param, "invalid_grammar")
+    return invalid_grammar(f"'{param}' is invalid: {e}", param)

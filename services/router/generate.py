@@ -1,9 +1,10 @@
 """``POST /v1/completions`` and ``POST /v1/chat/completions``: one request, end to end.
 
-1. Parse and validate the body (api.py), render the chat template and tokenize (on a
-   thread), check every prompt against the context length the decode instances
-   registered. Nothing goes downstream before all of it passed; no decode instance at all
-   is a 503.
+1. Take an admission slot (admission.py; 429 when the router is full), read the body
+   within its size limit (body.py; 413), then prepare the request on the bounded
+   executor (prepare.py: JSON, validation, output constraints compiled, chat template,
+   length precheck, tokenizer, context check). Nothing goes downstream before all of it
+   passed; no decode instance at all is a 503.
 2. Run one :class:`~services.router.handoff.PromptJob` per prompt; their choices put
    updates into one outbox, merged in arrival order.
 3. Stream SSE chunks (ending in ``data: [DONE]``) or build the JSON response; then log the
@@ -19,24 +20,21 @@ connection itself.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import secrets
 import time
 from contextlib import aclosing
-from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 from aiohttp import web
 
-from libs.model.chat_templates import tools_template
-from libs.model.tokenizer import ChatTemplateError
-from libs.structured import GrammarError
-from services.router.api import GenerateRequest, Kind, parse_request, resolve_max_tokens
-from services.router.constraints import compile_error
-from services.router.errors import ApiError, bad_request, no_decode_instance
-from services.router.tools import check_tool_messages
+from services.router.api import GenerateRequest, Kind
+from services.router.body import read_body
+from services.router.errors import ApiError
 from services.router.handoff import ChoiceUpdate, PromptJob
+from services.router.prepare import Prompt, prepare
 from services.router.responses import Formatter, usage
 from services.router.state import STATE, RouterState
 from services.router.trace import PromptTrace, RequestTrace
@@ -50,62 +48,6 @@ _DONE = b"data: [DONE]\n\n"
 
 class ClientGone(Exception):
     """The client closed its connection before the response was complete."""
-
-
-@dataclass
-class Prompt:
-    token_ids: list[int]
-    text: str  # what ``echo`` shows
-
-
-def _tokenize(state: RouterState, req: GenerateRequest) -> list[Prompt]:
-    """Runs on a thread: chat template and tokenizer."""
-    tok = state.tokenizer
-    if req.kind == "chat":
-        template, tools = state.chat_template, None
-        history = check_tool_messages(req.messages)
-        if (req.tools is not None and req.tools.active) or history:
-            template = tools_template(tok.chat_template, state.chat_template)
-            if template is None:
-                raise bad_request("this model's chat template cannot render tools (start the router with --chat-template)", "tools")
-            if req.tools is not None and req.tools.active:
-                tools = [t.as_openai() for t in req.tools.tools]
-        try:
-            text = tok.render_chat(list(req.messages), tools=tools, template=template)
-        except ChatTemplateError as exc:
-            raise bad_request(str(exc), "messages") from None
-        prompts = [Prompt(tok.encode(text, add_special_tokens=False), text)]
-    else:
-        prompts = []
-        for p in req.prompts:
-            if isinstance(p, str):
-                prompts.append(Prompt(tok.encode(p), p))
-            else:
-                prompts.append(Prompt(list(p), tok.decode(p) if req.echo else ""))
-    for i, p in enumerate(prompts):
-        if not p.token_ids:
-            if req.kind == "chat":
-                raise bad_request("the messages render to an empty prompt", "messages")
-            label = "the prompt" if len(prompts) == 1 else f"prompt {i}"
-            raise bad_request(f"{label} is empty after tokenization", "prompt")
-    return prompts
-
-
-def _check_grammars(state: RouterState, req: GenerateRequest) -> None:
-    """Runs on a thread: compile every constraint the request carries (cached), so a
-    malformed schema, regex, grammar or tool is a 400 before anything goes downstream."""
-    specs = [(req.constraint.param, req.constraint.spec)] if req.constraint is not None else []
-    if req.tools is not None:
-        specs += req.tools.schemas()
-        forced = req.tools.constraint()
-        if forced is not None:
-            specs.append(("tool_choice", forced))
-    assert state.grammars is not None
-    for param, spec in specs:
-        try:
-            state.grammars.compile(spec)
-        except GrammarError as e:
-            raise compile_error(e, param) from None
 
 
 async def _client_gone(request: web.Request) -> None:
@@ -204,37 +146,47 @@ class RequestRun:
         return {"trace": self.trace.to_dict()}
 
 
-async def _read_json(request: web.Request) -> Any:
-    raw = await request.read()
-    try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ApiError(400, f"the request body is not valid JSON: {exc}", code="malformed_json") from None
-
-
 async def handle(request: web.Request, kind: Kind) -> web.StreamResponse:
     state = request.app[STATE]
     endpoint = "chat" if kind == "chat" else "completions"
-    trace = RequestTrace(request_id=secrets.token_hex(12), endpoint=endpoint)
     try:
-        req = parse_request(
-            await _read_json(request), kind, served_model=state.model_name, vocab_size=state.tokenizer.vocab_size
-        )
-        if req.grammar is not None or req.tools is not None:
-            await state.in_thread(lambda: _check_grammars(state, req))
-        prompts = await state.in_thread(lambda: _tokenize(state, req))
-        trace.tokenize_s = trace.elapsed()
-        limit = state.registry.max_model_len("decode")
-        if limit is None:
-            raise no_decode_instance()
-        budgets = [resolve_max_tokens(req, len(p.token_ids), limit, i) for i, p in enumerate(prompts)]
-    except ApiError as exc:
+        async with state.admission.slot():
+            return await _serve(request, state, kind, endpoint)
+    except ApiError as exc:  # no slot: refused before anything was read
+        state.metrics.overloaded.labels(exc.code or "").inc()
         state.metrics.requests.labels(endpoint, str(exc.status)).inc()
         return exc.response()
+
+
+async def _serve(request: web.Request, state: RouterState, kind: Kind, endpoint: str) -> web.StreamResponse:
+    s = state.settings
+    trace = RequestTrace(request_id=secrets.token_hex(12), endpoint=endpoint)
+    try:
+        raw = await read_body(request, s.max_body_bytes, s.body_timeout_s)
+        max_model_len = await state.registry.wait_for_max_model_len("decode", s.retry_wait_s)
+        job = functools.partial(
+            prepare,
+            raw,
+            kind,
+            tokenizer=state.tokenizer,
+            served_model=state.model_name,
+            max_model_len=max_model_len,
+            max_json_depth=s.max_json_depth,
+            grammars=state.grammars,
+            chat_template=state.chat_template,
+        )
+        ready = await state.executor.run(job)
+        trace.tokenize_s = trace.elapsed()
+    except ApiError as exc:
+        if exc.status == 429:
+            state.metrics.overloaded.labels(exc.code or "").inc()
+        state.metrics.requests.labels(endpoint, str(exc.status)).inc()
+        return exc.response()
+    req = ready.req
     state.metrics.waiting.inc()
-    run = RequestRun(state, req, trace, prompts, budgets)
+    run = RequestRun(state, req, trace, ready.prompts, ready.budgets)
     prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
-    formatter = Formatter(req, prefix + trace.request_id, int(time.time()), [p.text for p in prompts])
+    formatter = Formatter(req, prefix + trace.request_id, int(time.time()), [p.text for p in ready.prompts])
     writer = _stream if req.stream else _whole
     outcome = "ok"
     try:

@@ -21,6 +21,10 @@ Faults cost latency, never a request:
   generated so far count as prompt for the penalties).
 - a decode that refuses the request (4xx) is not retried: the router validated it, so
   another instance would refuse it too; the client gets a 502 naming decode's reason.
+- an instance at its queue bound answers 429: it is marked full until its next heartbeat
+  (registry.py) and the choice goes to another instance, or waits for one to have room,
+  for at most ``queue_timeout_s`` in all; then the client gets a 429 with
+  ``Retry-After``. A prefill that answers 429 costs only the handoff: decode computes.
 
 Streamed handoff (``--stream-handoff``, on by default; docs/HANDOFF.md): prefill is asked
 for ``stream_progress`` and answers with ``PrefillProgress`` events before its result.
@@ -56,7 +60,7 @@ from libs.protocol.messages import DecodeRequest, HandoffUpdate, PrefillProgress
 from services.router import placement
 from services.router.api import GenerateRequest, choice_seed
 from services.router.detok import Piece, TextAssembler, TokenLogprob
-from services.router.errors import ApiError, no_decode_instance
+from services.router.errors import ApiError, no_decode_instance, overloaded
 from services.router.progress import HandoffProgress
 from services.router.registry import Instance
 from services.router.state import RouterState
@@ -103,6 +107,9 @@ class Handoff:
         self.first_logprobs = result.first_logprobs
         self.block_keys = result.block_keys
         self.lease_id = result.lease_id
+
+
+_FULL = "status_429"  # an instance at its queue bound (services/worker/app.py)
 
 
 def _marks_unusable(reason: str) -> bool:
@@ -236,7 +243,10 @@ class PromptJob:
                 raise WorkerError("truncated", "prefill's answer ended without a PrefillResult")
             self._check(result)
         except WorkerError as exc:
-            if _marks_unusable(exc.reason):
+            if exc.reason == _FULL:
+                state.registry.mark_full(inst)
+                state.metrics.instance_full.labels("prefill").inc()
+            elif _marks_unusable(exc.reason):
                 state.registry.mark_unusable(inst, f"prefill {exc}")
             state.client.abort(inst.url, self.id)  # it may still be working (a timeout)
             log.warning("prefill of %s on %s failed (%s); decode computes what it lacks", self.id, inst.id, exc)
@@ -323,6 +333,7 @@ class ChoiceJob:
 
     async def _generate(self, handoff: Handoff) -> str:
         failures = 0
+        full_until: float | None = None  # the deadline once an instance answered 429
         while True:
             if not handoff.streaming and self._take_first(handoff):
                 return "stop"  # nothing sent to decode yet; the lease simply expires
@@ -336,6 +347,10 @@ class ChoiceJob:
             try:
                 return await self._stream(inst, req, handoff if req.await_handoff else None)
             except WorkerError as exc:
+                if exc.reason == _FULL:
+                    full_until = full_until or time.monotonic() + self.state.settings.queue_timeout_s
+                    await self._wait_for_room(inst, full_until)
+                    continue
                 failures += 1
                 if _marks_unusable(exc.reason):
                     self.state.registry.mark_unusable(inst, f"decode {exc}")
@@ -356,6 +371,23 @@ class ChoiceJob:
                     len(self.generated),
                     exc,
                 )
+
+    async def _wait_for_room(self, inst: Instance, deadline: float) -> None:
+        """After a 429 from ``inst``: return at once if another instance may have room, else
+        when an instance heartbeats (clearing its full mark); a 429 past ``deadline``."""
+        registry, s = self.state.registry, self.state.settings
+        registry.mark_full(inst)
+        self.state.metrics.instance_full.labels("decode").inc()
+        need = len(self.job.prompt_ids) + self.job.max_tokens
+        while not any(not i.full and i.info.max_model_len >= need for i in registry.usable("decode")):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise overloaded(
+                    f"every decode instance is at its queue limit (waited {s.queue_timeout_s:g} s)",
+                    s.retry_after_s,
+                    code="instances_full",
+                )
+            await registry.wait_for_change(left)
 
     def _finished_without_decode(self) -> str | None:
         """A stream that broke right after its last token leaves nothing to resume."""

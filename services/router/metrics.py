@@ -10,7 +10,7 @@ disappear with it instead of freezing at their last value.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
@@ -18,6 +18,10 @@ from prometheus_client.registry import Collector
 
 from services.router.registry import Registry
 from services.router.trace import RequestTrace
+
+if TYPE_CHECKING:
+    from services.router.admission import Admission
+    from services.router.executor import BoundedExecutor
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _PER_TOKEN = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
@@ -80,6 +84,8 @@ class RouterMetrics:
     handoff_updates: Counter
     registrations: Counter
     instances_dropped: Counter
+    overloaded: Counter
+    instance_full: Counter
 
     @classmethod
     def create(cls, registry: CollectorRegistry, instances: Registry) -> "RouterMetrics":
@@ -104,7 +110,16 @@ class RouterMetrics:
             handoff_updates=Counter("tidepool_router_handoff_updates", "streamed handoff: prefill progress updates forwarded to decode, by kind (progress, final, failed)", ["kind"], registry=registry),
             registrations=Counter("tidepool_router_registrations", "instance registrations, by role", ["role"], registry=registry),
             instances_dropped=Counter("tidepool_router_instances_dropped", "instances dropped for missed heartbeats, by role", ["role"], registry=registry),
+            instance_full=Counter("tidepool_router_instance_full", "429s from instances at their queue bound, by role", ["role"], registry=registry),
+            overloaded=Counter("tidepool_router_overloaded", "requests answered 429, by reason (queue_full, queue_timeout, router_busy, instances_full)", ["reason"], registry=registry),
         )
+
+    @staticmethod
+    def watch_limits(registry: CollectorRegistry, admission: "Admission", executor: "BoundedExecutor") -> None:
+        """Gauges read at scrape time from the admission queue and the prepare executor."""
+        Gauge("tidepool_router_slots_running", "requests holding an admission slot", registry=registry).set_function(lambda: admission.running)
+        Gauge("tidepool_router_slots_waiting", "requests waiting for an admission slot", registry=registry).set_function(lambda: admission.waiting)
+        Gauge("tidepool_router_prepare_pending", "requests being prepared or waiting for a prepare thread", registry=registry).set_function(lambda: executor.pending)
 
     def observe_trace(self, trace: RequestTrace) -> None:
         """Pool and handoff numbers of a finished request."""

@@ -4,15 +4,17 @@ Decode is chosen by load. In order of priority:
 
 1. the instance shares the namespace prefill writes in (``namespace``), so the handoff's
    blocks are loadable there (any other decode still serves the request, recomputing);
-2. it has room: free KV blocks for the prompt (``ceil((prompt + 1) / block_size)``); an
+2. it has not answered 429 since its last heartbeat (``Instance.full``);
+3. it has room: free KV blocks for the prompt (``ceil((prompt + 1) / block_size)``); an
    instance before its first heartbeat counts as having room;
-3. fewest requests (``Instance.load_estimate``: reported running + waiting, plus what this
+4. fewest requests (``Instance.load_estimate``: reported running + waiting, plus what this
    router sent since, or this router's own in-flight count when that is larger);
-4. most free blocks; then the id, so equal instances are picked deterministically (the
+5. most free blocks; then the id, so equal instances are picked deterministically (the
    ``dispatched`` count then spreads a burst across them).
 
 Prefill is chosen by queue depth (reported queue depth plus what was sent since), among
-instances of the namespace decode will read from.
+instances of the namespace decode will read from that are not full: with every prefill
+full, decode computes the prompt itself.
 
 Prefill is skipped (decode computes the prompt itself) for prompts shorter than the
 threshold, where a handoff costs more than it saves, and for prompts whose blocks are
@@ -37,12 +39,12 @@ def blocks_needed(prompt_len: int, block_size: int) -> int:
     return -(-(prompt_len + 1) // block_size)
 
 
-def decode_key(inst: Instance, prompt_len: int, namespace: str | None) -> tuple[int, int, int, int, str]:
+def decode_key(inst: Instance, prompt_len: int, namespace: str | None) -> tuple[int, int, int, int, int, str]:
     """Sort key of a decode candidate: smaller is better (see the module docstring)."""
     free = inst.free_blocks
     lacks_room = free is not None and free < blocks_needed(prompt_len, inst.info.block_size)
     other_namespace = namespace is not None and inst.namespace != namespace
-    return (int(other_namespace), int(lacks_room), inst.load_estimate, -(free or 0), inst.id)
+    return (int(other_namespace), int(inst.full), int(lacks_room), inst.load_estimate, -(free or 0), inst.id)
 
 
 def pick_decode(candidates: Iterable[Instance], prompt_len: int, namespace: str | None = None) -> Instance | None:
@@ -50,5 +52,5 @@ def pick_decode(candidates: Iterable[Instance], prompt_len: int, namespace: str 
 
 
 def pick_prefill(candidates: Iterable[Instance], namespace: str) -> Instance | None:
-    same = [i for i in candidates if i.namespace == namespace]
+    same = [i for i in candidates if i.namespace == namespace and not i.full]
     return min(same, key=lambda i: (i.load_estimate, i.id), default=None)

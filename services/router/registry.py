@@ -15,6 +15,9 @@ placement is not blind between two heartbeats:
 - ``unusable``: why the router stopped sending it work (a connection error, a broken
   stream, a 503). It clears on the instance's next heartbeat or registration, which is how
   an overloaded instance comes back and a killed one does not.
+- ``full``: the instance answered 429 (its queue is at its bound). It stays a candidate,
+  ranked after every instance with room, until its next heartbeat clears the mark; a
+  request that found every instance full waits and retries (handoff.py), bounded.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ class Instance:
     dispatched: int = 0
     in_flight: int = 0
     unusable: str | None = None
+    full: bool = False
 
     @property
     def id(self) -> str:
@@ -109,6 +113,7 @@ class Instance:
             "router_in_flight": self.in_flight,
             "usable": self.unusable is None,
             "unusable_reason": self.unusable,
+            "full": self.full,
         }
 
 
@@ -166,9 +171,11 @@ class Registry:
         inst.last_seen = self.clock()
         inst.last_seen_wall = self.wall_clock()
         inst.dispatched = 0
-        if inst.unusable is not None:
-            log.info("%s %s is usable again (heartbeat after: %s)", inst.role, inst.id, inst.unusable)
+        if inst.unusable is not None or inst.full:
+            if inst.unusable is not None:
+                log.info("%s %s is usable again (heartbeat after: %s)", inst.role, inst.id, inst.unusable)
             inst.unusable = None
+            inst.full = False
             self._notify()
         return inst
 
@@ -200,10 +207,30 @@ class Registry:
             inst.unusable = reason
             log.warning("not using %s %s until its next heartbeat: %s", inst.role, inst.id, reason)
 
+    def mark_full(self, inst: Instance) -> None:
+        """``inst`` refused work with a 429; rank it last until its next heartbeat."""
+        if self.instances.get(inst.id) is inst and not inst.full:
+            inst.full = True
+            log.info("%s %s is full (429) until its next heartbeat", inst.role, inst.id)
+
     def max_model_len(self, role: Role) -> int | None:
         """The longest prompt + completion any live ``role`` instance takes; None if there is none."""
         lens = [i.info.max_model_len for i in self.live(role)]
         return max(lens) if lens else None
+
+    async def wait_for_max_model_len(self, role: Role, timeout: float) -> int | None:
+        """``max_model_len`` once a ``role`` instance is live, waiting up to ``timeout`` for one.
+
+        A router that just restarted knows no instance until their next heartbeat makes them
+        register again; a request arriving in that gap waits for them (a fault costs latency)
+        instead of getting a 503."""
+        deadline = asyncio.get_running_loop().time() + timeout
+        while (limit := self.max_model_len(role)) is None:
+            left = deadline - asyncio.get_running_loop().time()
+            if left <= 0:
+                return None
+            await self.wait_for_change(left)
+        return limit
 
     def describe(self) -> list[dict[str, Any]]:
         now, wall = self.clock(), self.wall_clock()

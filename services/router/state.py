@@ -2,22 +2,19 @@
 
 from __future__ import annotations
 
-import asyncio
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable, TypeVar
 
 from aiohttp import web
 
 from libs.model.tokenizer import Tokenizer
 from libs.structured import GrammarCompiler
+from services.router.admission import Admission
 from services.router.detok import TokenRenderer
+from services.router.executor import BoundedExecutor
 from services.router.metrics import RouterMetrics
 from services.router.registry import Registry
 from services.router.settings import RouterSettings
 from services.router.workers import WorkerClient
-
-T = TypeVar("T")
 
 
 @dataclass
@@ -28,21 +25,22 @@ class RouterState:
     registry: Registry
     metrics: RouterMetrics
     renderer: TokenRenderer
-    # Chat templates and long prompts take milliseconds to render and tokenize; a thread
-    # keeps the event loop (and every other request's stream) moving meanwhile.
-    executor: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(2, thread_name_prefix="tokenize"))
-    workers: WorkerClient | None = None  # made on startup, inside the event loop
-    grammars: GrammarCompiler | None = None  # validates structured-output constraints (cached)
+    grammars: GrammarCompiler  # validates structured-output constraints (cached)
+    executor: BoundedExecutor = field(init=False)
+    admission: Admission = field(init=False)
     chat_template: str | None = None  # --chat-template's text, replacing the model's
+    workers: WorkerClient | None = None  # made on startup, inside the event loop
+
+    def __post_init__(self) -> None:
+        s = self.settings
+        self.executor = BoundedExecutor(s.prepare_threads, s.prepare_queue, s.retry_after_s)
+        self.admission = Admission(s.max_running_requests, s.max_waiting_requests, s.queue_timeout_s, s.retry_after_s)
 
     @property
     def client(self) -> WorkerClient:
         if self.workers is None:
             raise RuntimeError("the router app has not started")
         return self.workers
-
-    async def in_thread(self, fn: Callable[[], T]) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self.executor, fn)
 
 
 STATE = web.AppKey("router_state", RouterState)

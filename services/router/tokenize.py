@@ -4,84 +4,130 @@
   "add_generation_prompt": true, "add_special_tokens": false, "tools": [...]}`` (rendered with
   the same chat template a chat completion would use), plus ``model`` and
   ``return_token_strs``; it answers ``{"count", "max_model_len", "tokens", "token_strs"}``.
+  Which form a body is follows from ``messages``: with it, ``prompt`` is an unknown field.
 - ``/detokenize`` takes ``{"tokens": [ids]}`` and answers ``{"prompt": text}``.
 
-Tokenizing runs on the router's thread pool; every bad field is a 400 naming it.
+They go the way of the generation endpoints (generate.py): an admission slot, the body
+within its size and time limits (body.py), then parsing, validation (fields.py,
+chat_messages.py, tools.py: every bad field a 400 naming it; a tool whose parameter schema
+does not compile is a 400 as on a chat completion) and the tokenizer as one job on the
+router's bounded executor, never on the event loop. openapi.py describes both.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+from typing import Any, Callable
 
 from aiohttp import web
 
-from services.router.api import _Fields, _json_type, _messages, _token_ids
+from libs.model.tokenizer import Tokenizer
+from libs.structured import GrammarCompiler
+from services.router.api import token_ids
+from services.router.body import parse_json, read_body
+from services.router.chat_messages import parse_messages
 from services.router.errors import ApiError, bad_request
-from services.router.generate import _read_json, _tokenize
-from services.router.state import STATE, RouterState
+from services.router.fields import Fields, json_type, missing
+from services.router.prepare import check_grammars, render_chat
+from services.router.state import STATE
 from services.router.tools import parse_tools
 
-_TOKENIZE_FIELDS = frozenset(
-    {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt", "return_token_strs", "tools",
+TOKENIZE_PROMPT_FIELDS = frozenset({"model", "prompt", "add_special_tokens", "return_token_strs"})
+TOKENIZE_CHAT_FIELDS = frozenset(
+    {"model", "messages", "add_generation_prompt", "add_special_tokens", "return_token_strs", "tools",
      "continue_final_message"}
-)
+)  # fmt: skip
+DETOKENIZE_FIELDS = frozenset({"model", "tokens"})
 
 
-def _body(raw: Any, state: RouterState, known: frozenset[str]) -> _Fields:
-    if type(raw) is not dict:
-        raise bad_request(f"the request body must be a JSON object, got {_json_type(raw)}", None, "invalid_type")
-    for key in raw:
-        if key not in known:
-            raise bad_request(f"Unrecognized request argument supplied: {key}", key, "unknown_parameter")
-    f = _Fields(raw)
-    model = f.string("model", state.model_name)
-    if model != state.model_name:
+def _fields(raw: bytes, max_json_depth: int, served_model: str, known: Callable[[dict[str, Any]], frozenset[str]]) -> Fields:
+    """The body's fields, all of them ``known(body)``, for ``served_model``."""
+    body = parse_json(raw, max_json_depth)
+    if type(body) is not dict:
+        raise bad_request(f"the request body must be a JSON object, got {json_type(body)}", None, "invalid_type")
+    f = Fields(body)
+    f.only(known(body))
+    model = f.string("model", served_model)
+    if model != served_model:
         raise ApiError(404, f"The model `{model}` does not exist.", code="model_not_found", param="model")
     return f
 
 
-def _tokenize_ids(state: RouterState, f: _Fields) -> list[int]:
-    from services.router.api import parse_request
+def _tokenize_form(body: dict[str, Any]) -> frozenset[str]:
+    return TOKENIZE_CHAT_FIELDS if "messages" in body else TOKENIZE_PROMPT_FIELDS
 
-    if f.given("prompt") == f.given("messages"):
-        raise bad_request("give exactly one of 'prompt' or 'messages'", "prompt")
-    if f.boolean("continue_final_message", False):
-        raise bad_request("'continue_final_message' is not supported", "continue_final_message", "unsupported_parameter")
-    if f.given("prompt"):
+
+def tokenize_body(
+    raw: bytes,
+    *,
+    tokenizer: Tokenizer,
+    served_model: str,
+    max_model_len: int | None,
+    max_json_depth: int,
+    grammars: GrammarCompiler,
+    chat_template: str | None,
+) -> dict[str, Any]:
+    """The ``/tokenize`` answer to ``raw`` (runs on the executor); an :class:`ApiError` if invalid."""
+    f = _fields(raw, max_json_depth, served_model, _tokenize_form)
+    if "messages" in f.body:
+        messages = parse_messages(f.raw("messages"))
+        tools = parse_tools({"tools": f.raw("tools")})
+        if f.boolean("continue_final_message", False):
+            raise bad_request("'continue_final_message' is not supported", "continue_final_message", "unsupported_parameter")
+        check_grammars(grammars, None, tools)
+        add_generation_prompt = f.boolean("add_generation_prompt", True)
+        text = render_chat(tokenizer, messages, tools, chat_template, add_generation_prompt=add_generation_prompt)
+        ids = tokenizer.encode(text, add_special_tokens=f.boolean("add_special_tokens", False))
+    else:
+        if not f.given("prompt"):
+            raise missing("prompt")
         prompt = f.string("prompt", "")
-        ids = state.tokenizer.encode(prompt or "", add_special_tokens=f.boolean("add_special_tokens", True))
-        return ids
-    _messages(f)
-    if not f.boolean("add_generation_prompt", True):
-        raise bad_request("'add_generation_prompt': false is not supported", "add_generation_prompt", "unsupported_parameter")
-    body = {"messages": f.raw("messages"), **({"tools": f.raw("tools")} if f.given("tools") else {})}
-    req = parse_request(body, "chat", served_model=state.model_name, vocab_size=state.tokenizer.vocab_size)
-    ids = _tokenize(state, req)[0].token_ids
-    if f.boolean("add_special_tokens", False) and state.tokenizer.add_bos and state.tokenizer.bos_token_id is not None:
-        ids = [state.tokenizer.bos_token_id, *ids]
-    return ids
+        assert prompt is not None
+        ids = tokenizer.encode(prompt, add_special_tokens=f.boolean("add_special_tokens", True))
+    strs = [tokenizer.id_to_token(i) for i in ids] if f.boolean("return_token_strs", False) else None
+    return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids, "token_strs": strs}
+
+
+def detokenize_body(raw: bytes, *, tokenizer: Tokenizer, served_model: str, max_json_depth: int) -> dict[str, Any]:
+    """The ``/detokenize`` answer to ``raw`` (runs on the executor); an :class:`ApiError` if invalid."""
+    f = _fields(raw, max_json_depth, served_model, lambda _: DETOKENIZE_FIELDS)
+    if not f.given("tokens"):
+        raise missing("tokens")
+    ids = token_ids(f.raw("tokens"), "tokens", tokenizer.vocab_size, allow_empty=True)
+    return {"prompt": tokenizer.decode(list(ids))}
+
+
+async def _serve(request: web.Request, job: Callable[[bytes], dict[str, Any]]) -> web.Response:
+    state = request.app[STATE]
+    s = state.settings
+    try:
+        async with state.admission.slot():
+            raw = await read_body(request, s.max_body_bytes, s.body_timeout_s)
+            answer = await state.executor.run(functools.partial(job, raw))
+    except ApiError as exc:
+        if exc.status == 429:
+            state.metrics.overloaded.labels(exc.code or "").inc()
+        return exc.response()
+    return web.json_response(answer)
 
 
 async def tokenize(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    try:
-        f = _body(await _read_json(request), state, _TOKENIZE_FIELDS)
-        parse_tools({"tools": f.raw("tools")}) if f.given("tools") else None
-        ids = await state.in_thread(lambda: _tokenize_ids(state, f))
-        strs = [state.tokenizer.id_to_token(i) for i in ids] if f.boolean("return_token_strs", False) else None
-    except ApiError as exc:
-        return exc.response()
-    return web.json_response(
-        {"count": len(ids), "max_model_len": state.registry.max_model_len("decode"), "tokens": ids, "token_strs": strs}
+    job = functools.partial(
+        tokenize_body,
+        tokenizer=state.tokenizer,
+        served_model=state.model_name,
+        max_model_len=state.registry.max_model_len("decode"),  # read here: the registry belongs to the loop
+        max_json_depth=state.settings.max_json_depth,
+        grammars=state.grammars,
+        chat_template=state.chat_template,
     )
+    return await _serve(request, job)
 
 
 async def detokenize(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    try:
-        f = _body(await _read_json(request), state, frozenset({"model", "tokens"}))
-        ids = _token_ids(f.raw("tokens"), "tokens", state.tokenizer.vocab_size, allow_empty=True)
-        text = await state.in_thread(lambda: state.tokenizer.decode(list(ids)))
-    except ApiError as exc:
-        return exc.response()
-    return web.json_response({"prompt": text})
+    job = functools.partial(
+        detokenize_body, tokenizer=state.tokenizer, served_model=state.model_name, max_json_depth=state.settings.max_json_depth
+    )
+    return await _serve(request, job)

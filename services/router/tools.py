@@ -4,7 +4,10 @@
   "strict"?}}]``; names are ``[a-zA-Z0-9_-]{1,64}`` and unique; ``parameters`` is a JSON
   schema of an object (default: any object), compiled like any constraint so a malformed
   one is a 400 naming ``tools[i].function.parameters``. The legacy ``functions`` /
-  ``function_call`` fields are read as ``tools`` / ``tool_choice``.
+  ``function_call`` fields are read as ``tools`` / ``tool_choice``; the two forms do not
+  mix (``tools`` with ``function_call`` is a 400 ``conflicting_parameters``).
+- Fields are read through :class:`~services.router.fields.Fields`: unknown keys in a tool,
+  its function or a named choice are a 400 naming them, ``null`` is "not given".
 - ``tool_choice``: ``none`` (tools are not shown to the model and nothing is parsed),
   ``auto`` (the default with tools: the model answers in text or calls tools; a call that
   does not parse or names no tool stays text), ``required`` (one or more calls, or exactly
@@ -14,8 +17,10 @@
   only produce Hermes ``<tool_call>`` blocks whose JSON is ``{"name": <a tool>,
   "arguments": <its parameters>}``, so the call always parses and validates.
 
-The calls are written in the Hermes format (``<tool_call>\\n{json}\\n</tool_call>``), which
-the chat template teaches the model (libs/model/chat_templates.py) and tool_parser.py reads.
+The history's tool turns (assistant ``tool_calls``, ``tool`` messages) are checked with the
+other messages (chat_messages.py). The calls are written in the Hermes format
+(``<tool_call>\\n{json}\\n</tool_call>``), which the chat template teaches the model
+(libs/model/chat_templates.py) and tool_parser.py reads.
 """
 
 from __future__ import annotations
@@ -23,14 +28,21 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Iterable, Literal
 
 from libs.structured import GrammarSpec
 from libs.structured.compiler import JSON_OPTIONS
+from services.router.constraints import conflict
 from services.router.errors import bad_request
+from services.router.fields import Fields, json_type, missing
 
-_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
+NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 MAX_TOOLS = 128
+# The chat fields this module reads, and the keys of a tool and of its function.
+TOOL_REQUEST_FIELDS = frozenset({"tools", "tool_choice", "parallel_tool_calls", "functions", "function_call"})
+TOOL_FIELDS = frozenset({"type", "function"})
+FUNCTION_FIELDS = frozenset({"name", "description", "parameters", "strict"})
+CHOICES = ("none", "auto", "required")
 
 ToolChoice = Literal["none", "auto", "required", "named"]
 
@@ -99,129 +111,96 @@ class ToolRequest:
         ]
 
 
-def _type(value: Any) -> str:
-    return {bool: "boolean", int: "integer", float: "number", str: "string", list: "array", dict: "object"}.get(type(value), "null")
+def function_of(f: Fields, known: Iterable[str]) -> Fields:
+    """The ``function`` of ``{"type": "function", "function": {...}}`` (a tool, a named
+    tool choice, an assistant's tool call), whose keys must all be ``known``."""
+    if f.required_string("type") != "function":
+        raise bad_request(f"'{f.name('type')}' must be 'function', got {f.raw('type')!r}", f.name("type"))
+    if not f.given("function"):
+        raise missing(f.name("function"))
+    fn = Fields.of(f.raw("function"), f.name("function"))
+    fn.only(known)
+    return fn
 
 
-def _tool(i: int, entry: Any, *, legacy: bool) -> Tool:
-    where = f"functions[{i}]" if legacy else f"tools[{i}]"
-    if type(entry) is not dict:
-        raise bad_request(f"'{where}' must be an object, got {_type(entry)}", where, "invalid_type")
+def function_name(fn: Fields) -> str:
+    name = fn.required_string("name")
+    if not NAME.match(name):
+        raise bad_request(f"'{fn.name('name')}' must match {NAME.pattern}, got {name!r}", fn.name("name"))
+    return name
+
+
+def _tool(entry: Any, where: str, *, legacy: bool) -> Tool:
     if legacy:
-        fn, fwhere = entry, where
+        fn = Fields.of(entry, where)
+        fn.only(FUNCTION_FIELDS)
     else:
-        if entry.get("type") != "function":
-            raise bad_request(f"'{where}.type' must be 'function', got {entry.get('type')!r}", f"{where}.type")
-        unknown = set(entry) - {"type", "function"}
-        if unknown:
-            key = sorted(unknown)[0]
-            raise bad_request(f"Unrecognized request argument supplied: {where}.{key}", f"{where}.{key}", "unknown_parameter")
-        fn, fwhere = entry.get("function"), f"{where}.function"
-        if type(fn) is not dict:
-            raise bad_request(f"'{fwhere}' must be an object, got {_type(fn)}", fwhere, "invalid_type")
-    unknown = set(fn) - {"name", "description", "parameters", "strict"}
-    if unknown:
-        key = sorted(unknown)[0]
-        raise bad_request(f"Unrecognized request argument supplied: {fwhere}.{key}", f"{fwhere}.{key}", "unknown_parameter")
-    name = fn.get("name")
-    if type(name) is not str or not _NAME.match(name):
-        raise bad_request(f"'{fwhere}.name' must match ^[a-zA-Z0-9_-]{{1,64}}$, got {name!r}", f"{fwhere}.name")
-    description = fn.get("description")
-    if description is not None and type(description) is not str:
-        raise bad_request(f"'{fwhere}.description' must be a string", f"{fwhere}.description", "invalid_type")
-    parameters = fn.get("parameters")
+        outer = Fields.of(entry, where)
+        outer.only(TOOL_FIELDS)
+        fn = function_of(outer, FUNCTION_FIELDS)
+    name = function_name(fn)
+    description = fn.string("description", None)
+    parameters = fn.raw("parameters")
     if parameters is None:
         parameters = {"type": "object", "properties": {}}
+    param = fn.name("parameters")
     if type(parameters) is not dict:
-        raise bad_request(f"'{fwhere}.parameters' must be a JSON schema object, got {_type(parameters)}", f"{fwhere}.parameters", "invalid_type")
+        raise bad_request(f"'{param}' must be a JSON schema object, got {json_type(parameters)}", param, "invalid_type")
     if parameters.get("type", "object") != "object":
-        raise bad_request(f"'{fwhere}.parameters' must describe an object (type 'object')", f"{fwhere}.parameters")
-    strict = fn.get("strict")
-    if strict is not None and type(strict) is not bool:
-        raise bad_request(f"'{fwhere}.strict' must be a boolean", f"{fwhere}.strict", "invalid_type")
-    return Tool(name, description, parameters, bool(strict))
+        raise bad_request(f"'{param}' must describe an object (type 'object')", param)
+    return Tool(name, description, parameters, fn.boolean("strict", False))
 
 
 def parse_tools(body: dict[str, Any]) -> ToolRequest | None:
-    """The request's tools, or None when it has none; a 400 naming what is wrong."""
-    legacy = body.get("tools") is None and body.get("functions") is not None
-    raw_tools = body.get("functions" if legacy else "tools")
-    raw_choice = body.get("function_call" if legacy else "tool_choice")
-    if body.get("tools") is not None and body.get("functions") is not None:
-        raise bad_request("give 'tools' or the legacy 'functions', not both", "functions")
+    """The request's tools, or None when it has none; a 400 naming what is wrong.
+
+    ``tools`` goes with ``tool_choice``, the legacy ``functions`` with ``function_call``;
+    mixing the two forms is a 400, as is a choice without anything to choose from."""
+    f = Fields(body)
+    legacy = f.given("functions")
+    if legacy and f.given("tools"):
+        raise conflict("give 'tools' or the legacy 'functions', not both", "functions")
     param, choice_param = ("functions", "function_call") if legacy else ("tools", "tool_choice")
-    parallel = body.get("parallel_tool_calls")
-    if parallel is not None and type(parallel) is not bool:
-        raise bad_request(f"'parallel_tool_calls' must be a boolean, got {_type(parallel)}", "parallel_tool_calls", "invalid_type")
-    if raw_tools is None or raw_tools == []:
+    other_choice = "tool_choice" if legacy else "function_call"
+    if f.given(other_choice):
+        raise conflict(f"'{other_choice}' goes with '{'tools' if legacy else 'functions'}', not '{param}'", other_choice)
+    parallel = f.boolean("parallel_tool_calls", True)
+    raw_tools = f.array(param)
+    raw_choice = f.raw(choice_param)
+    if not raw_tools:
         if raw_choice not in (None, "none"):
-            raise bad_request(f"'{choice_param}' is only allowed when '{param}' are specified", choice_param)
+            if type(raw_choice) not in (str, dict):
+                raise bad_request(f"'{choice_param}' must be a string or an object, got {json_type(raw_choice)}", choice_param, "invalid_type")
+            raise conflict(f"'{choice_param}' is only allowed when '{param}' are specified", choice_param)
         return None
-    if type(raw_tools) is not list:
-        raise bad_request(f"'{param}' must be an array, got {_type(raw_tools)}", param, "invalid_type")
     if len(raw_tools) > MAX_TOOLS:
         raise bad_request(f"'{param}' has {len(raw_tools)} entries, at most {MAX_TOOLS}", param)
-    tools = tuple(_tool(i, t, legacy=legacy) for i, t in enumerate(raw_tools))
+    tools = tuple(_tool(t, f"{param}[{i}]", legacy=legacy) for i, t in enumerate(raw_tools))
     names = [t.name for t in tools]
     dupe = next((n for n in names if names.count(n) > 1), None)
     if dupe is not None:
         raise bad_request(f"'{param}' names the function {dupe!r} twice", param)
     choice, named = _choice(raw_choice, choice_param, legacy, set(names))
-    return ToolRequest(tools, choice, named, True if parallel is None else parallel)
+    return ToolRequest(tools, choice, named, parallel)
 
 
 def _choice(value: Any, param: str, legacy: bool, names: set[str]) -> tuple[ToolChoice, str | None]:
     if value is None:
         return "auto", None
     if type(value) is str:
-        if value in ("none", "auto") or (value == "required" and not legacy):
+        if value in CHOICES[:2] or (value == "required" and not legacy):
             return value, None  # type: ignore[return-value]
-        raise bad_request(f"'{param}' must be 'none', 'auto', 'required' or a function, got {value!r}", param)
+        allowed = "'none', 'auto' or a function" if legacy else "'none', 'auto', 'required' or a function"
+        raise bad_request(f"'{param}' must be {allowed}, got {value!r}", param)
     if type(value) is not dict:
-        raise bad_request(f"'{param}' must be a string or an object, got {_type(value)}", param, "invalid_type")
+        raise bad_request(f"'{param}' must be a string or an object, got {json_type(value)}", param, "invalid_type")
+    f = Fields(value, param)
     if legacy:
-        name = value.get("name")
+        f.only({"name"})
+        name = f.required_string("name")
     else:
-        if value.get("type") != "function" or type(value.get("function")) is not dict:
-            raise bad_request(f"'{param}' must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}", param)
-        name = value["function"].get("name")
-    if type(name) is not str or name not in names:
+        f.only(TOOL_FIELDS)
+        name = function_of(f, {"name"}).required_string("name")
+    if name not in names:
         raise bad_request(f"'{param}' names the function {name!r}, which is not among the tools", param)
     return "named", name
-
-
-def check_tool_messages(messages: tuple[dict[str, Any], ...]) -> bool:
-    """Check the history's tool turns as OpenAI does; True when it has any. Assistant
-    ``tool_calls`` need an id, ``type: function`` and a function with a name and JSON
-    object ``arguments`` (a string); ``tool`` messages need ``tool_call_id`` and content."""
-    any_tools = False
-    for i, m in enumerate(messages):
-        role = m.get("role")
-        if role == "tool":
-            any_tools = True
-            if type(m.get("tool_call_id")) is not str or not m["tool_call_id"]:
-                raise bad_request(f"'messages[{i}].tool_call_id' is required for a tool message", f"messages[{i}].tool_call_id")
-            if m.get("content") is None:
-                raise bad_request(f"'messages[{i}].content' is required for a tool message", f"messages[{i}].content")
-        elif role == "assistant" and m.get("tool_calls") is not None:
-            any_tools = True
-            calls = m["tool_calls"]
-            if type(calls) is not list:
-                raise bad_request(f"'messages[{i}].tool_calls' must be an array", f"messages[{i}].tool_calls", "invalid_type")
-            for j, call in enumerate(calls):
-                where = f"messages[{i}].tool_calls[{j}]"
-                if type(call) is not dict or type(call.get("id")) is not str or call.get("type") != "function":
-                    raise bad_request(f"'{where}' must be {{\"id\", \"type\": \"function\", \"function\"}}", where)
-                fn = call.get("function")
-                if type(fn) is not dict or type(fn.get("name")) is not str or not _NAME.match(fn["name"]):
-                    raise bad_request(f"'{where}.function.name' must be a function name", f"{where}.function.name")
-                args = fn.get("arguments")
-                try:
-                    ok = type(args) is str and type(json.loads(args)) is dict
-                except json.JSONDecodeError:
-                    ok = False
-                if not ok:
-                    raise bad_request(f"'{where}.function.arguments' must be a JSON object as a string", f"{where}.function.arguments")
-        elif role == "function":
-            raise bad_request(f"'messages[{i}]': the legacy 'function' role is not supported; use 'tool'", f"messages[{i}].role")
-    return any_tools

@@ -18,7 +18,14 @@ from typing import Any, AsyncIterator, Iterator
 import aiohttp
 
 from libs.blocks import NamespaceRoot, block_keys
-from libs.protocol import MSGPACK_CONTENT_TYPE, ProtocolError, TruncatedStreamError, encode, iter_messages
+from libs.protocol import (
+    MSGPACK_CONTENT_TYPE,
+    ProtocolError,
+    TruncatedStreamError,
+    encode,
+    internal_headers,
+    iter_messages,
+)
 from libs.protocol.messages import (
     AbortRequest,
     DecodeRequest,
@@ -74,8 +81,11 @@ class WorkerClient:
 
     def __init__(self, settings: RouterSettings) -> None:
         self.settings = settings
-        # No connection cap: every running decode stream holds one connection.
-        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        # No connection cap: every running decode stream holds one connection. Every call
+        # carries the internal token, when there is one.
+        self.session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0), headers=internal_headers(settings.internal_token)
+        )
         self._background: set[asyncio.Task[None]] = set()
 
     async def close(self) -> None:

@@ -22,6 +22,22 @@ def rejected(rt: WorkerRuntime, e: InvalidRequestError) -> web.Response:
     return json_error(400, str(e), code=e.code, param=e.param)
 
 
+def full(rt: WorkerRuntime) -> web.Response | None:
+    """A 429 with ``Retry-After`` when the instance already holds ``max_queue_depth``
+    requests: the queue is bounded, so overload costs a retry elsewhere, never memory."""
+    s = rt.settings
+    if rt.in_flight < s.max_queue_depth:
+        return None
+    rt.metrics.requests.labels("full").inc()
+    return json_error(
+        429,
+        f"{rt.role} instance {rt.instance_id} holds {rt.in_flight} requests, its limit; retry after {s.retry_after_s} s",
+        type="overloaded_error",
+        code="instance_full",
+        headers={"Retry-After": str(s.retry_after_s)},
+    )
+
+
 def create_worker_app(settings: WorkerSettings, role: Role, routes: Callable[[web.Application, WorkerRuntime], None]) -> web.Application:
     """Load the engine, then build the app; the runtime starts and stops with the app."""
     runtime = WorkerRuntime(settings, role)

@@ -33,7 +33,7 @@ from libs.kvpool.config import PoolConfig
 from libs.kvpool.redis_pool import RedisPool
 from libs.kvpool.writer import AsyncWriter
 from libs.model.weight_cache import resolve_cache_dir
-from libs.protocol import encode
+from libs.protocol import encode, internal_headers
 from libs.protocol.messages import DeregisterInstance, Heartbeat, RegisterInstance
 from services.common import configure_torch_threads
 from services.worker.pool_health import PoolHealth
@@ -222,7 +222,9 @@ class WorkerRuntime:
             self.url = app_url
         self._tasks.append(asyncio.create_task(self.pool_health.run(), name="pool health"))
         if self.settings.router_url:
-            self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5))
+            self._http = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=5), headers=internal_headers(self.settings.internal_token)
+            )
             self._tasks.append(asyncio.create_task(self._heartbeat_loop(), name="heartbeat"))
 
     async def stop(self) -> None:
@@ -307,6 +309,9 @@ class WorkerRuntime:
                     self.registered = 200 <= status < 300
                     if self.registered:
                         log.info("registered with router %s as %s", self.settings.router_url, self.instance_id)
+                    elif status == 401:
+                        log.error("the router refused this instance's internal token: set the same "
+                                  "TIDEPOOL_INTERNAL_TOKEN on every service")
                     elif 400 <= status < 500:  # refused (e.g. a quantization mismatch): say why, keep trying
                         log.warning("router %s refused registration (%d): %s", self.settings.router_url, status, answer.decode(errors="replace")[:500])
                 else:

@@ -48,7 +48,7 @@ class WorkerSettings(BaseSettings):
     swap_buffers: int = setting(8, help="staging buffers for pool transfers (bounds concurrent handoffs)")
     swap_max_blocks: int = setting(64, help="blocks per staging buffer")
     redis_url: str = setting("redis://127.0.0.1:6379/0", help="the pool's Redis")
-    redis_password: str | None = setting(None, help="Redis password")
+    redis_password: str | None = setting(None, help="Redis password (prefer the env variable)", secret=True)
     key_prefix: str = setting("tidepool", help="prefix of every pool key in Redis")
     pool_workers: int = setting(4, help="concurrent pool write pipelines")
     pool_bulk_model: Literal["threads", "asyncio"] = setting(
@@ -62,6 +62,12 @@ class WorkerSettings(BaseSettings):
     instance_id: str | None = setting(None, help="stable id for this instance; default: random")
     heartbeat_s: float = setting(1.0, help="seconds between heartbeats to the router")
     load_timeout_s: float = setting(10.0, help="longest wait for pool reads or staging before recomputing instead")
+    max_queue_depth: int = setting(
+        256,
+        help="requests this instance holds at once (running, waiting and loading: its queue_depth); "
+        "past it a new one gets 429 with Retry-After and the router places it elsewhere or waits",
+    )
+    retry_after_s: int = setting(1, help="the Retry-After (seconds) of a 429")
     handoff_timeout_s: float = setting(
         120.0, help="decode: longest wait for prefill's last progress update in a streamed handoff before failing the request (the router resumes it)"
     )
@@ -72,5 +78,7 @@ class WorkerSettings(BaseSettings):
             raise ValueError("threads must be >= 1")
         if self.tensor_parallel_size < 1 or self.tp_timeout_s <= 0:
             raise ValueError("tensor_parallel_size must be >= 1 and tp_timeout_s > 0")
+        if self.max_queue_depth < 1 or self.retry_after_s < 1:
+            raise ValueError("max_queue_depth and retry_after_s must be >= 1")
         if min(self.heartbeat_s, self.load_timeout_s, self.pool_check_s, self.handoff_timeout_s) <= 0:
             raise ValueError("heartbeat_s, load_timeout_s, pool_check_s and handoff_timeout_s must be > 0")

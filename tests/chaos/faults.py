@@ -142,7 +142,7 @@ def evict_blocks(stack: ChaosStack, ctx: Context) -> str:
     def evict(r: redis.Redis, key: bytes) -> bool:
         url = f"{stack.cluster.cache_store.url}/v1/blocks/{key[len(prefix):].decode()}"
         try:
-            with urllib.request.urlopen(urllib.request.Request(url, method="DELETE"), timeout=5):
+            with urllib.request.urlopen(urllib.request.Request(url, method="DELETE", headers=stack.cluster.internal_headers()), timeout=5):
                 return True
         except OSError:
             return False  # already gone

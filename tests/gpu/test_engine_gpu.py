@@ -173,14 +173,16 @@ def test_kv_export_import_through_pinned_staging(models):
     assert pre.swapper.in_use == 0 and dec.swapper.in_use == 0
 
 
-def test_streamed_export_on_cuda_equals_the_export_at_the_end(models):
-    """Chunk-wise gathers (swap_out after each chunk's step, pinned staging) hand out the
-    same bytes as one gather at the end, piece by piece in block order."""
+@pytest.mark.parametrize("async_scheduling", ["off", "on"])
+def test_streamed_export_on_cuda_equals_the_export_at_the_end(models, async_scheduling):
+    """Chunk-wise gathers (swap_out after each chunk's step is read back, pinned staging)
+    hand out the same bytes as one gather at the end, piece by piece in block order; with
+    async scheduling the next chunk is already running on the stream when they are taken."""
     _, loaded = models
     ids = prompts(1)[0] + list(range(100, 400))
 
     def export(stream: bool) -> list[tuple[int, torch.Tensor]]:
-        eng = make(loaded, swap_max_blocks=8, max_num_batched_tokens=64, enable_prefix_caching=False)
+        eng = make(loaded, swap_max_blocks=8, max_num_batched_tokens=64, enable_prefix_caching=False, async_scheduling=async_scheduling)
         eng.add_request("p", ids, SamplingParams(temperature=0, max_tokens=1), export_kv=True, stream_export=stream)
         got = []
         while eng.has_unfinished_requests():

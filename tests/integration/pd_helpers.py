@@ -86,7 +86,7 @@ def prefill_then_decode(
     async def go():
         spec = SamplingSpec(temperature=0, max_tokens=max_tokens)
         rid = f"handoff-{time.monotonic_ns()}"
-        async with aiohttp.ClientSession() as s:
+        async with aiohttp.ClientSession(headers=cluster.internal_headers()) as s:
             req = PrefillRequest(request_id=rid, prompt_token_ids=prompt, sampling=spec)
             async with s.post(prefill_url + "/v1/prefill", data=encode(req), headers=MSGPACK) as r:
                 assert r.status == 200, await r.text()

@@ -158,7 +158,7 @@ def by_hand(cluster, prompt: list[int], *, lease_ttl_s: float, between=None, on_
         spec = SamplingSpec(temperature=0, max_tokens=max_tokens)
         rid = f"stream-{time.monotonic_ns()}"
         req = PrefillRequest(request_id=rid, prompt_token_ids=prompt, sampling=spec, lease_ttl_s=lease_ttl_s, stream_progress=True, want_trace=True)
-        async with aiohttp.ClientSession() as s:
+        async with aiohttp.ClientSession(headers=cluster.internal_headers()) as s:
             msgs = []
             async with s.post(cluster.prefills[0].url + "/v1/prefill", data=encode(req), headers=HEADERS) as r:
                 assert r.status == 200, await r.text()

@@ -34,6 +34,9 @@ def test_compose_is_valid_and_complete():
     assert [(p["published"], p["target"]) for p in services["router"]["ports"]] == [(8000, 8000)]
     # Redis never evicts by itself: cache_store owns the policy (DESIGN.md).
     assert "noeviction" in services["redis"]["command"]
+    # Every Tidepool service holds the same internal token (services/common/app.py).
+    tokens = {services[name]["environment"]["TIDEPOOL_INTERNAL_TOKEN"] for name in SERVICES - {"redis"}}
+    assert len(tokens) == 1 and len(tokens.pop()) >= 16
 
 
 def test_router_health_is_readiness_and_workers_do_not_wait_for_it():

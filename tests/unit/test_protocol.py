@@ -242,7 +242,7 @@ STRATEGIES: dict[type[Message], st.SearchStrategy[Any]] = {
         url=text,
         model=text,
         namespace=text,
-        max_model_len=st.integers(1, 2**31),
+        max_model_len=st.integers(1, messages_module.MAX_MODEL_LEN),
         block_size=st.integers(1, 4096),
     ),
     Heartbeat: heartbeats(),

@@ -3,6 +3,7 @@ prefill/decode instances behind it)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import AsyncIterator
 
@@ -310,8 +311,8 @@ async def test_out_of_range_values_are_400(cluster: Cluster, extra: dict, param:
         ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs=true
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ({"messages": []}, "messages"),
-        ({"messages": [{"role": 5, "content": "x"}]}, "messages"),
-        ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
+        ({"messages": [{"role": 5, "content": "x"}]}, "messages[0].role"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0].type"),
         ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools[0].function.name"),
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "nope"}}}}}]}, "tools[0].function.parameters"),
         ({"tool_choice": "required"}, "tool_choice"),
@@ -352,7 +353,7 @@ async def test_unknown_model_is_404(cluster: Cluster) -> None:
         (b"{not json", None),
         (b"[1, 2]", None),
         (b'{"prompt": "x", "max_tokens": "5"}', "max_tokens"),
-        (b'{"prompt": "x", "n": 2.0}', "n"),
+        (b'{"prompt": "x", "n": 2.5}', "n"),
         (b'{"prompt": "x", "temperature": "hot"}', "temperature"),
         (b'{"prompt": "x", "temperature": true}', "temperature"),
         (b'{"prompt": "x", "stream": "yes"}', "stream"),
@@ -364,7 +365,7 @@ async def test_unknown_model_is_404(cluster: Cluster) -> None:
         (b'{"prompt": ""}', "prompt"),
         (b'{}', "prompt"),
         (b'{"prompt": "x", "model": 7}', "model"),
-        (b'{"prompt": "x", "tidepool": {"trace": "yes"}}', "trace"),
+        (b'{"prompt": "x", "tidepool": {"trace": "yes"}}', "tidepool.trace"),
         (b'\xff\xfe', None),
     ],
 )
@@ -380,11 +381,25 @@ async def test_malformed_bodies_are_400_and_the_router_stays_up(cluster: Cluster
 
 
 async def test_no_decode_instance_is_503() -> None:
-    c = await start_cluster(decodes=0)
+    c = await start_cluster(decodes=0, retry_wait_s=0.3)
     try:
         with pytest.raises(openai.InternalServerError) as exc:
             await c.openai().completions.create(model=MODEL, prompt="x", max_tokens=1)
         assert exc.value.status_code == 503 and exc.value.code == "no_decode_instance"
         assert c.prefills[0].requests == []
+    finally:
+        await c.close()
+
+
+async def test_a_request_waits_for_a_decode_instance_to_register() -> None:
+    """A router that just restarted knows no decode until its next heartbeat: the request waits."""
+    c = await start_cluster(decodes=0, retry_wait_s=5.0)
+    try:
+        pending = asyncio.create_task(c.openai().completions.create(model=MODEL, prompt="x", max_tokens=1))
+        await asyncio.sleep(0.5)
+        assert not pending.done()
+        await c.add_decode()
+        r = await asyncio.wait_for(pending, 5.0)
+        assert r.choices[0].text == script_text(0, 1)
     finally:
         await c.close()

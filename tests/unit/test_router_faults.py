@@ -170,7 +170,7 @@ async def test_client_disconnect_mid_stream_aborts_decode(cluster: Cluster) -> N
     await cluster.decodes[1].heartbeat(cluster.url)
     decode.event_delay_s = 0.05
     async with aiohttp.ClientSession() as http:
-        body = {"model": MODEL, "prompt": "x", "max_tokens": 200, "stream": True, "extra_body": 1}
+        body = {"model": MODEL, "prompt": "x", "max_tokens": 200, "stream": True}
         async with http.post(cluster.url + "/v1/completions", json=body) as resp:
             assert resp.status == 200
             await resp.content.readuntil(b"\n\n")  # one chunk, then hang up

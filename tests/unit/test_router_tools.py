@@ -164,3 +164,52 @@ async def test_tokenize_and_detokenize(cluster: Cluster):
     ]:
         async with http.post(path, json=bad) as r:
             assert r.status == 400 and (await r.json())["error"]["param"] == param, bad
+
+
+async def test_tokenize_chat_form_tools_and_generation_prompt(cluster: Cluster):
+    """The chat form renders as a chat completion would (tools shown through the Hermes
+    template, tool turns checked), and honours add_generation_prompt and add_special_tokens."""
+    http = cluster.http()
+    tok = tokenizer()
+    chat = [{"role": "user", "content": "Weather in Oslo?"}]
+    async with http.post("/tokenize", json={"messages": chat, "tools": [WEATHER]}) as r:
+        with_tools = (await r.json())["tokens"]
+    assert r.status == 200 and '"get_weather"' in tok.decode(with_tools) and "<tools>" in tok.decode(with_tools)
+    async with http.post("/tokenize", json={"messages": chat, "add_generation_prompt": False}) as r:
+        body = await r.json()
+    assert body["tokens"] == tok.encode_chat(chat, add_generation_prompt=False)
+    for bad, param, code in [
+        ({"messages": chat, "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "nope"}}}}}]}, "tools[0].function.parameters", "invalid_grammar"),
+        ({"messages": [{"role": "tool", "content": "x", "tool_call_id": "c"}]}, "messages[0].tool_call_id", "invalid_value"),
+        ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role", "invalid_value"),
+        ({"messages": chat, "continue_final_message": True}, "continue_final_message", "unsupported_parameter"),
+        ({"messages": chat, "add_special_tokens": "yes"}, "add_special_tokens", "invalid_type"),
+        ({"prompt": "x", "add_generation_prompt": True}, "add_generation_prompt", "unknown_parameter"),
+        ({"model": "gpt-4", "prompt": "x"}, "model", "model_not_found"),
+        ({}, "prompt", "missing_required_parameter"),
+    ]:
+        async with http.post("/tokenize", json=bad) as r:
+            error = (await r.json())["error"]
+            assert r.status in (400, 404) and (error["param"], error["code"]) == (param, code), bad
+    async with http.post("/detokenize", json={}) as r:
+        assert r.status == 400 and (await r.json())["error"]["param"] == "tokens"
+
+
+async def test_tokenize_is_bounded_and_keyed_like_the_generation_endpoints():
+    c = await start_cluster(max_body_bytes=1000, max_json_depth=8, api_key="k")
+    try:
+        async with c.http() as http:
+            headers = {"Authorization": "Bearer k"}
+            for path in ("/tokenize", "/detokenize"):
+                async with http.post(path, json={"prompt": "x", "tokens": [1]}) as r:
+                    assert r.status == 401  # behind the API key, as /v1/ is
+                async with http.post(path, data=b'{"prompt": "' + b"a" * 1000 + b'"}', headers=headers) as r:
+                    assert r.status == 413 and (await r.json())["error"]["code"] == "request_too_large"
+                async with http.post(path, data=b"[" * 20 + b"]" * 20, headers=headers) as r:
+                    assert r.status == 400 and (await r.json())["error"]["code"] == "json_too_deep"
+                async with http.post(path, data=b"{oops", headers=headers) as r:
+                    assert r.status == 400 and (await r.json())["error"]["code"] == "malformed_json"
+            async with http.post("/tokenize", json={"prompt": "Hello"}, headers=headers) as r:
+                assert r.status == 200 and (await r.json())["tokens"] == tokenizer().encode("Hello")
+    finally:
+        await c.close()
