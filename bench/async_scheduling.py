@@ -36,9 +36,15 @@ from tests.models import tiny_loaded  # noqa: E402
 BATCHES = (1, 8, 64)
 
 
-def ms_per_step(loaded, device: torch.device, mode: str, batch: int, steps: int) -> float:
+def make_engine(loaded, device: torch.device, mode: str) -> LLM:
     cfg = dict(device=device.type, dtype="float32" if device.type == "cpu" else "bfloat16", num_blocks=1024 if device.type == "cpu" else 4096, max_num_seqs=64)
-    eng = LLM(EngineConfig(**cfg, async_scheduling=mode), loaded=loaded)
+    if device.type == "cuda":
+        cfg["prefill_graph_max_tokens"] = 2048  # the prompts here: at most 64 x 32 tokens
+    return LLM(EngineConfig(**cfg, async_scheduling=mode), loaded=loaded)
+
+
+def ms_per_step(eng: LLM, device: torch.device, batch: int, steps: int) -> float:
+    """Steady-state decode ms/step of ``batch`` sequences; ``eng`` is drained afterwards."""
     start_decoding(eng, batch, steps + 4)
     for _ in range(2):
         eng.step()
@@ -50,29 +56,50 @@ def ms_per_step(loaded, device: torch.device, mode: str, batch: int, steps: int)
     dt = (time.perf_counter() - t) / steps
     while eng.has_unfinished_requests():
         eng.step()
-    eng.close()
-    del eng
-    gc.collect()  # one engine's KV cache at a time
     return dt * 1e3
 
 
-def measure(loaded, device: torch.device, steps: dict[int, int], reps: int, progress=None) -> dict:
+def measure(loaded, device: torch.device, steps: dict[int, int], reps: int, progress=None, *, keep: bool | None = None) -> dict:
+    """Alternating sync and async runs at each batch size. ``keep`` (the default on CUDA):
+    both engines stay up for the whole model (graph capture costs seconds per engine);
+    otherwise (the shared CPU box) one engine's KV cache at a time, a fresh engine a run."""
+    keep = device.type == "cuda" if keep is None else keep
+    engines: dict[str, LLM] = {}
     out = {}
-    for batch in BATCHES:
-        times = {"off": [], "on": []}
-        for _ in range(reps):
-            for mode in ("off", "on"):
-                times[mode].append(ms_per_step(loaded, device, mode, batch, steps[batch]))
-                if progress is not None:
-                    progress.update(1)
-        sync, asyn = statistics.median(times["off"]), statistics.median(times["on"])
-        out[f"b{batch}"] = {"sync_ms": sync, "async_ms": asyn, "sync_over_async": sync / asyn, "runs": times}
+    try:
+        for batch in BATCHES:
+            times = {"off": [], "on": []}
+            for _ in range(reps):
+                for mode in ("off", "on"):
+                    eng = engines.get(mode) or make_engine(loaded, device, mode)
+                    times[mode].append(ms_per_step(eng, device, batch, steps[batch]))
+                    if keep:
+                        engines[mode] = eng
+                    else:
+                        eng.close()
+                        del eng
+                        gc.collect()
+                    if progress is not None:
+                        progress.update(1)
+            sync, asyn = statistics.median(times["off"]), statistics.median(times["on"])
+            out[f"b{batch}"] = {"sync_ms": sync, "async_ms": asyn, "sync_over_async": sync / asyn, "runs": times}
+    finally:
+        for eng in engines.values():
+            eng.close()
     return out
+
+
+# The tiny test model's shape (tests/models.py), for CUDA as random bf16 weights built on
+# the device: a lent GPU machine has no GGUF for tiny_loaded's tokenizer.
+TINY_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
 
 
 def models(device: torch.device) -> dict:
     if device.type == "cuda":
-        return {"tiny": lambda: tiny_loaded(), "smollm2-135m (random, bf16)": lambda: random_loaded("smollm2-135m", device, torch.bfloat16)}
+        return {
+            "tiny (random, bf16)": lambda: random_loaded("smollm2-135m", device, torch.bfloat16, **TINY_SHAPE),
+            "smollm2-135m (random, bf16)": lambda: random_loaded("smollm2-135m", device, torch.bfloat16),
+        }
     return {
         "tiny": tiny_loaded,
         "smollm2-135m (GGUF, fp32)": lambda: load_model(None, dtype=torch.float32, device=device, backend=make_backend("auto", device)),
@@ -83,10 +110,6 @@ def run(device: torch.device, reps: int, quick: bool = False, progress=None) -> 
     res = {}
     for name, make in models(device).items():
         loaded = make()
-        if device.type == "cuda" and name == "tiny":
-            loaded.model.to(device)
-            loaded.model.rotary.to(device=device, dtype=torch.float32)
-            loaded.device = device
         big = "smollm2" in name and device.type == "cpu"
         steps = {1: 16 if big else 64, 8: 12 if big else 48, 64: 6 if big else 24}
         if quick:

@@ -68,7 +68,7 @@ def test_a_dense_decode_is_refused_by_an_fp8_deployment(fp8_cluster, tmp_path):
             "--redis-url", fp8_cluster.redis_url, "--router-url", fp8_cluster.url, "--instance-id", "dense-decode",
             "--heartbeat-s", "0.2",
         ),
-        env=child_env(1),
+        env={**child_env(1), "TIDEPOOL_INTERNAL_TOKEN": fp8_cluster.config.internal_token},
         log_path=log,
     )
     dense.start()

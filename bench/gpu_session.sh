@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# Runs named GPU steps on a lent GPU machine (the device tool), which has CUDA torch and
+# triton but no package registry and no Redis. It sets up what the repo's ignored folders
+# carry (DEVELOPERS.md): `.whl/` (redis, hiredis, gguf, llguidance, pytest-asyncio for
+# Python 3.12), `.device-debs/` (Debian's redis 7.0) and `.device-assets/tokenizer/`
+# (SmolLM2's tokenizer files, for random checkpoints of its shape). Each step has its own
+# time limit and log; a failing step does not stop the others. Everything a step writes
+# under bench/results/ and the measured threshold files come back in $OUT/results.tgz.
+#
+#   bench/gpu_session.sh tests pd pool          # issue 8 and the GPU test suite
+#   bench/gpu_session.sh fp8 moe                # FP8 GEMM/decode, MoE executors
+#   bench/gpu_session.sh engine                 # issue 10: the engine's GPU tests and benchmarks
+#   QUICK=1 bench/gpu_session.sh engine         # the same, benchmarks shortened (--quick)
+set -u
+OUT=${OUT:-/tmp/gpu-session-out}
+mkdir -p "$OUT" bench/results
+LOG="$OUT/session.log"
+
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || { echo "wheel install failed" | tee -a "$LOG"; exit 1; }
+export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1
+mkdir -p /tmp/redis-root && for f in .device-debs/*.deb; do dpkg -x "$f" /tmp/redis-root; done
+export LD_LIBRARY_PATH="/tmp/redis-root/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}"
+export PATH="/tmp/redis-root/usr/bin:$PATH"
+TOK="$PWD/.device-assets/tokenizer"
+export TIDEPOOL_TOKENIZER_DIR="$TOK"  # tests/models.py: the GGUF cannot travel
+STAMP=$(date -u +%Y-%m-%dT%H:%MZ)
+
+step() {  # step NAME LIMIT_S COMMAND...
+    local name=$1 limit=$2; shift 2
+    echo "== $name ($STAMP, limit ${limit}s): $*" | tee -a "$LOG"
+    local t0=$SECONDS
+    timeout --signal=INT --kill-after=10 "$limit" "$@" >"$OUT/$name.txt" 2>&1
+    local rc=$?
+    echo "== $name rc=$rc in $((SECONDS - t0)) s" | tee -a "$LOG"
+    tail -n 40 "$OUT/$name.txt" >>"$LOG"
+}
+
+{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
+  git log -1 --format='commit %h %s' 2>/dev/null; } | tee -a "$LOG"
+
+for s in "$@"; do
+    case $s in
+        tests) step tests 200 python3 -m pytest -v -p no:cacheprovider --timeout 60 --durations=15 tests/gpu ;;
+        pd) step gpu_pd 270 python3 -m bench.gpu_pd --tokenizer "$TOK" --prompt-len 2048 --requests 8 \
+                --prefill-chunks 512,1024,2048 --out bench/results/gpu_pd_h100.json ;;
+        pool) step pool 150 python3 bench/pool_throughput.py --redis-bin /tmp/redis-root/usr/bin \
+                --redis-args "--io-threads 4" --reps 3 --markdown bench/results/pool_h100.md \
+                --json bench/results/pool_h100.json ;;
+        fp8) step fp8_gemm 200 python3 -m bench.fp8_gemm_bench --write-threshold --out bench/results/fp8_gemm_h100.json
+             step fp8_decode 120 python3 -m bench.fp8_decode_bench --out bench/results/fp8_decode_h100.json ;;
+        moe) step moe 240 python3 -m bench.moe_bench --write-thresholds --reps 5 --warmup 2 \
+                --out bench/results/moe_bench_h100.json --markdown bench/results/moe_bench_h100.md ;;
+        engine) step engine_tests 240 python3 -m pytest -v -p no:cacheprovider --timeout 120 --durations=15 -k engine \
+                    tests/gpu/test_engine_gpu.py tests/gpu/test_moe_gpu.py tests/gpu/test_fp8_gpu.py
+                step gpu_engine 300 python3 -m bench.gpu_engine ${QUICK:+--quick} --out bench/results/gpu_engine_h100.json
+                step async_scheduling 150 python3 -m bench.async_scheduling --device cuda --reps 2 ${QUICK:+--quick} \
+                    --out bench/results/async_scheduling_h100.json ;;
+        *) step custom 300 bash -c "$s" ;;  # any other command, run as given
+    esac
+done
+
+tar czf "$OUT/results.tgz" bench/results kernels/fp8/swap_ab_threshold.json libs/model/moe/hybrid_thresholds.json 2>/dev/null
+echo "done" | tee -a "$LOG"
