@@ -196,7 +196,10 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit(f"TP={args.tp} needs {args.tp} GPUs; this machine has {torch.cuda.device_count()}")
     res = run(args)
     res["date"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
-    res["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    try:
+        res["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    except OSError:  # no git on the machine (a lent GPU machine): the caller records it
+        res["commit"] = None
     print(report(res))
     if args.out is not None:
         args.out.write_text(json.dumps(res, indent=1))
