@@ -31,8 +31,13 @@ from kernels.fp8.layout import (
 
 
 def scale_of(amax: torch.Tensor) -> torch.Tensor:
-    """``amax / 448`` with amax kept in ``[SCALE_EPS, fp32 max]``: never 0, never inf."""
-    return amax.float().clamp(SCALE_EPS, FP32_MAX) / E4M3_MAX
+    """``amax / 448`` with amax kept in ``[SCALE_EPS, fp32 max]``: never 0, never inf.
+
+    The divisor is a tensor on amax's device, not a Python number: on CUDA, torch divides
+    by a CPU scalar as a multiplication by its reciprocal ("may lose one bit", says its
+    source), which put the H100's reference scales one ulp off the kernel's IEEE division
+    (tests/gpu's bit-exactness test failed on it). Tensor by tensor is IEEE on both."""
+    return amax.float().clamp(SCALE_EPS, FP32_MAX) / torch.full((), E4M3_MAX, device=amax.device)
 
 
 def to_e4m3(y: torch.Tensor) -> torch.Tensor:
