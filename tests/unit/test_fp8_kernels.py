@@ -232,6 +232,18 @@ def test_fused_quantization_is_bit_identical_to_the_two_launches(m, swap_ab):
     assert ((fused - expected).abs() <= summation_tolerance(x_q, x_s, w_q, w_s, m)).all()
 
 
+def test_a_fused_plan_is_one_launch(monkeypatch):
+    """What a decode step saves: the fused plan never calls the quantization kernel (and
+    allocates no padded activations), the other plan calls it once."""
+    calls = []
+    real = triton_gemm.per_token_group_quant
+    monkeypatch.setattr(triton_gemm, "per_token_group_quant", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    x, w_q, w_s = rand(2, K, seed=700), *ref.quantize_weight(rand(N, K, seed=701))
+    fused = triton_gemm.fp8_linear(x, w_q, w_s, n=N, plan=GemmPlan(True, 16, 64, 4, 2, fuse_quant=True))
+    assert calls == []
+    assert torch.equal(fused, triton_gemm.fp8_linear(x, w_q, w_s, n=N, plan=GemmPlan(True, 16, 64, 4, 2))) and calls == [1]
+
+
 @pytest.mark.parametrize("split_k", [2, 3, 4])
 @pytest.mark.parametrize("swap_ab", [False, True])
 def test_split_k_sums_partials_deterministically_and_resets_its_counters(split_k, swap_ab):
