@@ -123,14 +123,14 @@ def work(shapes: list[tuple[int, int]], ms: list[int], num_sms: int, limit: int 
 # -- compiling in worker processes ----------------------------------------------------------
 
 _W: dict = {}
+REPRESENTATIVE = {"cuda": (4096, 4096), "cpu": (384, 256)}  # N x K the workers compile on
 
 
-def _worker_init() -> None:
-    torch.cuda.init()
-    g = torch.Generator(device="cuda").manual_seed(0)
-    w = torch.randn(4096, 4096, generator=g, device="cuda") * 0.02
-    _W["w"] = ref.quantize_weight(w)
-    _W["x"] = torch.randn(256, 4096, generator=g, device="cuda").to(torch.bfloat16)
+def _worker_init(device: str) -> None:
+    n, k = REPRESENTATIVE[device]
+    g = torch.Generator(device=device).manual_seed(0)
+    _W["w"] = ref.quantize_weight(torch.randn(n, k, generator=g, device=device) * 0.02)
+    _W["x"] = torch.randn(256, k, generator=g, device=device).to(torch.bfloat16 if device == "cuda" else torch.float32)
 
 
 def _compile_one(plan_dict: dict) -> tuple[dict, str | None]:
@@ -141,21 +141,23 @@ def _compile_one(plan_dict: dict) -> tuple[dict, str | None]:
     plan = GemmPlan.from_dict(plan_dict)
     try:
         w_q, w_s = _W["w"]
-        triton_gemm.fp8_linear(_W["x"][: plan.token_tile], w_q, w_s, n=4096, out_dtype=torch.bfloat16, plan=plan)
-        torch.cuda.synchronize()
+        triton_gemm.fp8_linear(_W["x"][: plan.token_tile], w_q, w_s, n=w_q.shape[0], plan=plan)
+        if w_q.is_cuda:
+            torch.cuda.synchronize()
         return plan_dict, None
     except Exception as e:  # a plan this GPU or Triton cannot run: reported, then skipped
         return plan_dict, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
 
 
-def precompile(plans: list[GemmPlan], workers: int) -> dict[GemmPlan, str]:
-    """Compile every plan in ``workers`` processes; returns the plans that failed."""
+def precompile(plans: list[GemmPlan], workers: int, device: str = "cuda") -> dict[GemmPlan, str]:
+    """Compile every plan in ``workers`` processes (Triton's on-disk cache hands the
+    binaries to this one); returns the plans that failed, with why."""
     failed: dict[GemmPlan, str] = {}
     if workers <= 0:
         return failed
     t = time.time()
     ctx = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_worker_init) as pool:
+    with ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_worker_init, initargs=(device,)) as pool:
         for i, (d, err) in enumerate(pool.map(_compile_one, [p.to_dict() for p in plans], chunksize=1)):
             if err:
                 failed[GemmPlan.from_dict(d)] = err

@@ -149,3 +149,14 @@ def test_tuner_writes_a_table_the_lookup_reads(tmp_path):
     assert set(table) == {"Other GPU", "cpu (Triton interpreter)"}
     entry = table["cpu (Triton interpreter)"]["256x256"]["swap_ab"][0]
     assert entry.max_m == 1 and entry.plan == jobs[0][-1][0]
+
+
+def test_tuner_compiles_in_worker_processes_and_reports_failures():
+    """The pool the tuner compiles in (spawned processes; here Triton's interpreter, which
+    the environment passes on): a plan that cannot run comes back with its reason."""
+    from bench.fp8_tune import precompile
+
+    good = [GemmPlan(True, 16, 64, 4, 2, fuse_quant=True), GemmPlan(False, 64, 128, 4, 2, split_k=2)]
+    bad = GemmPlan(False, 64, 256, 4, 2)  # 256-row tiles do not divide the workers' 384-row weight
+    failed = precompile([*good, bad], workers=1, device="cpu")
+    assert list(failed) == [bad] and "weight tile (256)" in failed[bad]
