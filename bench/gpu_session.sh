@@ -9,6 +9,8 @@
 #
 #   bench/gpu_session.sh tests pd pool          # issue 8 and the GPU test suite
 #   bench/gpu_session.sh fp8 moe                # FP8 tuning/GEMM/decode (~5 min), MoE executors
+#   bench/gpu_session.sh engine                 # issue 10: the engine's GPU tests and benchmarks
+#   QUICK=1 bench/gpu_session.sh engine         # the same, benchmarks shortened (--quick)
 set -u
 OUT=${OUT:-/tmp/gpu-session-out}
 mkdir -p "$OUT" bench/results
@@ -21,6 +23,7 @@ mkdir -p /tmp/redis-root && for f in .device-debs/*.deb; do dpkg -x "$f" /tmp/re
 export LD_LIBRARY_PATH="/tmp/redis-root/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}"
 export PATH="/tmp/redis-root/usr/bin:$PATH"
 TOK="$PWD/.device-assets/tokenizer"
+export TIDEPOOL_TOKENIZER_DIR="$TOK"  # tests/models.py: the GGUF cannot travel
 STAMP=$(date -u +%Y-%m-%dT%H:%MZ)
 
 step() {  # step NAME LIMIT_S COMMAND...
@@ -39,7 +42,7 @@ step() {  # step NAME LIMIT_S COMMAND...
 
 for s in "$@"; do
     case $s in
-        tests) step tests 150 python3 -m pytest -q -p no:cacheprovider --timeout 120 tests/gpu ;;
+        tests) step tests 200 python3 -m pytest -v -p no:cacheprovider --timeout 60 --durations=15 tests/gpu ;;
         pd) step gpu_pd 270 python3 -m bench.gpu_pd --tokenizer "$TOK" --prompt-len 2048 --requests 8 \
                 --prefill-chunks 512,1024,2048 --out bench/results/gpu_pd_h100.json ;;
         pool) step pool 150 python3 bench/pool_throughput.py --redis-bin /tmp/redis-root/usr/bin \
@@ -51,6 +54,11 @@ for s in "$@"; do
              step fp8_decode 110 python3 -m bench.fp8_decode_bench --out bench/results/fp8_decode_h100.json ;;
         moe) step moe 240 python3 -m bench.moe_bench --write-thresholds --reps 5 --warmup 2 \
                 --out bench/results/moe_bench_h100.json --markdown bench/results/moe_bench_h100.md ;;
+        engine) step engine_tests 240 python3 -m pytest -v -p no:cacheprovider --timeout 120 --durations=15 -k engine \
+                    tests/gpu/test_engine_gpu.py tests/gpu/test_moe_gpu.py tests/gpu/test_fp8_gpu.py
+                step gpu_engine 300 python3 -m bench.gpu_engine ${QUICK:+--quick} --out bench/results/gpu_engine_h100.json
+                step async_scheduling 150 python3 -m bench.async_scheduling --device cuda --reps 2 ${QUICK:+--quick} \
+                    --out bench/results/async_scheduling_h100.json ;;
         *) step custom 300 bash -c "$s" ;;  # any other command, run as given
     esac
 done

@@ -42,6 +42,10 @@ def _build_parser() -> argparse.ArgumentParser:
         "--quantization", choices=("auto", "none", "fp8"), default="auto",
         help="fp8: block-scaled FP8 weights (quantized at load, or an FP8 checkpoint's); none: dense; auto (default): as the checkpoint is",
     )
+    g.add_argument(
+        "--async-scheduling", choices=("auto", "on", "off"), default="auto",
+        help="launch each step before the previous one's tokens are read back (default auto: on only where measured faster)",
+    )
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     return parser
 
@@ -54,6 +58,7 @@ def _generate(args: argparse.Namespace) -> int:
     engine = LLM(EngineConfig(
         model=args.model, device=args.device, dtype=args.dtype, quantized_weights=args.quantized,
         moe_strategy=args.moe_strategy, moe_fake_balance=args.moe_fake_balance, quantization=args.quantization,
+        async_scheduling=args.async_scheduling,
     ))
     tok = engine.tokenizer
     if args.chat is not None:

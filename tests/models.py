@@ -4,6 +4,7 @@ Llama for fast scheduler and block-manager tests."""
 from __future__ import annotations
 
 import functools
+import os
 from pathlib import Path
 
 import torch
@@ -78,10 +79,22 @@ def real_model_path() -> Path:
 @functools.lru_cache(maxsize=1)
 def hf_gguf_tokenizer():
     """transformers' own tokenizer for the embedded GGUF (the reference for ours), loaded
-    once per session: converting the GGUF vocabulary takes seconds."""
+    once per session: converting the GGUF vocabulary takes seconds.
+
+    On a lent GPU machine the GGUF cannot travel (too large): there
+    ``TIDEPOOL_TOKENIZER_DIR`` names a folder with its exported tokenizer files
+    (bench/gpu_session.sh sets it), which the random-weight GPU tests need."""
     import transformers
 
-    path = default_model_path()
+    from libs.model.source import ModelNotFoundError
+
+    try:
+        path = default_model_path()
+    except ModelNotFoundError:
+        folder = os.environ.get("TIDEPOOL_TOKENIZER_DIR")
+        if not folder:
+            raise
+        return transformers.PreTrainedTokenizerFast(tokenizer_file=str(Path(folder) / "tokenizer.json"))
     return transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
 
 

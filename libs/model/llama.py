@@ -76,8 +76,7 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat([freqs, freqs], dim=-1)
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
-        self._rows_key: torch.Tensor | None = None
-        self._rows: tuple[torch.Tensor, torch.Tensor] = (torch.empty(0), torch.empty(0))
+        self._rows = _RowsCache()
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotated ``(q, k)``. On CUDA ``q`` and ``k`` are rotated in place (inside the qkv
@@ -86,11 +85,24 @@ class RotaryEmbedding(nn.Module):
 
     def rotate_heads(self, positions: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
         """CPU: q's and k's heads rotated together (``[T, Hq + Hkv, D]``). Every layer of a
-        forward rotates by the same positions, so the table rows are gathered once (keyed
-        by the step's positions tensor) rather than once per layer."""
-        if self._rows_key is not positions or self._rows[0].dtype != heads.dtype:
-            self._rows_key, self._rows = positions, rope_reference.rotary_rows(positions, self.cos, self.sin, heads.dtype)
-        return rope_reference.rotate_heads(heads, *self._rows)
+        forward rotates by the same positions, so the table rows are gathered once per
+        forward (``new_forward`` drops them: a caller may refill the same positions tensor
+        for its next step) rather than once per layer."""
+        c = self._rows
+        if c.key is not positions or c.rows[0].dtype != heads.dtype:
+            c.key, c.rows = positions, rope_reference.rotary_rows(positions, self.cos, self.sin, heads.dtype)
+        return rope_reference.rotate_heads(heads, *c.rows)
+
+    def new_forward(self) -> None:
+        self._rows.key = None
+
+
+class _RowsCache:
+    """The rotary rows of the current forward (a plain object: no nn.Module attribute cost)."""
+
+    def __init__(self) -> None:
+        self.key: torch.Tensor | None = None
+        self.rows: tuple[torch.Tensor, torch.Tensor] = (torch.empty(0), torch.empty(0))
 
 
 class Attention(nn.Module):
@@ -200,6 +212,7 @@ class LlamaModel(nn.Module):
         """Final hidden states ``[T, hidden]`` for the flattened tokens of a step."""
         for m in self._quantized_modules:  # decode rows take the 4-bit path (libs/model/quantized.py)
             m.decode_rows = meta.num_decodes
+        self.rotary.new_forward()
         h, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
             h, residual = layer(h, residual, positions, self.rotary, meta)

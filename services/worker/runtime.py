@@ -122,6 +122,7 @@ class WorkerRuntime:
             moe_strategy=settings.moe_strategy,
             moe_fake_balance=settings.moe_fake_balance,
             quantization=settings.quantization,
+            async_scheduling=settings.async_scheduling,
             weight_cache_dir=str(cache) if (cache := resolve_cache_dir(settings.cache_dir)) else None,
             num_threads=settings.threads,
             swap_buffers=settings.swap_buffers,

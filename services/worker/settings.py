@@ -36,6 +36,9 @@ class WorkerSettings(BaseSettings):
     quantization: Literal["auto", "none", "fp8"] = setting(
         "auto", help="fp8: block-scaled FP8 weights (quantized at load, or an FP8 checkpoint's); none: dense; auto: as the checkpoint is. Prefill and decode must agree"
     )
+    async_scheduling: Literal["auto", "on", "off"] = setting(
+        "auto", help="launch step N+1 before step N's tokens are read back (auto: on only where measured faster; see README)"
+    )
     swap_buffers: int = setting(8, help="staging buffers for pool transfers (bounds concurrent handoffs)")
     swap_max_blocks: int = setting(64, help="blocks per staging buffer")
     redis_url: str = setting("redis://127.0.0.1:6379/0", help="the pool's Redis")
