@@ -6,7 +6,8 @@ Two data files decide, both written on a GPU by the benchmarks and read here at 
   that takes the swap-AB variant (the issue asks for the threshold as data);
 - ``gemm_configs.json`` (``bench/fp8_tune.py``): per device name, per weight shape
   ``N_pad x K_pad`` and variant, the fastest tile configuration measured for each M bucket
-  (an entry tuned at M = 16 serves 4 < m <= 16 when the tuned Ms are ..., 4, 16, ...).
+  (an entry tuned at M = 16 serves 4 < m <= 16 when the tuned Ms are ..., 4, 16, ...;
+  past the last tuned M only if that one is large).
 
 Where neither has an answer (a device or a shape that was not tuned, the CPU) a heuristic
 plan runs: the tiles the kernels had before tuning, plus split-K where the weight's row
@@ -40,6 +41,7 @@ THRESHOLD_FILE = Path(__file__).with_name("swap_ab_threshold.json")
 CONFIGS_FILE = Path(__file__).with_name("gemm_configs.json")
 CONFIGS_FORMAT = 1
 VARIANTS = ("swap_ab", "normal")
+LARGE_M = 1024  # a tuned bucket this large also serves the Ms above it
 
 _POWERS_OF_TWO = (16, 32, 64, 128, 256)
 
@@ -190,10 +192,12 @@ def device_facts(device: torch.device | str | None) -> tuple[str, int] | None:
 
 
 def tuned_plan(m: int, n_pad: int, k_pad: int, swap_ab: bool, device_name: str) -> GemmPlan | None:
-    """The tuned plan of the smallest M bucket that holds ``m`` (the largest bucket past
-    the last), or None where this device, shape or variant was not tuned."""
+    """The tuned plan of the smallest M bucket that holds ``m``, or None where this
+    device, shape or variant was not tuned. Past the last bucket, the last one's plan
+    only if that bucket is already a large M (``LARGE_M``): a plan tuned for 64 tokens
+    (split-K, fused quantization) says nothing about a prefill of 8192."""
     entries = tuned_configs().get(device_name, {}).get(shape_key(n_pad, k_pad), {}).get("swap_ab" if swap_ab else "normal")
-    if not entries:
+    if not entries or (m > entries[-1].max_m and entries[-1].max_m < LARGE_M):
         return None
     plan = next((e.plan for e in entries if e.max_m >= m), entries[-1].plan)
     return plan if n_pad % plan.weight_tile == 0 else None

@@ -62,7 +62,10 @@ def fake_gpu(tmp_path, monkeypatch):
     table = {
         "format": 1,
         "devices": {
-            "Fake H100": {"shapes": {"4096x4096": {"swap_ab": [entry(16, 16), entry(1, 32), entry(64, 64)]}}},
+            "Fake H100": {"shapes": {"4096x4096": {
+                "swap_ab": [entry(16, 16), entry(1, 32), entry(64, 64)],
+                "normal": [{"max_m": 1024, "plan": {**OLD_FORM, "swap_ab": False, "token_tile": 128}}],
+            }}},
             "Other GPU": {"shapes": {"4096x4096": {"swap_ab": [entry(1, 128)]}}},
         },
     }
@@ -78,12 +81,16 @@ def fake_gpu(tmp_path, monkeypatch):
 
 def test_the_tuned_plan_of_the_smallest_bucket_holding_m(fake_gpu):
     tile = lambda m, **kw: plan_gemm(m, swap_ab=True, n=4096, k=4096, device="cuda", **kw).token_tile  # noqa: E731
-    assert [tile(m) for m in (1, 2, 16, 17, 64, 100)] == [32, 16, 16, 64, 64, 64]  # past the last: the last
+    assert [tile(m) for m in (1, 2, 16, 17, 64)] == [32, 16, 16, 64, 64]
+    # Past the last bucket (64 < LARGE_M): the heuristic, not a plan tuned for 64 tokens.
+    assert plan_gemm(100, swap_ab=True, n=4096, k=4096, device="cuda") == heuristic_plan(100, True, 4096, 4096, 132)
     assert plan_gemm(1, swap_ab=True, n=4000, k=4096, device="cuda").token_tile == 32  # N pads to 4096
-    # Untuned: another shape, the other variant, no device, the CPU: the heuristic.
+    # Untuned: another shape, no device, the CPU: the heuristic.
     for kw in ({"n": 2048, "k": 4096, "device": "cuda"}, {"n": 4096, "k": 4096}, {"n": 4096, "k": 4096, "device": "cpu"}):
         assert plan_gemm(1, swap_ab=True, **kw) == heuristic_plan(1, True, plan_mod.padded(kw["n"]), 4096, 132 if kw.get("device") == "cuda" else None)
-    assert plan_gemm(1, swap_ab=False, n=4096, k=4096, device="cuda") == heuristic_plan(1, False)
+    # A bucket of 1024 tokens or more also serves the Ms above it.
+    assert plan_gemm(1, swap_ab=False, n=4096, k=4096, device="cuda").token_tile == 128
+    assert plan_gemm(8192, swap_ab=False, n=4096, k=4096, device="cuda").token_tile == 128
 
 
 def test_a_tuned_plan_whose_tile_does_not_divide_the_weight_is_not_used(tmp_path, monkeypatch):
