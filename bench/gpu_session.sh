@@ -49,9 +49,9 @@ for s in "$@"; do
                 --redis-args "--io-threads 4" --reps 3 --markdown bench/results/pool_h100.md \
                 --json bench/results/pool_h100.json ;;
         fp8) # tune the GEMM's tiles (kernels/fp8/gemm_configs.json), then the threshold and figures with them
-             step fp8_tune 160 python3 -m bench.fp8_tune --budget-s 135
+             step fp8_tune 150 python3 -m bench.fp8_tune --budget-s 125
              step fp8_gemm 90 python3 -m bench.fp8_gemm_bench --write-threshold --out bench/results/fp8_gemm_h100.json
-             step fp8_decode 110 python3 -m bench.fp8_decode_bench --out bench/results/fp8_decode_h100.json ;;
+             step fp8_decode 120 python3 -m bench.fp8_decode_bench --out bench/results/fp8_decode_h100.json ;;
         moe) step moe 240 python3 -m bench.moe_bench --write-thresholds --reps 5 --warmup 2 \
                 --out bench/results/moe_bench_h100.json --markdown bench/results/moe_bench_h100.md ;;
         engine) step engine_tests 240 python3 -m pytest -v -p no:cacheprovider --timeout 120 --durations=15 -k engine \
