@@ -49,6 +49,19 @@ from kernels.fp8.plan import GemmPlan, plan_gemm
 from kernels.fp8.triton_quant import per_token_group_quant, quantize_groups
 
 
+@triton.jit
+def _raw_token_tile(x_ptr, offs_t, offs_t64, cols, m, k, stride_xm, stride_xk, SWAP_AB: tl.constexpr):
+    """Unquantized activations of one K block, fp32, zeros past ``m`` and ``k``:
+    ``[128, tokens]`` for swap-AB (the MMA's right operand), ``[tokens, 128]`` otherwise."""
+    if SWAP_AB:
+        inside = (offs_t[None, :] < m) & (cols[:, None] < k)
+        xv = tl.load(x_ptr + offs_t64[None, :] * stride_xm + cols[:, None] * stride_xk, mask=inside, other=0.0)
+    else:
+        inside = (offs_t[:, None] < m) & (cols[None, :] < k)
+        xv = tl.load(x_ptr + offs_t64[:, None] * stride_xm + cols[None, :] * stride_xk, mask=inside, other=0.0)
+    return xv.to(tl.float32)
+
+
 @triton.jit(do_not_specialize=["m", "n", "T_ROWS"])
 def _fp8_gemm_kernel(
     x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, count_ptr,
@@ -99,6 +112,10 @@ def _fp8_gemm_kernel(
         acc = tl.zeros((BLOCK_W, BLOCK_T), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_T, BLOCK_W), dtype=tl.float32)
+    if X_RAW:
+        # Register double buffering: the next block's activations load while this block's
+        # are quantized and multiplied (Triton's pipeliner only stages loads feeding a dot).
+        x_next = _raw_token_tile(x_ptr, offs_t, offs_t64, kb_lo * BLOCK_K + offs_k, m, k, stride_xm, stride_xk, SWAP_AB)
     for kb in range(kb_lo, kb_hi):
         k0 = kb * BLOCK_K
         # The weight tile, [BLOCK_W, 128] as the left operand or [128, BLOCK_W] as the right.
@@ -113,15 +130,10 @@ def _fp8_gemm_kernel(
         w_s = tl.load(ws_ptrs + kb)
         # The token tile, [BLOCK_T, 128] as the left operand or [128, BLOCK_T] as the right.
         if X_RAW:
-            cols = k0 + offs_k
-            if SWAP_AB:
-                inside = (offs_t[None, :] < m) & (cols[:, None] < k)
-                xv = tl.load(x_ptr + offs_t64[None, :] * stride_xm + cols[:, None] * stride_xk, mask=inside, other=0.0)
-                xq, x_s = quantize_groups(xv.to(tl.float32), 0, eps, fp32_max, fp8_max)
-            else:
-                inside = (offs_t[:, None] < m) & (cols[None, :] < k)
-                xv = tl.load(x_ptr + offs_t64[:, None] * stride_xm + cols[None, :] * stride_xk, mask=inside, other=0.0)
-                xq, x_s = quantize_groups(xv.to(tl.float32), 1, eps, fp32_max, fp8_max)
+            xv = x_next
+            # Past the last K block the columns are >= k: masked, nothing is read.
+            x_next = _raw_token_tile(x_ptr, offs_t, offs_t64, k0 + BLOCK_K + offs_k, m, k, stride_xm, stride_xk, SWAP_AB)
+            xq, x_s = quantize_groups(xv, 0 if SWAP_AB else 1, eps, fp32_max, fp8_max)
             xq = xq.to(tl.float8e4nv)
         else:
             if USE_TMA:
