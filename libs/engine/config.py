@@ -67,9 +67,22 @@ class EngineConfig:
     # step N's tokens are read back. "auto" turns it on only where it was measured faster:
     # see ASYNC_SCHEDULING_DEFAULTS.
     async_scheduling: str = "auto"  # auto, on, off
+    # Tensor parallelism (libs/engine/tp): this many ranks, one process each, started by
+    # this one. A collective (or a barrier) not done within tp_timeout_s fails the instance;
+    # an idle rank waits for its next step up to tp_idle_timeout_s (a dead rank 0 ends the
+    # wait at once).
+    tensor_parallel_size: int = 1
+    tp_timeout_s: float = 60.0
+    tp_idle_timeout_s: float = 7 * 24 * 3600.0
     # PD handoff staging: buffers of swap_max_blocks blocks each (pinned on CUDA).
     swap_max_blocks: int = 64
     swap_buffers: int = 4
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.tp_timeout_s <= 0 or self.tp_idle_timeout_s <= 0:
+            raise ValueError("tp_timeout_s and tp_idle_timeout_s must be > 0")
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":

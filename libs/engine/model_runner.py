@@ -25,7 +25,6 @@ from typing import Callable
 import torch
 
 from kernels.swap import BlockSwapper, StagingBuffer, StagingStateError
-from kernels.swap import reference as swap_reference
 from libs.engine.cuda_graphs import ForwardGraphs, graph_batch_sizes, prefill_token_buckets
 from libs.engine.sampler import Sampler, SamplingTensors
 from libs.engine.sequence import KVImport
@@ -155,14 +154,13 @@ class ModelRunner:
         for buf in imp.buffers:
             lo, hi = max(rows[0], offset), min(rows[-1] + 1, offset + buf.n)
             if lo < hi:
-                ids = block_ids[lo - rows[0] : hi - rows[0]]
-                if hi - lo == buf.n:
-                    self.swapper.swap_in(buf, ids)
-                else:  # only part of this buffer is needed (the rest was a local cache hit)
-                    swap_reference.scatter_blocks(buf.host[lo - offset : hi - offset], ids, self.cache)
-                    if self.device.type == "cuda":
-                        torch.cuda.current_stream().synchronize()  # before the buffer is reused
+                # Only part of a buffer may be needed (the rest was a local cache hit); the
+                # buffer's event orders its reuse after this copy.
+                self._swap_in(buf, block_ids[lo - rows[0] : hi - rows[0]], lo - offset)
             offset += buf.n
+
+    def _swap_in(self, buf: StagingBuffer, block_ids: list[int], first_row: int) -> None:
+        self.swapper.swap_in(buf, block_ids, first_row=first_row)
 
     def export_blocks(self, block_ids: list[int]) -> list[StagingBuffer] | None:
         """Gather blocks into staging buffers of the swapper, or None if not enough are
@@ -171,12 +169,15 @@ class ModelRunner:
         bufs: list[StagingBuffer] = []
         try:
             for i in range(0, len(block_ids), step):
-                bufs.append(self.swapper.swap_out(block_ids[i : i + step]))
+                bufs.append(self._swap_out(block_ids[i : i + step]))
         except StagingStateError:
             for b in bufs:
                 b.release()
             return None
         return bufs
+
+    def _swap_out(self, block_ids: list[int]) -> StagingBuffer:
+        return self.swapper.swap_out(block_ids)
 
     # -- the step -----------------------------------------------------------------------
 
@@ -211,6 +212,13 @@ class ModelRunner:
         nd = step.num_decodes
         if nd:  # decode rows feed what the last step sampled for them
             torch.index_select(self.state.last_sampled, 0, v.decode_slots[:nd], out=v.input_ids[:nd])
+        return self.forward_pass(step, v)
+
+    def forward_pass(self, step: Step, v: PackViews) -> torch.Tensor:
+        """The forward on inputs in place (``v``, input ids included): the logits of the
+        sampled rows. Under tensor parallelism every rank runs this on the same inputs
+        (libs/engine/tp: ``step`` is then a ``ForwardPlan``, the fields read here)."""
+        nd = step.num_decodes
         if step.path == "decode_graph":
             return self.graphs.replay("decode", step.layout.seqs, v)[:nd]  # type: ignore[union-attr]
         if step.path == "prefill_graph":
