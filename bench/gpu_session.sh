@@ -8,7 +8,7 @@
 # under bench/results/ and the measured threshold files come back in $OUT/results.tgz.
 #
 #   bench/gpu_session.sh tests pd pool          # issue 8 and the GPU test suite
-#   bench/gpu_session.sh fp8 moe                # FP8 GEMM/decode, MoE executors
+#   bench/gpu_session.sh fp8 moe                # FP8 tuning/GEMM/decode (~5 min), MoE executors
 #   bench/gpu_session.sh engine                 # issue 10: the engine's GPU tests and benchmarks
 #   QUICK=1 bench/gpu_session.sh engine         # the same, benchmarks shortened (--quick)
 #   bench/gpu_session.sh tp                     # issue 15 on nvidia-h200-x2: the TP GPU tests
@@ -50,7 +50,9 @@ for s in "$@"; do
         pool) step pool 150 python3 bench/pool_throughput.py --redis-bin /tmp/redis-root/usr/bin \
                 --redis-args "--io-threads 4" --reps 3 --markdown bench/results/pool_h100.md \
                 --json bench/results/pool_h100.json ;;
-        fp8) step fp8_gemm 200 python3 -m bench.fp8_gemm_bench --write-threshold --out bench/results/fp8_gemm_h100.json
+        fp8) # tune the GEMM's tiles (kernels/fp8/gemm_configs.json), then the threshold and figures with them
+             step fp8_tune 150 python3 -m bench.fp8_tune --budget-s 125
+             step fp8_gemm 90 python3 -m bench.fp8_gemm_bench --write-threshold --out bench/results/fp8_gemm_h100.json
              step fp8_decode 120 python3 -m bench.fp8_decode_bench --out bench/results/fp8_decode_h100.json ;;
         moe) step moe 240 python3 -m bench.moe_bench --write-thresholds --reps 5 --warmup 2 \
                 --out bench/results/moe_bench_h100.json --markdown bench/results/moe_bench_h100.md ;;
@@ -66,5 +68,6 @@ for s in "$@"; do
     esac
 done
 
-tar czf "$OUT/results.tgz" bench/results kernels/fp8/swap_ab_threshold.json libs/model/moe/hybrid_thresholds.json 2>/dev/null
+tar czf "$OUT/results.tgz" bench/results kernels/fp8/swap_ab_threshold.json kernels/fp8/gemm_configs.json \
+    libs/model/moe/hybrid_thresholds.json 2>/dev/null
 echo "done" | tee -a "$LOG"
