@@ -66,9 +66,14 @@ json_like = st.recursive(
 def _cheap(msg: Message, model: str = "") -> Message:
     """A valid message that costs the engine little: at most 4 tokens to generate, and
     (mostly) token ids inside the vocabulary, so the engine runs rather than refuses; a
-    registration of the served model at an http URL, so the router takes it."""
+    registration of the served model at an http URL with dense weights, so the router takes
+    it (a random quantization would clash with an earlier registration of the other role,
+    and the router rightly refuses every later one until it expires)."""
     if isinstance(msg, RegisterInstance):
-        msg = replace(msg, model=model, url=f"http://127.0.0.1:{1 + msg.max_model_len % 60000}", namespace="ab" * 16)
+        msg = replace(
+            msg, model=model, url=f"http://127.0.0.1:{1 + msg.max_model_len % 60000}", namespace="ab" * 16,
+            quantization="none",
+        )
     if isinstance(msg, (PrefillRequest, DecodeRequest)):
         s: SamplingSpec = msg.sampling
         max_tokens = 1 + s.max_tokens % 4
