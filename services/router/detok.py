@@ -92,6 +92,7 @@ class Piece:
     text: str = ""
     logprobs: list[TokenLogprob] = field(default_factory=list)
     num_tokens: int = 0
+    logprob_sum: float = 0.0  # the tokens' sampled logprobs, whether or not they are rendered
 
 
 class TextAssembler:
@@ -116,8 +117,11 @@ class TextAssembler:
         for i, token_id in enumerate(token_ids):
             piece.num_tokens += 1
             piece.text += self.scanner.feed(self.detok.add([token_id]))
+            lp = logprobs[i] if logprobs else None
+            if lp is not None and lp.token_id == token_id:
+                piece.logprob_sum += lp.logprob if math.isfinite(lp.logprob) else LOGPROB_FLOOR
             if self.want_logprobs:
-                piece.logprobs.append(self._logprob(token_id, logprobs[i] if logprobs else None))
+                piece.logprobs.append(self._logprob(token_id, lp))
             if self.stopped:
                 break
         return piece

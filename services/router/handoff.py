@@ -81,6 +81,7 @@ class ChoiceUpdate:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     num_tokens: int = 0
     finish_reason: str | None = None
+    logprob_sum: float = 0.0  # of these tokens' sampled logprobs (best_of ranks by the total)
 
 
 Outbox = asyncio.Queue  # of ChoiceUpdate | ApiError
@@ -139,7 +140,7 @@ class PromptJob:
         self.max_tokens = max_tokens
         self.trace = trace
         self.outbox = outbox
-        self.choices = [ChoiceJob(self, i) for i in range(req.n)]
+        self.choices = [ChoiceJob(self, i) for i in range(req.candidates)]
         self._prefill_task: asyncio.Task[None] | None = None
 
     @property
@@ -219,7 +220,7 @@ class PromptJob:
         req = PrefillRequest(
             request_id=self.id,
             prompt_token_ids=self.prompt_ids,
-            sampling=self.req.sampling(max_tokens=self.max_tokens, n=self.req.n, seed=self.req.seed),
+            sampling=self.req.sampling(max_tokens=self.max_tokens, n=self.req.candidates, seed=self.req.seed),
             lease_ttl_s=state.settings.lease_ttl_s,
             want_trace=True,
             stream_progress=progress is not None,
@@ -272,7 +273,7 @@ class PromptJob:
 
     def _check(self, result: PrefillResult) -> None:
         vocab = self.state.tokenizer.vocab_size
-        if result.request_id != self.id or len(result.first_token_ids) != self.req.n:
+        if result.request_id != self.id or len(result.first_token_ids) != self.req.candidates:
             raise WorkerError(
                 "protocol", f"PrefillResult for {result.request_id} with {len(result.first_token_ids)} first tokens"
             )
@@ -288,8 +289,8 @@ class ChoiceJob:
         self.job = job
         self.state = job.state
         self.i = i
-        self.index = job.index * job.req.n + i
-        self.id = job.id if job.req.n == 1 else f"{job.id}-{i}"
+        self.index = job.index * job.req.candidates + i  # among candidates (best_of.py picks)
+        self.id = job.id if job.req.candidates == 1 else f"{job.id}-{i}"
         self.seed = choice_seed(job.req.seed, i)
         self.generated: list[int] = []
         self.text = TextAssembler(
@@ -576,7 +577,7 @@ class ChoiceJob:
             self.last_token_at = now
         if piece.text or piece.logprobs or piece.num_tokens or finish_reason:
             self.job.outbox.put_nowait(
-                ChoiceUpdate(self.index, piece.text, piece.logprobs, piece.num_tokens, finish_reason)
+                ChoiceUpdate(self.index, piece.text, piece.logprobs, piece.num_tokens, finish_reason, piece.logprob_sum)
             )
 
     @property

@@ -18,8 +18,12 @@ Tool calls (a chat request with active tools): each choice's text goes through a
 (``content`` null when there is no other text) or, streamed, ``delta.tool_calls`` in
 OpenAI's two-part form; a choice that called tools and stopped finishes ``tool_calls``.
 
+``best_of > n`` (completions): the formatter holds every candidate and the whole response
+returns each prompt's ``n`` best (best_of.py).
+
 ``usage`` counts prompt tokens once per prompt (not per choice), completion tokens over all
-choices, and ``prompt_tokens_details.cached_tokens``: prompt tokens served from a cache.
+choices (every ``best_of`` candidate included), and ``prompt_tokens_details.cached_tokens``:
+prompt tokens served from a cache.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from services.router import best_of
 from services.router.api import GenerateRequest
 from services.router.detok import RenderedToken, TokenLogprob
 from services.router.handoff import ChoiceUpdate
@@ -58,6 +63,7 @@ class ChoiceState:
     offset: int = 0  # text_offset of the next token
     started: bool = False  # a chunk of this choice has been sent
     parser: HermesToolParser | None = None  # tools are active: parse calls out of the text
+    cumulative_logprob: float = 0.0  # of the sampled tokens (best_of ranks by it)
 
     def __post_init__(self) -> None:
         self.offset = len(self.prefix)
@@ -69,6 +75,7 @@ class ChoiceState:
     def add(self, u: ChoiceUpdate) -> None:
         self.parts.append(u.text)
         self.logprobs.extend(u.logprobs)
+        self.cumulative_logprob += u.logprob_sum
         if u.finish_reason is not None:
             self.finish_reason = u.finish_reason
 
@@ -86,14 +93,14 @@ class Formatter:
         self.id = response_id
         self.created = created
         names = [t.name for t in req.tools.tools] if req.tools is not None and req.tools.active else None
-        self.choices = [
+        self.choices = [  # every candidate: p * candidates + i
             ChoiceState(
-                p * req.n + i,
+                p * req.candidates + i,
                 prefix=echo[p] if req.echo else "",
                 parser=HermesToolParser(names) if names is not None else None,
             )
             for p in range(req.num_prompts)
-            for i in range(req.n)
+            for i in range(req.candidates)
         ]
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
@@ -122,9 +129,17 @@ class Formatter:
 
     # -- whole response ---------------------------------------------------------------------
 
+    def _returned(self) -> list[tuple[int, ChoiceState]]:
+        """The choices the response shows, with their index: all of them, or with ``best_of
+        > n`` each prompt's ``n`` best."""
+        req = self.req
+        if req.candidates == req.n:
+            return [(c.index, c) for c in self.choices]
+        return list(enumerate(best_of.select(self.choices, req.num_prompts, req.candidates, req.n)))
+
     def response(self, usage_: dict[str, Any], extension: dict[str, Any] | None) -> dict[str, Any]:
         choices = []
-        for c in self.choices:
+        for index, c in self._returned():
             logprobs = self._logprobs(c, c.logprobs)
             if self.chat:
                 message: dict[str, Any] = {"role": "assistant", "content": c.text}
@@ -139,9 +154,9 @@ class Formatter:
                         "tool_calls": [call.message() for call in calls],
                     }
                     reason = c.finish_reason_out(calls)
-                choices.append({"index": c.index, "message": message, "logprobs": logprobs, "finish_reason": reason})
+                choices.append({"index": index, "message": message, "logprobs": logprobs, "finish_reason": reason})
             else:
-                choices.append({"index": c.index, "text": c.text, "logprobs": logprobs, "finish_reason": c.finish_reason})
+                choices.append({"index": index, "text": c.text, "logprobs": logprobs, "finish_reason": c.finish_reason})
         body = self._envelope("chat.completion" if self.chat else "text_completion", choices)
         body["usage"] = usage_
         if extension is not None:

@@ -111,6 +111,47 @@ async def test_echo_prepends_the_prompt(cluster: Cluster) -> None:
     assert "".join([c.choices[0].text async for c in stream]) == "Say:" + script_text(0, 3)
 
 
+@pytest.mark.parametrize("prompt", ["Once", long_prompt()], ids=["decode-alone", "prefill"])
+async def test_best_of_returns_the_n_best_by_cumulative_logprob(cluster: Cluster, prompt: str) -> None:
+    # The fake model gives every token logprob -0.25, so a candidate's cumulative logprob is
+    # -0.25 x its length; candidate i (seed 0 + i) starts at script position i and runs to
+    # EOS, so the later it starts the shorter and better it is: 2, then 1, then 0.
+    r = await cluster.openai().completions.create(model=MODEL, prompt=prompt, n=2, best_of=3, max_tokens=50, seed=0)
+    assert [(c.index, c.text) for c in sorted(r.choices, key=lambda c: c.index)] == [(0, script_text(2)), (1, script_text(1))]
+    assert all(c.logprobs is None for c in r.choices)  # ranked by logprobs the client did not ask for
+    lengths = [len(tokenizer().encode(script_text(i))) + 1 for i in range(3)]  # + EOS
+    assert r.usage is not None and r.usage.completion_tokens == sum(lengths)  # every candidate's tokens
+    sent = cluster.decodes[0].requests + cluster.prefills[0].requests
+    assert sent and all(req.sampling.logprobs == 0 for req in sent)
+    if cluster.prefills[0].requests:
+        assert cluster.prefills[0].requests[0].sampling.n == 3
+
+
+async def test_best_of_with_logprobs_and_without_best_of(cluster: Cluster) -> None:
+    client = cluster.openai()
+    r = await client.completions.create(model=MODEL, prompt="Once", n=1, best_of=2, max_tokens=50, seed=3, logprobs=2)
+    (choice,) = r.choices
+    assert choice.index == 0 and choice.text == script_text(4)  # seeds 3, 4: start 4 is shorter
+    assert choice.logprobs is not None and sum(choice.logprobs.token_logprobs) == -0.25 * len(choice.logprobs.tokens)
+    assert cluster.decodes[0].requests[-1].sampling.logprobs == 2
+    same = await client.completions.create(model=MODEL, prompt="Once", n=2, best_of=2, max_tokens=3, seed=0)
+    assert [c.text for c in sorted(same.choices, key=lambda c: c.index)] == [script_text(0, 3), script_text(1, 3)]
+    assert cluster.decodes[0].requests[-1].sampling.logprobs is None  # best_of == n ranks nothing
+
+
+@pytest.mark.parametrize(
+    ("extra", "fragment"),
+    [({"n": 3, "best_of": 2}, "greater than or equal"), ({"best_of": 2, "stream": True}, "cannot be streamed"), ({"best_of": 129}, "")],
+)
+async def test_best_of_refused(cluster: Cluster, extra: dict, fragment: str) -> None:
+    async with cluster.http() as http:
+        async with http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2, **extra}) as resp:
+            assert resp.status == 400
+            error = (await resp.json())["error"]
+    assert error["param"] == "best_of" and fragment in error["message"]
+    assert cluster.decodes[0].requests == []
+
+
 # --- chat ---------------------------------------------------------------------------------
 
 

@@ -37,7 +37,7 @@ OPERATIONS = {
 # valid alone, not together) and ``invalid_grammar`` (a schema, regex or grammar the
 # grammar engine refuses: its validity is not a JSON Schema property).
 CROSS_FIELD = {
-    ("best_of", "unsupported_parameter"),
+    ("best_of", "invalid_value"),  # below n, or above n with stream
     ("stream_options", "invalid_value"),
     ("top_logprobs", "invalid_value"),
     ("echo", "unsupported_parameter"),
