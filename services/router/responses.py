@@ -16,7 +16,9 @@ extension (``{"trace": ...}``) rides on the last chunk (the usage chunk when the
 Tool calls (a chat request with active tools): each choice's text goes through a
 :class:`~services.router.tool_parser.HermesToolParser`; calls become ``message.tool_calls``
 (``content`` null when there is no other text) or, streamed, ``delta.tool_calls`` in
-OpenAI's two-part form; a choice that called tools and stopped finishes ``tool_calls``.
+OpenAI's form: a call's first delta has its ``index``, ``id``, ``type``, ``function.name``
+and empty ``arguments``, the next ones append the arguments as they are generated; a
+choice that called tools and stopped finishes ``tool_calls``.
 
 ``best_of > n`` (completions): the formatter holds every candidate and the whole response
 returns each prompt's ``n`` best (best_of.py).
@@ -97,7 +99,7 @@ class Formatter:
             ChoiceState(
                 p * req.candidates + i,
                 prefix=echo[p] if req.echo else "",
-                parser=HermesToolParser(names) if names is not None else None,
+                parser=HermesToolParser(names, stream=req.stream) if names is not None else None,
             )
             for p in range(req.num_prompts)
             for i in range(req.candidates)
@@ -190,10 +192,9 @@ class Formatter:
                 state.finish_reason = u.finish_reason
                 parsed.append(state.parser.finish())
                 reason = state.finish_reason_out(state.parser.calls)
-            for p in parsed:
-                if p.content and not (state.parser.calls and not p.content.strip()):
-                    deltas.append({"content": p.content})
-                deltas += [{"tool_calls": [d]} for call in p.calls for d in call.deltas()]
+            called = state.parser.called
+            for p in parsed:  # whitespace around calls is not content
+                deltas += [d for d in p.deltas if not (called and "content" in d and not d["content"].strip())]
         if not deltas and (logprobs or reason is not None):
             deltas.append({})
         for k, delta in enumerate(deltas):

@@ -124,23 +124,6 @@ def test_named_tool_choice_always_calls_it(client, model):
         (call,) = c.message.tool_calls
         assert call.type == "function" and call.function.name == "get_weather" and call.id
         jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
-    # Streamed: OpenAI's delta form, reassembled by index.
-    stream = client.chat.completions.create(
-        model=model, messages=messages, tools=[WEATHER], temperature=1.0, seed=8, max_tokens=48, stream=True,
-        tool_choice={"type": "function", "function": {"name": "get_weather"}},
-    )
-    chunks = list(stream)
-    assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].choices[0].delta.content == ""
-    calls: dict[int, dict] = {}
-    for ch in chunks:
-        for d in ch.choices[0].delta.tool_calls or []:
-            entry = calls.setdefault(d.index, {"name": None, "arguments": ""})
-            if d.function.name:
-                entry["name"] = d.function.name
-            entry["arguments"] += d.function.arguments or ""
-    assert chunks[-1].choices[0].finish_reason == "tool_calls"
-    assert [c["name"] for c in calls.values()] == ["get_weather"]
-    jsonschema.validate(json.loads(calls[0]["arguments"]), WEATHER["function"]["parameters"])
     # The call and its result go back into the history.
     call = r.choices[0].message.tool_calls[0]
     follow = client.chat.completions.create(
@@ -151,6 +134,31 @@ def test_named_tool_choice_always_calls_it(client, model):
         ],
     )
     assert follow.choices[0].message.content is not None or follow.choices[0].message.tool_calls
+
+
+def test_streamed_tool_call_arrives_argument_by_argument(client, model):
+    """The official client's streaming helper accumulates the deltas into exactly the
+    non-streamed call; the arguments arrive in many deltas, after a header delta."""
+    kwargs = dict(
+        model=model, messages=[{"role": "user", "content": "What is the weather like in Oslo?"}], tools=[WEATHER],
+        temperature=0, max_tokens=48, tool_choice={"type": "function", "function": {"name": "get_weather"}},
+    )
+    whole = client.chat.completions.create(**kwargs).choices[0]
+    with client.chat.completions.stream(**kwargs) as stream:
+        events = list(stream)
+        final = stream.get_final_completion().choices[0]
+    assert final.finish_reason == whole.finish_reason == "tool_calls"
+    calls = [(c.function.name, c.function.arguments) for c in final.message.tool_calls]
+    assert calls == [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
+    jsonschema.validate(json.loads(calls[0][1]), WEATHER["function"]["parameters"])
+    chunks = [e.chunk for e in events if e.type == "chunk"]
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].choices[0].delta.content == ""
+    deltas = [d for ch in chunks for c in ch.choices for d in c.delta.tool_calls or []]
+    head, *rest = deltas
+    assert head.index == 0 and head.id and head.type == "function"
+    assert head.function.name == "get_weather" and head.function.arguments == ""
+    assert all(d.index == 0 and d.id is None and d.function.name is None for d in rest)
+    assert len([e for e in events if e.type == "tool_calls.function.arguments.delta"]) > 3
 
 
 def test_auto_tool_choice_is_text_or_a_valid_call(client, model):
