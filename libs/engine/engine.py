@@ -28,6 +28,7 @@ from libs.engine.model_runner import ModelRunner
 from libs.engine.outputs import CompletionOutput, RequestOutput
 from libs.engine.step_timer import StepTimer
 from libs.engine.params import SamplingParams
+from libs.engine import prompt_logprobs
 from libs.engine.scheduler import Scheduler, SchedulerConfig
 from libs.engine.sequence import KVImport, Sequence
 from libs.structured import CompiledGrammar, GrammarCompiler, GrammarMatcher, GrammarSpec
@@ -179,6 +180,9 @@ class LLMEngine:
             seq.append_token(t, None)
         seq.new_token_ids.clear()
         seq.pending_forks = params.n - 1
+        if kv_import is not None and prompt_logprobs.needs_scoring(seq):
+            kv_import.release()  # a scored prompt is computed, not loaded
+            kv_import = None
         seq.kv_import = kv_import
         seq.export_kv = export_kv
         seq.grammar = grammar
@@ -289,12 +293,13 @@ class LLMEngine:
         self._import(out.imports)
         plan = StepPlan.from_schedule(out, counts, self.config.block_size)
         inputs, input_ids = self._inputs_for(plan)
+        scoring = prompt_logprobs.plan((s.seq, s.seq.num_computed_tokens, s.num_tokens) for s in out.scheduled)
         constrained = [row for row, seq in enumerate(sample_seqs) if seq.grammar is not None]
         # Grammar masks are filled on a host thread while the device runs the forward pass.
         masks = self.bitmasks.submit([sample_seqs[row].grammar for row in constrained]) if constrained else None
         self.timer.start()
         try:
-            logits = self.runner.forward(inputs, input_ids)
+            logits, scores = self.runner.forward(inputs, input_ids, scoring)
         finally:
             bitmask = masks.result() if masks is not None else None
         samples = self.runner.sample(logits, sample_seqs, (constrained, bitmask) if constrained else None) if sample_seqs else None
@@ -314,6 +319,7 @@ class LLMEngine:
         self._ahead = (predicted, ahead, samples.tokens) if ahead is not None else None
         self.timer.account()
 
+        prompt_logprobs.record(scoring, scores)
         for s in out.scheduled:
             s.seq.num_computed_tokens += s.num_tokens
             self.block_manager.commit(s.seq)
@@ -413,6 +419,7 @@ class LLMEngine:
             head.num_imported_tokens,
             self.exports.result(head) if finished else None,
             metrics,
+            prompt_logprobs.take_complete(head),
         )
 
     def _aborted_output(self, request_id: str) -> RequestOutput:

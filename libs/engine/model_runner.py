@@ -14,6 +14,7 @@ from kernels.swap import BlockSwapper, StagingBuffer, StagingStateError
 from kernels.swap import reference as swap_reference
 from libs.engine.cuda_graphs import DecodeGraphs
 from libs.engine.inputs import StepInputs
+from libs.engine.prompt_logprobs import PromptLogprobs, PromptRows, score
 from libs.engine.sampler import DeviceSamples, Sampler, SamplingBatch
 from libs.engine.sequence import KVImport, Sequence
 from libs.model.attention import AttentionMetadata
@@ -88,11 +89,12 @@ class ModelRunner:
     # -- the step -----------------------------------------------------------------------
 
     @torch.inference_mode()
-    def forward(self, inputs: StepInputs, input_ids: torch.Tensor) -> torch.Tensor:
-        """Run the model (a captured graph when one fits); fp32 logits of the sampled rows."""
+    def forward(self, inputs: StepInputs, input_ids: torch.Tensor, prompt_rows: list[PromptRows] = ()) -> tuple[torch.Tensor, list[PromptLogprobs]]:
+        """Run the model (a captured graph when one fits); fp32 logits of the sampled rows,
+        and the scores of ``prompt_rows`` (libs/engine/prompt_logprobs.py)."""
         self._bind()
-        if self.graphs is not None and self.graphs.can_run(inputs):
-            return self.graphs.run(inputs, input_ids)
+        if not prompt_rows and self.graphs is not None and self.graphs.can_run(inputs):
+            return self.graphs.run(inputs, input_ids), []
         meta = AttentionMetadata(
             slot_mapping=inputs.slot_mapping,
             block_tables=inputs.block_tables,
@@ -103,7 +105,8 @@ class ModelRunner:
             max_seq_len=inputs.max_seq_len,
         )
         hidden = self.model(input_ids, inputs.positions, meta)
-        return self.model.compute_logits(hidden[inputs.logits_indices])
+        scores = score(hidden, prompt_rows, self.model.compute_logits, self.sampler.vocab_size) if prompt_rows else []
+        return self.model.compute_logits(hidden[inputs.logits_indices]), scores
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence], bitmask: tuple[list[int], torch.Tensor] | None = None) -> DeviceSamples:
         """Sample one token per sequence; ``bitmask``: (constrained rows, their grammar masks)."""

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     import torch
 
     from kernels.swap import StagingBuffer
+    from libs.engine.prompt_logprobs import PromptLogprobs
     from libs.structured import GrammarMatcher
 
 _seq_ids = itertools.count()
@@ -106,6 +107,8 @@ class Sequence:
         self.grammar: "GrammarMatcher | None" = None  # structured output: what may come next
         self.capture_logits = False  # keep the first sampled row's logits (tests, debugging)
         self.captured_logits: "torch.Tensor | None" = None
+        self.prompt_scores: "PromptLogprobs | None" = None  # prompt_logprobs, chunk by chunk
+        self.prompt_scores_reported = False
 
     @property
     def output_token_ids(self) -> list[int]:
