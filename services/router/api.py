@@ -13,13 +13,15 @@ Rules worth knowing:
 - Every field is honoured or refused with a 400 naming it. A field no endpoint knows is
   ``unknown_parameter`` (as OpenAI answers "Unrecognized request argument supplied");
   known fields the router does not implement are ``unsupported_parameter`` when they
-  would change the result (``suffix``, ``store``, non-text ``modalities``, ``echo`` with
-  ``logprobs``) and accepted at their no-op value. The OpenAPI document (openapi.py)
+  would change the result (``suffix``, ``store``, non-text ``modalities``) and accepted at
+  their no-op value. The OpenAPI document (openapi.py)
   lists the same fields.
 - ``best_of`` (completions): ``best_of`` candidates are generated per prompt and the ``n``
   with the highest cumulative logprob are returned (best_of.py); ``best_of < n`` is a
   400, and so is ``best_of > n`` with ``stream`` (as OpenAI: the best are known only at
   the end).
+- ``echo`` with ``logprobs`` (completions) scores the prompt too: the instance that
+  computes it returns prompt logprobs (``GenerateRequest.prompt_logprobs``, handoff.py).
 - Output constraints (``response_format``, vLLM's ``structured_outputs`` and ``guided_*``,
   llama.cpp's ``grammar`` and ``json_schema``; both endpoints) are read by constraints.py,
   tools (``tools``, ``tool_choice``, ``parallel_tool_calls``, legacy ``functions`` /
@@ -111,6 +113,12 @@ class GenerateRequest:
         return max(self.best_of, self.n)
 
     @property
+    def prompt_logprobs(self) -> int | None:
+        """Top alternatives per prompt token when the prompt is scored (``echo`` with
+        ``logprobs``), else None."""
+        return self.logprobs if self.echo else None
+
+    @property
     def wire_logprobs(self) -> int | None:
         """Logprobs asked of the instances: the client's, or the sampled token's alone when
         ``best_of`` ranks candidates by cumulative logprob without the client asking."""
@@ -124,8 +132,9 @@ class GenerateRequest:
         forced = self.tools.constraint() if self.tools is not None else None
         return forced if forced is not None else (self.constraint.spec if self.constraint else None)
 
-    def sampling(self, *, max_tokens: int, n: int, seed: int | None) -> SamplingSpec:
-        """The wire sampling spec of one prefill (``n`` first tokens) or one decode stream."""
+    def sampling(self, *, max_tokens: int, n: int, seed: int | None, score_prompt: bool = False) -> SamplingSpec:
+        """The wire sampling spec of one prefill (``n`` first tokens) or one decode stream;
+        ``score_prompt``: this instance computes the prompt logprobs."""
         return SamplingSpec(
             temperature=self.temperature,
             top_p=self.top_p,
@@ -144,6 +153,7 @@ class GenerateRequest:
             logit_bias_ids=[t for t, _ in self.logit_bias],
             logit_bias_values=[b for _, b in self.logit_bias],
             structured=_wire(self.grammar),
+            prompt_logprobs=self.prompt_logprobs if score_prompt else None,
         )
 
 
@@ -225,12 +235,6 @@ def parse_request(body: Any, kind: Kind, *, served_model: str, vocab_size: int) 
         max_tokens = f.integer("max_tokens", None, 1)
         logprobs = f.integer("logprobs", None, 0, MAX_LOGPROBS)
         echo = f.boolean("echo", False)
-        if echo and logprobs is not None:
-            raise bad_request(
-                "'echo' with 'logprobs' needs prompt logprobs, which this server does not compute",
-                "echo",
-                "unsupported_parameter",
-            )
         suffix = f.string("suffix", None)
         if suffix:
             raise bad_request("'suffix' is not supported", "suffix", "unsupported_parameter")

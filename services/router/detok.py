@@ -15,7 +15,7 @@ from functools import lru_cache
 from typing import Sequence
 
 from libs.model.tokenizer import IncrementalDetokenizer, Tokenizer
-from libs.protocol.messages import TokenLogprobs
+from libs.protocol.messages import PromptLogprobs, TokenLogprobs
 from services.router.stop import StopScanner
 
 # JSON has no -inf; vLLM reports impossible tokens with this floor too.
@@ -79,10 +79,23 @@ class TokenRenderer:
 
 @dataclass(frozen=True)
 class TokenLogprob:
-    """One sampled token with its top alternatives, ready for either API's format."""
+    """One token with its top alternatives, ready for either API's format; ``top`` is None
+    for a prompt's first token, which has no logprob (OpenAI shows null for both)."""
 
     token: RenderedToken
-    top: tuple[RenderedToken, ...]
+    top: tuple[RenderedToken, ...] | None
+
+
+def render_prompt_logprobs(renderer: TokenRenderer, prompt_ids: Sequence[int], wire: PromptLogprobs) -> list[TokenLogprob]:
+    """A scored prompt as logprob entries: its first token without a logprob, then each
+    later token with its logprob and alternatives; a ``ValueError`` if ``wire`` does not
+    score exactly this prompt."""
+    if list(wire.token_ids) != list(prompt_ids[1:]):
+        raise ValueError(f"prompt logprobs for {len(wire.token_ids)} tokens that are not this prompt's {len(prompt_ids) - 1}")
+    out = [TokenLogprob(renderer.render(prompt_ids[0], None), None)]
+    for token_id, lp, ids, lps in zip(wire.token_ids, wire.logprobs, wire.top_ids, wire.top_logprobs):
+        out.append(TokenLogprob(renderer.render(token_id, lp), tuple(renderer.render(t, v) for t, v in zip(ids, lps))))
+    return out
 
 
 @dataclass

@@ -4,7 +4,9 @@ Completions (``text_completion``): ``choices[].text``, ``choices[].logprobs`` =
 ``{tokens, token_logprobs, top_logprobs: [{token: logprob}], text_offset}``; the sampled
 token is always in its ``top_logprobs`` map, as OpenAI documents (so a map may hold
 ``logprobs + 1`` entries); ``text_offset`` counts characters of the choice's text, echo
-included. Chat (``chat.completion``): ``choices[].message = {role, content}``,
+included. With ``echo`` and ``logprobs`` the prompt's tokens come first, the first of them
+with null ``token_logprobs`` and ``top_logprobs`` entries (it has no context), offsets from
+0. Chat (``chat.completion``): ``choices[].message = {role, content}``,
 ``choices[].logprobs = {content: [{token, logprob, bytes, top_logprobs: [...]}]}``.
 
 Streaming: each chunk carries one choice's delta (chat: a first chunk with the role alone
@@ -67,8 +69,10 @@ class ChoiceState:
     parser: HermesToolParser | None = None  # tools are active: parse calls out of the text
     cumulative_logprob: float = 0.0  # of the sampled tokens (best_of ranks by it)
 
+    scored_prompt: bool = False  # echo with logprobs: the prompt's tokens have entries (offsets from 0)
+
     def __post_init__(self) -> None:
-        self.offset = len(self.prefix)
+        self.offset = 0 if self.scored_prompt else len(self.prefix)
 
     def finish_reason_out(self, calls: list[ToolCall]) -> str | None:
         """OpenAI's reason: ``tool_calls`` for a choice that called tools and stopped."""
@@ -76,6 +80,7 @@ class ChoiceState:
 
     def add(self, u: ChoiceUpdate) -> None:
         self.parts.append(u.text)
+        self.logprobs.extend(u.prompt_logprobs)
         self.logprobs.extend(u.logprobs)
         self.cumulative_logprob += u.logprob_sum
         if u.finish_reason is not None:
@@ -99,6 +104,7 @@ class Formatter:
             ChoiceState(
                 p * req.candidates + i,
                 prefix=echo[p] if req.echo else "",
+                scored_prompt=req.prompt_logprobs is not None,
                 parser=HermesToolParser(names, stream=req.stream) if names is not None else None,
             )
             for p in range(req.num_prompts)
@@ -114,7 +120,7 @@ class Formatter:
         if self.chat:
             return {
                 "content": [
-                    {**_chat_token(e.token), "top_logprobs": [_chat_token(t) for t in e.top]} for e in entries
+                    {**_chat_token(e.token), "top_logprobs": [_chat_token(t) for t in e.top or ()]} for e in entries
                 ],
                 "refusal": None,
             }
@@ -122,8 +128,10 @@ class Formatter:
         for e in entries:
             tokens.append(e.token.text)
             token_logprobs.append(e.token.logprob)
-            alternatives = {t.text: t.logprob for t in e.top}
-            alternatives.setdefault(e.token.text, e.token.logprob)
+            alternatives = None
+            if e.top is not None:
+                alternatives = {t.text: t.logprob for t in e.top}
+                alternatives.setdefault(e.token.text, e.token.logprob)
             top.append(alternatives)
             offsets.append(state.offset)
             state.offset += len(e.token.text)
@@ -175,7 +183,8 @@ class Formatter:
         state.started = True
         if first:
             text = state.prefix + text
-        logprobs = self._logprobs(state, u.logprobs) if u.logprobs else None
+        entries = u.prompt_logprobs + u.logprobs
+        logprobs = self._logprobs(state, entries) if entries else None
         if not self.chat:
             return [self._chunk({"index": u.index, "text": text, "logprobs": logprobs, "finish_reason": u.finish_reason})]
         out = []

@@ -152,6 +152,52 @@ async def test_best_of_refused(cluster: Cluster, extra: dict, fragment: str) -> 
     assert cluster.decodes[0].requests == []
 
 
+def _check_scored_prompt(logprobs, prompt_ids: list[int], k: int, completion_tokens: int) -> None:
+    """The fake model's scored prompt (token i from 1 at -i/10), then the completion's."""
+    tok = tokenizer()
+    texts = [tok.decode([t], skip_special_tokens=False) for t in prompt_ids]
+    n = len(prompt_ids)
+    assert logprobs.tokens[:n] == texts and len(logprobs.tokens) == n + completion_tokens
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    assert logprobs.token_logprobs[1:n] == pytest.approx([-(i + 1) / 10 for i in range(n - 1)])
+    assert all(len(top) >= min(k, 1) and top[texts[i]] == logprobs.token_logprobs[i] for i, top in enumerate(logprobs.top_logprobs[1:n], 1))
+    assert logprobs.token_logprobs[n:] == [-0.25] * completion_tokens  # the fake's sampled tokens
+    offsets = [0]
+    for t in logprobs.tokens[:-1]:
+        offsets.append(offsets[-1] + len(t))
+    assert logprobs.text_offset == offsets
+
+
+@pytest.mark.parametrize("prompt", ["Say: hello there", long_prompt()], ids=["decode-alone", "prefill"])
+async def test_echo_with_logprobs_scores_the_prompt(cluster: Cluster, prompt: str) -> None:
+    ids = tokenizer().encode(prompt)
+    r = await cluster.openai().completions.create(model=MODEL, prompt=prompt, max_tokens=3, echo=True, logprobs=2, n=2, seed=0)
+    for c in r.choices:
+        assert c.text == prompt + script_text(c.index, 3)
+        _check_scored_prompt(c.logprobs, ids, 2, 3)
+    prefill = cluster.prefills[0].requests
+    decodes = cluster.decodes[0].requests
+    if prefill:  # PD: prefill scores the prompt, decode only generates
+        assert prefill[0].sampling.prompt_logprobs == 2 and all(d.sampling.prompt_logprobs is None for d in decodes)
+    else:  # decode computes the prompt, so it scores it
+        assert [d.sampling.prompt_logprobs for d in decodes] == [2, 2]
+    stream = await cluster.openai().completions.create(model=MODEL, prompt=prompt, max_tokens=3, echo=True, logprobs=0, stream=True)
+    chunks = [c async for c in stream]
+    first = chunks[0].choices[0]
+    assert first.text.startswith(prompt) and first.logprobs.token_logprobs[0] is None
+    assert len(first.logprobs.tokens) >= len(ids) + 1  # the prompt and the first token together
+    assert "".join(c.choices[0].text for c in chunks) == prompt + script_text(0, 3)
+
+
+async def test_prompt_logprobs_fall_back_to_decode_when_prefill_fails(cluster: Cluster) -> None:
+    cluster.prefills[0].status = 503
+    ids = tokenizer().encode(long_prompt())
+    r = await cluster.openai().completions.create(model=MODEL, prompt=long_prompt(), max_tokens=2, echo=True, logprobs=1)
+    _check_scored_prompt(r.choices[0].logprobs, ids, 1, 2)
+    (dec,) = cluster.decodes[0].requests
+    assert dec.first_token_id is None and dec.sampling.prompt_logprobs == 1
+
+
 # --- chat ---------------------------------------------------------------------------------
 
 
@@ -335,7 +381,6 @@ async def test_api_key_is_required_when_configured() -> None:
         ({"structured_outputs": {"regex": "a(b"}}, "structured_outputs.regex"),
         ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
         ({"grammar": 'root ::= "a" | nope'}, "grammar"),
-        ({"echo": True, "logprobs": 1}, "echo"),
     ],
 )
 async def test_out_of_range_values_are_400(cluster: Cluster, extra: dict, param: str) -> None:

@@ -40,7 +40,6 @@ CROSS_FIELD = {
     ("best_of", "invalid_value"),  # below n, or above n with stream
     ("stream_options", "invalid_value"),
     ("top_logprobs", "invalid_value"),
-    ("echo", "unsupported_parameter"),
     ("min_tokens", "invalid_value"),
     ("n", "invalid_value"),
     ("max_tokens", "context_length_exceeded"),
