@@ -13,7 +13,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.integration.pd_helpers import TRACE, trace_of
+from tests.integration.pd_helpers import TRACE, metric, metrics, trace_of, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -94,6 +94,48 @@ def test_json_schema_decode_alone(client, model):
     assert len(texts) == 10
     for text in texts.values():
         jsonschema.validate(json.loads(text), SCHEMA)
+
+
+def test_a_resumed_constrained_stream_rebuilds_its_grammar(cluster, client, model):
+    """SIGKILL the decode serving a JSON-schema stream mid-way: the router resumes it on
+    another decode, which replays the tokens so far into a fresh grammar state; the client
+    sees one unbroken text, equal to an unbroken greedy run and valid against the schema."""
+    ask = dict(model=model, messages=PERSON_CHAT, temperature=0, max_tokens=64, response_format=FORMAT)
+    expected = client.chat.completions.create(**ask).choices[0].message.content
+    jsonschema.validate(json.loads(expected), SCHEMA)
+
+    def usable_decodes() -> list[str]:
+        return sorted(w["id"] for w in cluster.workers() if w["role"] == "decode" and w["usable"])
+
+    extra = cluster._worker("decode", 1, cluster.url)  # a second decode, for this test only
+    decodes = {"decode-0": cluster.decodes[0], "decode-1": extra}
+    killed = None
+    try:
+        extra.start()
+        extra.wait_ready(180)
+        wait_until(lambda: usable_decodes() == ["decode-0", "decode-1"], 30, "two usable decodes")
+        before = metric(metrics(cluster.url), "tidepool_router_decode_resumptions_total")
+        text, trace = [], None
+        for chunk in client.chat.completions.create(**ask, stream=True, extra_body=TRACE):
+            if chunk.choices and chunk.choices[0].delta.content:
+                text.append(chunk.choices[0].delta.content)
+            if killed is None and len(text) >= 6:  # decode is generating: kill the one serving it
+                serving = [w["id"] for w in cluster.workers() if w["role"] == "decode" and w["router_in_flight"]]
+                assert len(serving) == 1, cluster.workers()
+                killed = serving[0]
+                decodes[killed].kill()
+            trace = (chunk.model_extra or {}).get("tidepool", {}).get("trace", trace)
+        assert killed is not None, "the stream ended before decode could be killed"
+        assert "".join(text) == expected
+        jsonschema.validate(json.loads("".join(text)), SCHEMA)
+        attempts = trace["prompts"][0]["choices"][0]["attempts"]
+        assert [a["instance"] for a in attempts][0] == killed and attempts[-1]["instance"] != killed
+        assert attempts[-1]["tokens_before"] >= 5 and attempts[-1]["outcome"] == "stop"
+        assert metric(metrics(cluster.url), "tidepool_router_decode_resumptions_total") == before + 1
+    finally:
+        extra.stop()
+        if killed == "decode-0":  # the launcher's supervisor restarts the shared decode
+            wait_until(lambda: usable_decodes() == ["decode-0"], 240, "decode-0 back")
 
 
 def test_regex_and_choice(client, model):
