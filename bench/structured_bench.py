@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
 
-import torch
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch: a shared box's spinning threads collapse
+import torch  # noqa: E402
 
 SCHEMA = {
     "type": "object",
@@ -66,11 +68,16 @@ def main(argv: list[str] | None = None) -> int:
                 pass
         return sum(len(r.token_ids) for r in results) / dt, sum(len(r.token_ids) for r in results), valid
 
-    run(None)  # warm up
+    def timed(label: str, grammar) -> tuple[float, int, int]:
+        r = run(grammar)
+        print(f"  {label}: {r[0]:.1f} tok/s ({r[1]} tokens, {r[2]} valid JSON)", flush=True)
+        return r
+
+    timed("warm-up", None)
     free, constrained = [], []
-    for _ in range(args.reps):
-        free.append(run(None))
-        constrained.append(run(spec))
+    for i in range(args.reps):
+        free.append(timed(f"rep {i} unconstrained", None))
+        constrained.append(timed(f"rep {i} json_schema", spec))
     f = statistics.median(x[0] for x in free)
     c = statistics.median(x[0] for x in constrained)
     out = {
