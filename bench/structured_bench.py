@@ -1,13 +1,20 @@
 """Structured outputs' cost on the CPU: a JSON-schema workload on the real model, tokens/s
 with the grammar against the same requests without it, in the same run.
 
-Both sides run the same prompts, batch and sampling with ``ignore_eos`` off and a fixed
-``max_tokens``; throughput is generated tokens over wall time (prefill included, as a
-client sees it). The constrained side pays for the per-step bitmask (filled on a host
-thread while the forward runs), its application before sampling and the matchers' token
-accepts. Sides alternate for ``--reps`` rounds; the ratio of medians is reported.
+Both sides do the same work but for the constraint: the same prompts, batch, seeds and
+temperature, and the same number of tokens per request. A constrained request ends when
+its JSON is complete (or at ``max_tokens``), so its lengths are taken from the
+constrained side (seeded: the same every run) and the free side generates exactly as many
+(``max_tokens`` = that length, ``ignore_eos``). Without that the free side would keep all
+its rows to ``max_tokens`` while the constrained batch shrinks, and the ratio would count
+smaller late batches as grammar cost. Throughput is generated tokens over wall time
+(prefill included, as a client sees it). The constrained side pays for the per-step
+bitmask (filled on a host thread while the forward runs), its application before
+sampling and the matchers' token accepts. Both sides are warmed up first; they then
+alternate (which goes first alternates too) for ``--reps`` rounds; the ratio of medians is
+reported. ``OMP_WAIT_POLICY=PASSIVE`` is set unless given.
 
-    python -m bench.structured_bench [--batch 8] [--max-tokens 48] [--reps 3] [--json out.json]
+    python -m bench.structured_bench [--batch 8] [--max-tokens 48] [--reps 3] [--threads 1] [--json out.json]
 """
 
 from __future__ import annotations
@@ -54,8 +61,13 @@ def main(argv: list[str] | None = None) -> int:
     eng.grammars.compile(spec)  # compile once, outside the timing (cached, as in serving)
     convs = [[{"role": "user", "content": f"Invent user number {i} as JSON with name, age, email, tags and active."}] for i in range(args.batch)]
 
-    def run(grammar) -> tuple[float, int, int]:
-        params = [SamplingParams(temperature=1.0, seed=i, max_tokens=args.max_tokens) for i in range(args.batch)]
+    lengths: list[int] = []
+
+    def run(grammar) -> tuple[float, int, int, list[int]]:
+        if grammar is not None:
+            params = [SamplingParams(temperature=1.0, seed=i, max_tokens=args.max_tokens) for i in range(args.batch)]
+        else:  # exactly the constrained side's lengths
+            params = [SamplingParams(temperature=1.0, seed=i, max_tokens=n, ignore_eos=True) for i, n in enumerate(lengths)]
         t = time.perf_counter()
         results = eng.generate(messages=convs, params=params, grammar=grammar)
         dt = time.perf_counter() - t
@@ -66,30 +78,35 @@ def main(argv: list[str] | None = None) -> int:
                 valid += 1
             except json.JSONDecodeError:
                 pass
-        return sum(len(r.token_ids) for r in results) / dt, sum(len(r.token_ids) for r in results), valid
+        counts = [len(r.token_ids) for r in results]
+        return sum(counts) / dt, sum(counts), valid, counts
 
-    def timed(label: str, grammar) -> tuple[float, int, int]:
+    def timed(label: str, grammar) -> tuple[float, int, int, list[int]]:
         r = run(grammar)
         print(f"  {label}: {r[0]:.1f} tok/s ({r[1]} tokens, {r[2]} valid JSON)", flush=True)
         return r
 
-    timed("warm-up", None)
+    lengths = timed("warm-up json_schema", spec)[3]
+    timed("warm-up unconstrained", None)
     free, constrained = [], []
     for i in range(args.reps):
-        free.append(timed(f"rep {i} unconstrained", None))
-        constrained.append(timed(f"rep {i} json_schema", spec))
+        sides = [("unconstrained", None, free), ("json_schema", spec, constrained)]
+        for name, grammar, into in sides if i % 2 == 0 else sides[::-1]:
+            into.append(timed(f"rep {i} {name}", grammar))
+        assert constrained[-1][3] == lengths and free[-1][3] == lengths, "the two sides' lengths differ"
     f = statistics.median(x[0] for x in free)
     c = statistics.median(x[0] for x in constrained)
     out = {
         "batch": args.batch,
         "max_tokens": args.max_tokens,
+        "lengths": lengths,
         "reps": args.reps,
         "threads": args.threads,
         "unconstrained_tok_s": f,
         "json_schema_tok_s": c,
         "ratio": c / f,
-        "unconstrained_runs": free,
-        "json_schema_runs": constrained,
+        "unconstrained_runs": [x[:3] for x in free],
+        "json_schema_runs": [x[:3] for x in constrained],
         "mask_rows_filled": eng.bitmasks.rows_filled,
         "mask_steps": eng.bitmasks.steps,
     }
