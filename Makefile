@@ -48,7 +48,7 @@ chaos: install
 	$(MAKE) fuzz
 
 bench: install
-	$(PY) -m bench.run_all
+	$(PY) -m bench.run_all $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis *.egg-info

@@ -24,6 +24,20 @@ SMOLLM2_135M = dict(
     num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
     rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True,
 )
+# Larger shapes (Hugging Face config.json fields) for the GPU benchmarks: head_dim 64 with
+# 8 KV heads and a 128k vocabulary; head_dim 128, qkv biases and a 152k vocabulary.
+LLAMA_3_2_1B = dict(
+    vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+    num_attention_heads=32, num_key_value_heads=8, head_dim=64, max_position_embeddings=8192,
+    rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=True,
+    rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192),
+)
+QWEN2_5_7B = dict(
+    model_type="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+    num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=8192,
+    rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
+)
+SHAPES = {"smollm2-135m": SMOLLM2_135M, "llama-3.2-1b": LLAMA_3_2_1B, "qwen2.5-7b": QWEN2_5_7B}
 
 
 def hf_llama(device: torch.device, dtype: torch.dtype, seed: int = 0):
@@ -55,16 +69,48 @@ def ours_from_hf(hf_model, device: torch.device, dtype: torch.dtype, backend: st
     return LoadedModel("random-smollm2-135m", Path("random"), cfg, model, tok, fp, dtype, device)
 
 
-def cuda_time(fn: Callable[[], object], reps: int = 5, warmup: int = 1) -> float:
-    """Median seconds of ``fn`` (synchronised)."""
+def random_loaded(shape: str, device: torch.device, dtype: torch.dtype, seed: int = 0, **overrides) -> LoadedModel:
+    """Our model of a named shape (``SHAPES``) with random weights, built on ``device``
+    directly (no transformers): N(0, 0.02) linears and embeddings, unit norms. Speed does
+    not depend on the values. ``overrides`` replace config fields (e.g. a smaller vocab)."""
+    cfg = ModelConfig.from_hf({**SHAPES[shape], **overrides})
+    with torch.device("meta"):
+        model = LlamaModel(cfg, make_backend("auto", device))
+    model = model.to_empty(device=device).to(dtype)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0, 0.02, generator=gen)
+    model.rotary.__init__(cfg)
+    model.rotary.to(device=device, dtype=torch.float32)
+    model.eval().requires_grad_(False)
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models
+
+    tok = Tokenizer(backend=HFTokenizer(models.BPE()), eos_token_ids=())
+    fp = ModelFingerprint(f"random-{shape}-{seed}", str(dtype).removeprefix("torch."))
+    return LoadedModel(f"random-{shape}", Path("random"), cfg, model, tok, fp, dtype, device)
+
+
+def synchronize(device: torch.device | str = "cuda") -> None:
+    """Wait for ``device``'s queued work (nothing to wait for on the CPU)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def cuda_time(fn: Callable[[], object], reps: int = 5, warmup: int = 1, device: torch.device | str = "cuda") -> float:
+    """Median seconds of ``fn`` (synchronised with ``device``: CUDA, or the CPU)."""
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(reps):
-        torch.cuda.synchronize()
+        synchronize(device)
         t = time.perf_counter()
         fn()
-        torch.cuda.synchronize()
+        synchronize(device)
         times.append(time.perf_counter() - t)
     return statistics.median(times)
 

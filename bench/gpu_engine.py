@@ -1,32 +1,44 @@
-"""GPU: Tidepool's engine vs Hugging Face transformers' ``generate`` on the same weights.
+"""GPU: Tidepool's engine vs Hugging Face transformers, and vs the weights-read floor.
 
-SmolLM2-135M's shape, random weights, bfloat16, one GPU, both measured in this run:
+All in one run, bf16, random weights (speed does not depend on the values):
 
-- decode at batch 1 (ms/step) and batch 64 (tokens/s), prompts of 128 tokens;
-- prefill of 16 x 1024-token prompts (tokens/s; HF: one forward of the padded batch);
-- the GPU idle fraction between decode steps, with and without async prepare (and, for
-  reference, without CUDA graphs).
+- SmolLM2-135M's shape, against transformers' ``generate`` on the same weights: decode at
+  batch 1 (ms/step) and 64 (tokens/s) with 128-token prompts, prefill of 16 x 1024-token
+  prompts (tokens/s), each with async scheduling off and on, with prefill CUDA graphs off
+  and on, and without any graphs; the GPU idle fraction between decode steps; the host
+  time of a decode step per phase (schedule, prepare, launch, sample, output).
+- Llama-3.2-1B's and Qwen2.5-7B's shapes (head_dim 64 and 128, 128k and 152k
+  vocabularies): decode at batch 1 against the weights-read floor, the time to read
+  every weight once, measured in the same run as a device-to-device copy of that many
+  bytes (a copy reads and writes each byte: the floor is half the copy's time).
 
-    python -m bench.gpu_engine [--out results.json]
+``--quick`` (about a third of the time): fewer decode steps, one prefill repetition, and
+only the async and sync configurations (no eager or no-prefill-graph comparison).
+
+    python -m bench.gpu_engine [--shapes smollm2-135m,llama-3.2-1b,qwen2.5-7b] [--quick] [--out results.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 
 import torch
 
-from bench.common import cuda_time, hf_llama, ours_from_hf, table
+from bench.common import SHAPES, cuda_time, hf_llama, ours_from_hf, random_loaded, synchronize, table
 from libs.engine import EngineConfig, LLM, SamplingParams
+from libs.engine.step_timer import PHASES
 
 PROMPT = 128
 DECODE_STEPS = 256
+QUICK = False  # --quick: shorter runs, fewer configurations
 
 
 def engine(loaded, **kw) -> LLM:
-    cfg = dict(device="cuda", dtype="bfloat16", max_num_seqs=64, num_blocks=8192, max_num_batched_tokens=16384, max_model_len=4096)
+    cfg = dict(device="cuda", dtype="bfloat16", max_num_seqs=64, num_blocks=4096, max_num_batched_tokens=16384, max_model_len=4096,
+               prefill_graph_max_tokens=16384)
     cfg.update(kw)
     return LLM(EngineConfig(**cfg), loaded=loaded)
 
@@ -34,24 +46,30 @@ def engine(loaded, **kw) -> LLM:
 def decode(eng: LLM, batch: int, steps: int = DECODE_STEPS) -> dict:
     """Steady-state decode of ``batch`` sequences; prefill is excluded from the timing."""
     g = torch.Generator().manual_seed(batch)
+    vocab = eng.vocab_size
     for i in range(batch):
-        ids = torch.randint(0, 49152, (PROMPT,), generator=g).tolist()
-        eng.add_request(f"d{batch}-{i}-{time.monotonic_ns()}", ids, SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True))
-    while eng.num_waiting or any(s.num_output_tokens == 0 for s in eng.scheduler.running):
+        ids = torch.randint(0, vocab, (PROMPT,), generator=g).tolist()
+        eng.add_request(f"d{batch}-{i}-{time.monotonic_ns()}", ids, SamplingParams(temperature=0, max_tokens=steps + 4, ignore_eos=True))
+    while eng.num_waiting or len(eng.scheduler.decoding) < batch:
         eng.step()
-    torch.cuda.synchronize()
+    for _ in range(2):
+        eng.step()
+    synchronize(eng.device)
     eng.timer.reset()
-    hits0 = eng.prepared_ahead_hits
+    eng.phases.history = []
     t, n = time.perf_counter(), 0
-    while eng.has_unfinished_requests():
+    for _ in range(steps):
         eng.step()
         n += 1
     dt = time.perf_counter() - t
+    history, eng.phases.history = eng.phases.history, None
+    while eng.has_unfinished_requests():
+        eng.step()
     return {
         "ms_per_step": dt / n * 1e3,
         "tokens_per_s": batch * n / dt,
         "gpu_idle_fraction": eng.timer.idle_fraction,
-        "prepared_ahead": eng.prepared_ahead_hits - hits0,
+        "host_us": {k: statistics.median(h[k] for h in history) * 1e6 for k in (*PHASES, "forward", "step")},
         "steps": n,
     }
 
@@ -61,12 +79,12 @@ def prefill(eng: LLM, batch: int = 16, length: int = 1024) -> float:
 
     def run():
         for i in range(batch):
-            ids = torch.randint(0, 49152, (length,), generator=g).tolist()
+            ids = torch.randint(0, eng.vocab_size, (length,), generator=g).tolist()
             eng.add_request(f"p{i}-{time.monotonic_ns()}", ids, SamplingParams(temperature=0, max_tokens=1))
         while eng.has_unfinished_requests():
             eng.step()
 
-    return batch * length / cuda_time(run, reps=3, warmup=1)
+    return batch * length / cuda_time(run, reps=1 if QUICK else 3, warmup=1, device=eng.device)
 
 
 def hf_decode(hf, batch: int, steps: int = 64) -> dict:
@@ -85,59 +103,119 @@ def hf_prefill(hf, batch: int = 16, length: int = 1024) -> float:
         return batch * length / cuda_time(lambda: hf(input_ids=ids, use_cache=False), reps=3)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args()
+def weights_read_floor_ms(model: torch.nn.Module) -> tuple[float, float]:
+    """(ms to read every weight once, copy bandwidth GB/s), from a D2D copy of as many bytes."""
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    t = cuda_time(lambda: dst.copy_(src), reps=10, warmup=2)
+    del src, dst
+    return t / 2 * 1e3, 2 * nbytes / t / 1e9
+
+
+def smollm2(res: dict) -> None:
     dev = torch.device("cuda")
     hf = hf_llama(dev, torch.bfloat16)
     loaded = ours_from_hf(hf, dev, torch.bfloat16)
-    res: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
-
-    fast = engine(loaded)  # CUDA graphs + async prepare (the defaults on CUDA)
-    decode(fast, 2, steps=16)  # warm-up: kernels compiled, graphs exercised
-    res["ours_b1"] = decode(fast, 1)
-    res["ours_b64"] = decode(fast, 64)
-    res["ours_prefill_tok_s"] = prefill(fast)
-    fast.close()
-    sync = engine(loaded, async_prepare="off")
-    decode(sync, 2, steps=16)
-    res["ours_b1_sync"] = decode(sync, 1)
-    res["ours_b64_sync"] = decode(sync, 64)
-    sync.close()
-    eager = engine(loaded, cuda_graphs=False)
-    decode(eager, 2, steps=16)
-    res["ours_b1_eager"] = decode(eager, 1, steps=64)
-    res["ours_b64_eager"] = decode(eager, 64, steps=64)
-    eager.close()
+    configs = {
+        "async": dict(async_scheduling="on"),
+        "sync": dict(async_scheduling="off"),
+        "async_no_prefill_graphs": dict(async_scheduling="on", prefill_graph_max_tokens=0),
+        "eager": dict(async_scheduling="on", cuda_graphs=False),
+    }
+    if QUICK:
+        configs = {k: configs[k] for k in ("async", "sync")}
+    for name, kw in configs.items():
+        eng = engine(loaded, **kw)
+        decode(eng, 2, steps=16)  # warm-up
+        steps = (DECODE_STEPS if name != "eager" else 64) // (4 if QUICK else 1)
+        res[f"ours_{name}"] = {"b1": decode(eng, 1, steps), "b64": decode(eng, 64, steps)}
+        if name != "sync":
+            res[f"ours_{name}"]["prefill_tok_s"] = prefill(eng)
+        eng.close()
+    res["floor_smollm2_ms"], res["copy_gb_s"] = weights_read_floor_ms(loaded.model)
     del loaded
-    res["hf_b1"] = hf_decode(hf, 1)
-    res["hf_b32"] = hf_decode(hf, 32)
-    res["hf_b64"] = hf_decode(hf, 64)
+    res["hf_b1"] = hf_decode(hf, 1, 32 if QUICK else 64)
+    res["hf_b64"] = hf_decode(hf, 64, 32 if QUICK else 64)
     res["hf_prefill_tok_s"] = hf_prefill(hf)
+    del hf
 
-    f = lambda x, d=2: f"{x:.{d}f}"  # noqa: E731
-    rows = [
-        ["decode b1, ms/step", f(res["ours_b1"]["ms_per_step"], 3), f(res["hf_b1"]["ms_per_step"]), f(res["hf_b1"]["ms_per_step"] / res["ours_b1"]["ms_per_step"], 1) + "x", "<= 2 ms"],
-        ["decode b64, tokens/s", f(res["ours_b64"]["tokens_per_s"], 0), f(res["hf_b64"]["tokens_per_s"], 0), f(res["ours_b64"]["tokens_per_s"] / res["hf_b64"]["tokens_per_s"], 1) + "x", ">= 20,000"],
-        ["decode b32 (HF), tokens/s", "", f(res["hf_b32"]["tokens_per_s"], 0), "", ""],
-        ["prefill 16x1024, tokens/s", f(res["ours_prefill_tok_s"], 0), f(res["hf_prefill_tok_s"], 0), f(res["ours_prefill_tok_s"] / res["hf_prefill_tok_s"], 1) + "x", ">= 5x HF"],
-    ]
-    print(f"\n{res['device']}, torch {res['torch']}, bf16, SmolLM2-135M shape (random weights)\n")
-    print(table(["measure", "ours", "HF transformers", "ratio", "goal"], rows))
-    idle = lambda r: "n/a" if r["gpu_idle_fraction"] is None else f"{100 * r['gpu_idle_fraction']:.1f}%"  # noqa: E731
-    rows = [
-        [name, f(res[k]["ms_per_step"], 3), f(res[k]["tokens_per_s"], 0), idle(res[k]), res[k]["prepared_ahead"]]
-        for name, k in [
-            ("b1, graphs + async prepare", "ours_b1"), ("b1, graphs, sync prepare", "ours_b1_sync"), ("b1, eager + async", "ours_b1_eager"),
-            ("b64, graphs + async prepare", "ours_b64"), ("b64, graphs, sync prepare", "ours_b64_sync"), ("b64, eager + async", "ours_b64_eager"),
+
+def bigger(res: dict, shape: str) -> None:
+    dev = torch.device("cuda")
+    loaded = random_loaded(shape, dev, torch.bfloat16)
+    floor, bw = weights_read_floor_ms(loaded.model)
+    out = {"floor_ms": floor, "copy_gb_s": bw}
+    for mode in ("on", "off"):
+        eng = engine(loaded, async_scheduling=mode, num_blocks=2048, prefill_graph_max_tokens=2048)
+        decode(eng, 2, steps=8)
+        out[f"b1_async_{mode}"] = decode(eng, 1, 32 if QUICK else 128)
+        eng.close()
+    res[shape] = out
+    del loaded
+    torch.cuda.empty_cache()
+
+
+def report(res: dict) -> None:
+    f = lambda x, d=2: f"{x:,.{d}f}"  # noqa: E731
+    if "ours_async" in res:
+        a, s, hf = res["ours_async"], res["ours_sync"], res
+        print(f"\n{res['device']}, torch {res['torch']}, bf16, SmolLM2-135M shape (random weights)\n")
+        rows = [
+            ["decode b1, ms/step", f(a["b1"]["ms_per_step"], 3), f(hf["hf_b1"]["ms_per_step"]), f(hf["hf_b1"]["ms_per_step"] / a["b1"]["ms_per_step"], 1) + "x", "<= 0.9"],
+            ["decode b64, tokens/s", f(a["b64"]["tokens_per_s"], 0), f(hf["hf_b64"]["tokens_per_s"], 0), f(a["b64"]["tokens_per_s"] / hf["hf_b64"]["tokens_per_s"], 1) + "x", ">= 45,000"],
+            ["prefill 16x1024, tokens/s", f(a["prefill_tok_s"], 0), f(hf["hf_prefill_tok_s"], 0), f(a["prefill_tok_s"] / hf["hf_prefill_tok_s"], 1) + "x", ">= 3x HF"],
+            ["weights-read floor (D2D copy), ms", f(res["floor_smollm2_ms"], 4), "", "", ""],
         ]
-    ]
-    print()
-    print(table(["decode", "ms/step", "tokens/s", "GPU idle between steps", "steps prepared ahead"], rows))
+        if "ours_async_no_prefill_graphs" in res:
+            rows.insert(3, ["prefill 16x1024 without prefill graphs", f(res["ours_async_no_prefill_graphs"]["prefill_tok_s"], 0), "", "", ""])
+        print(table(["measure", "ours (async)", "HF transformers", "ratio", "goal"], rows))
+        idle = lambda r: "n/a" if r["gpu_idle_fraction"] is None else f"{100 * r['gpu_idle_fraction']:.1f}%"  # noqa: E731
+        rows = []
+        for name, key in (("async", "ours_async"), ("sync", "ours_sync"), ("async, eager", "ours_eager")):
+            if key not in res:
+                continue
+            for b in ("b1", "b64"):
+                r = res[key][b]
+                rows.append([f"{b}, {name}", f(r["ms_per_step"], 3), f(r["tokens_per_s"], 0), idle(r)])
+        rows.append(["async / sync, b1 (>= 1.0)", f(s["b1"]["ms_per_step"] / a["b1"]["ms_per_step"]) + "x", "", ""])
+        rows.append(["async / sync, b64 (>= 1.0)", f(s["b64"]["ms_per_step"] / a["b64"]["ms_per_step"]) + "x", "", ""])
+        print()
+        print(table(["decode", "ms/step", "tokens/s", "GPU idle between steps (goal <= 10%)"], rows))
+        rows = [[f"{b}, {name}", *(f(res[key][b]["host_us"][p], 0) for p in (*PHASES, "step"))] for name, key in (("async", "ours_async"), ("sync", "ours_sync")) for b in ("b1", "b64")]
+        print("\nhost time of a decode step per phase, median us (before this change: not measured on a GPU)\n")
+        print(table(["decode", *PHASES, "step"], rows))
+    rows = []
+    for shape in SHAPES:
+        if shape in res and shape != "smollm2-135m":
+            r = res[shape]
+            for mode in ("on", "off"):
+                ms = r[f"b1_async_{mode}"]["ms_per_step"]
+                rows.append([shape, f"async {mode}", f(ms, 3), f(r["floor_ms"], 3), f(ms / r["floor_ms"], 2) + "x", f(r["copy_gb_s"], 0)])
+    if rows:
+        print("\ndecode batch 1 vs the weights-read floor (goal: within 1.5x)\n")
+        print(table(["shape", "scheduling", "ms/step", "floor ms", "ratio", "D2D copy GB/s"], rows))
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--quick", action="store_true", help="shorter runs, only the async and sync configurations")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    global QUICK
+    QUICK = args.quick
+    res: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "quick": QUICK}
+    for shape in args.shapes.split(","):
+        if shape == "smollm2-135m":
+            smollm2(res)
+        else:
+            bigger(res, shape)
+    report(res)
     if args.out:
         with open(args.out, "w") as fh:
             json.dump(res, fh, indent=1)
+    return res
 
 
 if __name__ == "__main__":

@@ -9,6 +9,10 @@
 #
 #   bench/gpu_session.sh tests pd pool          # issue 8 and the GPU test suite
 #   bench/gpu_session.sh fp8 moe                # FP8 GEMM/decode, MoE executors
+#   bench/gpu_session.sh engine                 # issue 10: the engine's GPU tests and benchmarks
+#   QUICK=1 bench/gpu_session.sh engine         # the same, benchmarks shortened (--quick)
+#   bench/gpu_session.sh tp                     # issue 15 on nvidia-h200-x2: the TP GPU tests
+#   bench/gpu_session.sh tp_bench               # issue 15: TP=1 vs TP=2, Qwen2.5-7B shape (writes a 15 GB checkpoint once)
 set -u
 OUT=${OUT:-/tmp/gpu-session-out}
 mkdir -p "$OUT" bench/results
@@ -50,6 +54,14 @@ for s in "$@"; do
              step fp8_decode 120 python3 -m bench.fp8_decode_bench --out bench/results/fp8_decode_h100.json ;;
         moe) step moe 240 python3 -m bench.moe_bench --write-thresholds --reps 5 --warmup 2 \
                 --out bench/results/moe_bench_h100.json --markdown bench/results/moe_bench_h100.md ;;
+        engine) step engine_tests 240 python3 -m pytest -v -p no:cacheprovider --timeout 120 --durations=15 -k engine \
+                    tests/gpu/test_engine_gpu.py tests/gpu/test_moe_gpu.py tests/gpu/test_fp8_gpu.py
+                step gpu_engine 300 python3 -m bench.gpu_engine ${QUICK:+--quick} --out bench/results/gpu_engine_h100.json
+                step async_scheduling 150 python3 -m bench.async_scheduling --device cuda --reps 2 ${QUICK:+--quick} \
+                    --out bench/results/async_scheduling_h100.json ;;
+        tp) step tp_tests 400 python3 -m pytest -v -p no:cacheprovider --timeout 300 --durations=15 tests/gpu/test_tp_gpu.py ;;
+        tp_bench) step tp_checkpoint 200 python3 -m bench.random_checkpoint qwen2.5-7b /tmp/tidepool-bench/qwen2.5-7b --device cuda
+                  step tp_bench 500 python3 -m bench.tp_bench --checkpoint /tmp/tidepool-bench --out bench/results/tp_bench_h200x2.json ;;
         *) step custom 300 bash -c "$s" ;;  # any other command, run as given
     esac
 done

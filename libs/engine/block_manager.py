@@ -136,7 +136,9 @@ class BlockManager:
         """Publish the full, computed blocks of ``seq`` to the prefix cache."""
         if not self.enable_prefix_caching:
             return
-        full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        # (With async scheduling a block's last token may still be in flight: only blocks
+        # whose tokens are all on the host can be keyed.)
+        full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table), seq.num_tokens // self.block_size)
         start = seq.num_committed_blocks
         if full <= start:
             return

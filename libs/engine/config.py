@@ -10,6 +10,13 @@ import torch
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 
 
+# Where "auto" turns async scheduling on: only where a benchmark showed it faster at every
+# batch size (bench/RESULTS.md, issue 10's section; python -m bench.async_scheduling).
+# CPU: measured, not faster at batch 1 (the worker thread and the engine thread share the
+# GIL and, on small machines, the cores), so off. CUDA: not measured yet, so off until it is.
+ASYNC_SCHEDULING_DEFAULTS: dict[str, bool] = {"cuda": False, "cpu": False}
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs to know; ``auto`` values are resolved by ``resolve()``.
@@ -50,14 +57,32 @@ class EngineConfig:
     # A GGUF's converted tensors are kept here and memory-mapped on the next start
     # (libs/model/weight_cache.py); None converts on every start.
     weight_cache_dir: str | None = None
-    # CUDA only: decode steps replay captured graphs (batch sizes up to graph_max_batch);
-    # async_prepare builds the next step's inputs while the device runs this one.
+    # CUDA only: decode steps replay captured graphs (batch sizes up to graph_max_batch),
+    # steps with prompt chunks replay prefill graphs (token counts up to
+    # prefill_graph_max_tokens, capped by the step budget; 0 disables them).
     cuda_graphs: bool = True
     graph_max_batch: int = 128
-    async_prepare: str = "auto"  # auto (on CUDA), on, off
+    prefill_graph_max_tokens: int = 8192
+    # Async scheduling (libs/engine/engine.py): step N + 1 is scheduled and launched before
+    # step N's tokens are read back. "auto" turns it on only where it was measured faster:
+    # see ASYNC_SCHEDULING_DEFAULTS.
+    async_scheduling: str = "auto"  # auto, on, off
+    # Tensor parallelism (libs/engine/tp): this many ranks, one process each, started by
+    # this one. A collective (or a barrier) not done within tp_timeout_s fails the instance;
+    # an idle rank waits for its next step up to tp_idle_timeout_s (a dead rank 0 ends the
+    # wait at once).
+    tensor_parallel_size: int = 1
+    tp_timeout_s: float = 60.0
+    tp_idle_timeout_s: float = 7 * 24 * 3600.0
     # PD handoff staging: buffers of swap_max_blocks blocks each (pinned on CUDA).
     swap_max_blocks: int = 64
     swap_buffers: int = 4
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.tp_timeout_s <= 0 or self.tp_idle_timeout_s <= 0:
+            raise ValueError("tp_timeout_s and tp_idle_timeout_s must be > 0")
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":
@@ -84,10 +109,12 @@ class EngineConfig:
             budget = max(budget, max_model_len)
         return budget
 
-    def resolve_async_prepare(self, device: torch.device) -> bool:
-        if self.async_prepare not in ("auto", "on", "off"):
-            raise ValueError(f"async_prepare must be auto, on or off, got {self.async_prepare!r}")
-        return self.async_prepare == "on" or (self.async_prepare == "auto" and device.type == "cuda")
+    def resolve_async_scheduling(self, device: torch.device) -> bool:
+        if self.async_scheduling not in ("auto", "on", "off"):
+            raise ValueError(f"async_scheduling must be auto, on or off, got {self.async_scheduling!r}")
+        if self.async_scheduling == "auto":
+            return ASYNC_SCHEDULING_DEFAULTS.get(device.type, False)
+        return self.async_scheduling == "on"
 
     def apply_threads(self) -> None:
         """Set torch's CPU thread count explicitly (DESIGN.md: processes sharing cores

@@ -1,23 +1,39 @@
-"""CUDA graphs of the decode step, one per batch size in a fixed set.
+"""CUDA graphs of the forward: decode steps by batch size, prefill steps by token count.
 
-A decode step of a small model is hundreds of tiny kernels: launching them one by one
-costs more than running them. Each graph replays a whole decode forward (all layers and
-the logits) from static input buffers. A batch of ``n`` decodes runs on the smallest
-captured size ``>= n``; the padding rows write nowhere (slot -1) and attend to nothing
-(length 0), which the Triton kernels treat as no-ops. Anything else (prefill chunks,
-batches larger than the largest graph, forked samples) runs eagerly.
+A step of a small model is hundreds of small kernels; launching them one by one from
+Python costs more than running them. Each graph replays a whole forward from the views
+of the step's device pack (libs/engine/step_inputs.py) for one capacity, so replaying
+needs nothing but the step's one copy per dtype, which the engine does anyway.
 
-The attention kernels size their grids from tensor shapes only, and the block-table
-buffer always has ``max_blocks_per_seq`` columns, so one capture serves every context
-length up to the model's limit.
+- Decode graphs, one per batch size in ``graph_batch_sizes``: a decode-only step of
+  ``n`` sequences is laid out with the smallest captured size ``>= n``; the padding rows
+  write nowhere (slot -1) and attend to nothing (length 0). The graph includes the LM
+  head: the logits of every row.
+- Prefill graphs, one per token bucket (powers of two up to the step budget): any step
+  with prompt chunks whose tokens and sequences fit. Every sequence of it, decode rows
+  included, is a query of the prefill attention kernel (a decode row is a query of
+  length 1), over ``seqs`` sequence slots, the unused ones empty; the graph stops at the
+  final hidden states, and the sampled rows' logits are computed after it (their count
+  varies with the step).
+
+``emulate=True`` runs the function each graph would capture eagerly on the step's padded
+layout instead (any device): the CPU tests check the graph layouts and their padding
+that way, the GPU tests check replay against eager.
+
+Both kinds are possible because the Triton kernels size their grids from tensor shapes
+and host ints only (kernels/attention/triton_attention.py), and every graph's block
+table has ``width`` columns, the longest context's, so one capture serves every context
+length. Anything else (batches larger than the largest graph, steps whose pack does not
+fit the graph-sized device buffers) runs eagerly.
 """
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
-from libs.engine.inputs import StepInputs
-from libs.model.attention import AttentionMetadata
+from libs.engine.step_inputs import Layout, PackViews, StepStaging
 from libs.model.llama import LlamaModel
 
 
@@ -26,79 +42,89 @@ def graph_batch_sizes(max_batch: int) -> list[int]:
     return sorted({s for s in sizes if s <= max_batch} | {max_batch})
 
 
-class DecodeGraphs:
-    def __init__(self, model: LlamaModel, device: torch.device, *, max_batch: int, max_blocks_per_seq: int, block_size: int):
-        if device.type != "cuda":
-            raise ValueError("CUDA graphs need a CUDA device")
-        self.model = model
-        self.device = device
-        self.sizes = graph_batch_sizes(max_batch)
-        self.max_batch = self.sizes[-1]
-        self.max_blocks = max_blocks_per_seq
-        self.block_size = block_size
-        z = lambda *shape, dtype: torch.zeros(shape, dtype=dtype, device=device)  # noqa: E731
-        self.input_ids = z(self.max_batch, dtype=torch.long)
-        self.positions = z(self.max_batch, dtype=torch.long)
-        self.slot_mapping = torch.full((self.max_batch,), -1, dtype=torch.long, device=device)
-        self.seq_lens = z(self.max_batch, dtype=torch.int32)
-        self.block_tables = z(self.max_batch, max_blocks_per_seq, dtype=torch.int32)
-        self.query_start_loc = z(1, dtype=torch.int32)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}
-        self.pool = None
-        self.replays = 0
+def prefill_token_buckets(max_tokens: int, smallest: int = 16) -> list[int]:
+    sizes, t = [], smallest
+    while t < max_tokens:
+        sizes.append(t)
+        t *= 2
+    return sizes + [max_tokens]
 
-    def _meta(self, bs: int) -> AttentionMetadata:
-        return AttentionMetadata(
-            slot_mapping=self.slot_mapping[:bs],
-            block_tables=self.block_tables[:bs],
-            seq_lens=self.seq_lens[:bs],
-            query_start_loc=self.query_start_loc,
-            num_decodes=bs,
-            num_prefill_tokens=0,
-            max_seq_len=self.max_blocks * self.block_size,
-        )
+
+class ForwardGraphs:
+    """Captured forwards keyed by ``("decode", batch)`` and ``("prefill", tokens)``."""
+
+    def __init__(self, model: LlamaModel, staging: StepStaging, device: torch.device, *, width: int, block_size: int, emulate: bool = False):
+        if device.type != "cuda" and not emulate:
+            raise ValueError("CUDA graphs need a CUDA device")
+        self.emulate = emulate
+        self.model = model
+        self.staging = staging
+        self.device = device
+        self.width = width
+        self.block_size = block_size
+        self.decode_sizes: list[int] = []
+        self.prefill_tokens: list[int] = []
+        self.prefill_seqs = 0
+        self.graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[str, int], torch.Tensor] = {}
+        self.pool = None
+        self.replays = {"decode": 0, "prefill": 0}
+
+    @staticmethod
+    def decode_layout(batch: int, width: int) -> Layout:
+        return Layout(batch, batch, width)
+
+    @staticmethod
+    def prefill_layout(tokens: int, seqs: int, width: int) -> Layout:
+        return Layout(tokens, seqs, width)
+
+    def _decode_forward(self, v: PackViews, batch: int) -> torch.Tensor:
+        meta = v.metadata(batch, 0, self.width * self.block_size)
+        return self.model.compute_logits(self.model(v.input_ids, v.positions, meta))
+
+    def _prefill_forward(self, v: PackViews, tokens: int) -> torch.Tensor:
+        return self.model(v.input_ids, v.positions, v.metadata(0, tokens, self.width * self.block_size))
 
     @torch.inference_mode()
-    def capture(self) -> None:
-        """Capture every size, largest first (later graphs reuse its memory pool)."""
+    def capture(self, decode_sizes: list[int], prefill_tokens: list[int], prefill_seqs: int) -> None:
+        """Capture every graph, largest first (later graphs reuse its memory pool)."""
+        self.decode_sizes, self.prefill_tokens, self.prefill_seqs = decode_sizes, prefill_tokens, prefill_seqs
+        if self.emulate:
+            return
+        jobs: list[tuple[tuple[str, int], Layout, Callable[[PackViews], torch.Tensor]]] = []
+        for t in reversed(prefill_tokens):
+            jobs.append((("prefill", t), self.prefill_layout(t, prefill_seqs, self.width), lambda v, t=t: self._prefill_forward(v, t)))
+        for bs in reversed(decode_sizes):
+            jobs.append((("decode", bs), self.decode_layout(bs, self.width), lambda v, bs=bs: self._decode_forward(v, bs)))
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            for bs in reversed(self.sizes):
-                meta = self._meta(bs)
-                for _ in range(2):  # warm-up: compiles Triton kernels, settles allocations
-                    self.model.compute_logits(self.model(self.input_ids[:bs], self.positions[:bs], meta))
+            for key, layout, fn in jobs:
+                v = self.staging.device_views(layout)
+                # Inputs that touch nothing: warm-up runs really execute (the KV cache is
+                # live memory), the capture only records.
+                v.input_ids.zero_()
+                v.positions.zero_()
+                v.slot_mapping.fill_(-1)
+                v.seq_lens.zero_()
+                v.query_start_loc.zero_()
+                v.block_tables.zero_()
+                for _ in range(2):  # compiles the Triton kernels, settles allocations
+                    fn(v)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self.pool, stream=stream):
-                    hidden = self.model(self.input_ids[:bs], self.positions[:bs], meta)
-                    self.logits[bs] = self.model.compute_logits(hidden)
+                    self.outputs[key] = fn(v)
                 if self.pool is None:
                     self.pool = graph.pool()
-                self.graphs[bs] = graph
+                self.graphs[key] = graph
         torch.cuda.current_stream(self.device).wait_stream(stream)
 
-    def can_run(self, inputs: StepInputs) -> bool:
-        n = inputs.num_decodes
-        return (
-            inputs.num_prefill_tokens == 0
-            and 0 < n <= self.max_batch
-            and inputs.max_blocks <= self.max_blocks
-            and inputs.logits_indices.shape[0] == n  # one sample per row: no forks
-        )
-
-    def run(self, inputs: StepInputs, input_ids: torch.Tensor) -> torch.Tensor:
-        """Copy ``inputs`` into the static buffers, replay, return logits ``[n, vocab]``."""
-        n = inputs.num_decodes
-        bs = next(s for s in self.sizes if s >= n)
-        self.input_ids[:n].copy_(input_ids, non_blocking=True)
-        self.positions[:n].copy_(inputs.positions, non_blocking=True)
-        self.slot_mapping[:n].copy_(inputs.slot_mapping, non_blocking=True)
-        self.seq_lens[:n].copy_(inputs.seq_lens, non_blocking=True)
-        self.block_tables[:n, : inputs.max_blocks].copy_(inputs.block_tables, non_blocking=True)
-        if bs > n:  # padding rows: write nothing, read nothing
-            self.slot_mapping[n:bs].fill_(-1)
-            self.seq_lens[n:bs].fill_(0)
-        self.graphs[bs].replay()
-        self.replays += 1
-        return self.logits[bs][:n]
+    def replay(self, kind: str, capacity: int, views: PackViews) -> torch.Tensor:
+        """Replay the graph of ``capacity``; its inputs are the current device pack
+        (``views``, which only an emulated replay reads directly)."""
+        key = (kind, capacity)
+        self.replays[kind] += 1
+        if self.emulate:
+            return self._decode_forward(views, capacity) if kind == "decode" else self._prefill_forward(views, capacity)
+        self.graphs[key].replay()
+        return self.outputs[key]

@@ -1,88 +1,140 @@
 """The engine: requests in, tokens out, one ``step()`` at a time.
 
-``LLMEngine`` glues the scheduler, block manager and model runner together (as nano-vllm's
-``LLMEngine`` does); the offline API over it is ``LLM`` (libs/engine/llm.py), PD export is
-libs/engine/kv_export.py and ``n > 1`` sampling libs/engine/forks.py. It is synchronous
-and single-threaded by design (services drive it from a worker thread, see
-``AsyncEngine``); every public method validates its input and raises a typed
+``LLMEngine`` glues the scheduler, block manager, persistent batch and model runner
+together (as nano-vllm's ``LLMEngine`` does); the offline API over it is ``LLM``
+(libs/engine/llm.py), PD export is libs/engine/kv_export.py and ``n > 1`` sampling
+libs/engine/forks.py. It is driven from one thread (services drive it from a worker
+thread, see ``AsyncEngine``); every public method validates its input and raises a typed
 ``InvalidRequestError`` before anything is queued.
+
+A step has five host phases (libs/engine/step_timer.py): **schedule** (the scheduler's
+changes), **prepare** (apply them to the persistent batch, libs/engine/input_batch.py,
+and lay out the step's inputs, libs/engine/step_inputs.py), **launch** (hand the device
+work to the device queue, libs/engine/device_queue.py, then advance the batch as if the
+step had run: computed counts, one token in flight per sampled row), **sample** (wait
+for a step's sampled ids: the one host sync) and **output** (append the ids, stop
+checks, request outputs).
+
+Async scheduling (``EngineConfig.async_scheduling``) changes only which step's ids are
+read: each call launches step N + 1 and then reads step N, so the device computes N + 1
+while the host handles N's tokens, and step N + 1's input ids are what step N sampled,
+gathered on the device. Corrections come one step late, as in vLLM's async scheduling:
+a sequence that stopped on a token in step N was already in step N + 1, whose token for
+it is discarded (never emitted); one that reached its length limit is retired at launch
+and never scheduled again. Without async scheduling each call reads its own step.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
+from collections import deque
 from pathlib import Path
 from typing import Sequence as Seq
 
+import numpy as np
 import torch
 
 from kernels.swap import BlockSwapper
-from libs.engine.async_runner import AsyncRunner
+from kernels.swap.heads import HeadSlice
 from libs.engine.block_manager import BlockManager
 from libs.engine.config import EngineConfig
+from libs.engine.device_queue import DeviceQueue, Pending
 from libs.engine.errors import DuplicateRequestError, InvalidRequestError, PromptTooLongError, TokenOutOfRangeError
 from libs.engine.forks import Forks
-from libs.engine.inputs import StepInputs, StepPlan, build_inputs
+from libs.engine.input_batch import InputBatch
 from libs.engine.kv_export import ExportQueue
-from libs.engine.model_runner import ModelRunner
+from libs.engine.model_runner import ModelRunner, StepResult
 from libs.engine.outputs import CompletionOutput, RequestOutput
-from libs.engine.step_timer import StepTimer
 from libs.engine.params import SamplingParams
 from libs.engine import prompt_logprobs
-from libs.engine.scheduler import Scheduler, SchedulerConfig
-from libs.engine.sequence import KVImport, Sequence
-from libs.structured import CompiledGrammar, GrammarCompiler, GrammarMatcher, GrammarSpec
-from libs.structured.bitmask import BitmaskFiller
+from libs.engine.sampler import logprob_lists
+from libs.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from libs.engine.sequence import KVImport, Sequence, SequenceStatus
+from libs.engine.step_inputs import Chunk, Step, StepBuilder
+from libs.engine.step_timer import HostPhases
+from libs.engine.tp.group import JoinInfo, TensorParallelGroup
+from libs.engine.tp.runner import TensorParallelRunner
 from libs.kvpool.layout import KVLayout
 from libs.model import LoadedModel, MoEOptions, load_model, make_backend
+from libs.structured import CompiledGrammar, GrammarCompiler, GrammarMatcher, GrammarSpec
+from libs.structured.bitmask import BitmaskFiller
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig | None = None, *, loaded: LoadedModel | None = None):
+    def __init__(self, config: EngineConfig | None = None, *, loaded: LoadedModel | None = None, join: JoinInfo | None = None):
+        """``join``: this process is rank ``join.rank`` (not 0) of a tensor-parallel
+        instance (libs/engine/tp); without it, ``tensor_parallel_size > 1`` makes this
+        process rank 0, which starts the others."""
         self.config = config = config or EngineConfig()
         config.apply_threads()
         device = config.resolve_device()
         dtype = config.resolve_dtype(device)
+        self.tp: TensorParallelGroup | None = None
+        if config.tensor_parallel_size > 1:
+            if loaded is not None:
+                raise ValueError("a tensor-parallel engine loads its own shard of the model: pass no LoadedModel")
+            self.tp = TensorParallelGroup.join(config, join) if join is not None else TensorParallelGroup.start(config)
+            device = self.tp.device
+        # Ranks 1..N-1 only execute what rank 0 sends (libs/engine/tp/worker.py): no steps of
+        # their own, so no async scheduling; their graphs are captured when rank 0's are.
+        self.async_scheduling = config.resolve_async_scheduling(device) and join is None
         if loaded is None:
             loaded = load_model(
                 config.model, dtype=dtype, device=device, backend=make_backend(config.attention_backend, device),
                 quantized_weights=config.quantized_weights, quantization=config.quantization,
                 moe=MoEOptions(strategy=config.moe_strategy, fake_balance=config.moe_fake_balance),
                 cache_dir=Path(config.weight_cache_dir) if config.weight_cache_dir else None,
+                tp=self.tp.group if self.tp is not None else None,
             )
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
         self.model_config = mc = loaded.config
         self.device, self.dtype = device, dtype
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        # A pool block holds every KV head; this process's cache only the model's own
+        # (all of them, except under tensor parallelism).
         self.layout = KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim, config.block_size, dtype)
+        heads = HeadSlice(loaded.model.kv_heads[0], loaded.model.kv_heads[1] - loaded.model.kv_heads[0], mc.num_kv_heads, loaded.model.kv_written)
+        cache_layout = dataclasses.replace(self.layout, num_kv_heads=heads.count)
         self.namespace = loaded.fingerprint.namespace(config.block_size)
-        num_blocks = self._num_blocks(device)
-        cache = self.layout.allocate(num_blocks, device)
+        num_blocks = self._num_blocks(device, cache_layout)
+        if self.tp is not None:  # block ids must mean the same blocks on every rank
+            self.tp.wait_loaded()
+            num_blocks = self.tp.agree_min(num_blocks)
+        cache = cache_layout.allocate(num_blocks, device)
         self.block_manager = BlockManager(num_blocks, config.block_size, self.namespace, enable_prefix_caching=config.enable_prefix_caching)
+        budget = config.resolve_batched_tokens(device, self.max_model_len)
         self.scheduler = Scheduler(
-            SchedulerConfig(
-                max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=config.resolve_batched_tokens(device, self.max_model_len),
-                enable_chunked_prefill=config.enable_chunked_prefill,
-            ),
+            SchedulerConfig(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=budget, enable_chunked_prefill=config.enable_chunked_prefill),
             self.block_manager,
         )
+        max_blocks_per_seq = -(-self.max_model_len // config.block_size)
         # Staging for PD handoff: exports (prefill) and imports (decode) move through here.
-        self.swapper = BlockSwapper(cache, max_blocks=config.swap_max_blocks, num_buffers=config.swap_buffers)
-        self.runner = ModelRunner(loaded.model, cache, config.block_size, mc.vocab_size, device, self.swapper)
+        # Under TP its rows are shared by the ranks, each moving its own heads of a block.
+        host_buffers = None
+        if self.tp is not None:
+            host_buffers = self.tp.shared_staging((config.swap_max_blocks, *self.layout.block_shape), dtype, config.swap_buffers)
+        self.swapper = BlockSwapper(
+            cache, max_blocks=config.swap_max_blocks, num_buffers=config.swap_buffers, heads=heads, host_buffers=host_buffers
+        )
+        runner_args = (loaded.model, cache, config.block_size, mc.vocab_size, device, self.swapper)
+        runner_kw = dict(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=budget, max_blocks_per_seq=max_blocks_per_seq)
+        if self.tp is not None and self.tp.rank == 0:  # the other ranks run what this one sends
+            self.runner: ModelRunner = TensorParallelRunner(*runner_args, tp=self.tp, **runner_kw)
+        else:
+            self.runner = ModelRunner(*runner_args, **runner_kw)
+        self.batch = InputBatch(config.max_num_seqs, max_blocks_per_seq)
+        self.builder = StepBuilder(self.batch, self.runner.staging, config.block_size, mc.vocab_size)
         self.exports = ExportQueue(self.block_manager, config.block_size, self.runner.export_blocks)
-        self.forks = Forks(self.scheduler, self.block_manager, self.runner.copy_blocks, config.block_size)
-        if device.type == "cuda" and config.cuda_graphs and loaded.model.layers[0].self_attn.backend.name == "triton":
-            self.runner.enable_cuda_graphs(
-                max_batch=min(config.max_num_seqs, config.graph_max_batch),
-                max_blocks_per_seq=-(-self.max_model_len // config.block_size),
-            )
-        self._prepare = AsyncRunner("prepare-inputs") if config.resolve_async_prepare(device) else None
-        self._ahead: tuple[StepPlan, StepInputs, torch.Tensor] | None = None
-        self.timer = StepTimer(device)
-        self.prepared_ahead_hits = 0
-        self.prepared_ahead_misses = 0
+        self.forks = Forks(self.scheduler, self.block_manager, config.block_size)
+        if device.type == "cuda" and config.cuda_graphs and loaded.model.layers[0].self_attn.backend.name == "triton" and join is None:
+            self.enable_graphs()
+        self.queue = DeviceQueue(device, asynchronous=self.async_scheduling)
+        self._in_flight: deque[tuple[Step, Pending]] = deque()
+        self._pre_ops: list = []  # device work for the next step (fork copies)
+        self.timer = self.runner.timer
+        self.phases = HostPhases()
         self.vocab_size = mc.vocab_size
         self.bitmasks = BitmaskFiller(mc.vocab_size)
         self._grammars: GrammarCompiler | None = None
@@ -90,13 +142,29 @@ class LLMEngine:
         self._params: dict[str, SamplingParams] = {}
         self._aborted: list[str] = []
         self._finished_early: list[str] = []
+        self._capturing = 0  # sequences waiting for their first logits to be kept
         torch.manual_seed(config.seed)
         # Counters (read by metrics).
         self.num_steps = 0
         self.num_generated_tokens = 0
         self.num_prompt_tokens_computed = 0
+        self.num_discarded_tokens = 0  # sampled one step past a stop (async scheduling)
 
-    def _num_blocks(self, device: torch.device) -> int:
+    def enable_graphs(self, *, emulate: bool = False) -> None:
+        """Capture the decode and prefill graphs (on at start on CUDA). ``emulate`` runs
+        their padded layouts eagerly instead, on any device (tests)."""
+        cfg = self.config
+        budget = self.scheduler.config.max_num_batched_tokens
+        g = self.runner.enable_graphs(
+            max_batch=min(cfg.max_num_seqs, cfg.graph_max_batch),
+            prefill_max_tokens=min(cfg.prefill_graph_max_tokens, budget),
+            prefill_seqs=cfg.max_num_seqs,
+            emulate=emulate,
+        )
+        b = self.builder
+        b.decode_graph_sizes, b.prefill_graph_tokens, b.graph_seqs, b.graph_width = g.decode_sizes, g.prefill_tokens, g.prefill_seqs, g.width
+
+    def _num_blocks(self, device: torch.device, cache_layout: KVLayout) -> int:
         cfg = self.config
         if cfg.num_blocks is not None:
             return cfg.num_blocks
@@ -107,7 +175,7 @@ class LLMEngine:
             budget = free * cfg.gpu_memory_utilization
         else:
             budget = 2**30
-        return max(16, int(budget // self.layout.block_nbytes))
+        return max(16, int(budget // cache_layout.block_nbytes))
 
     # -- requests -----------------------------------------------------------------------
 
@@ -229,17 +297,24 @@ class LLMEngine:
     def _new_sequence(self, request_id: str, index: int, prompt: list[int], params: SamplingParams) -> Sequence:
         child_params = params.for_child(index) if params.n > 1 else params
         seq = Sequence(request_id, index, prompt, child_params, eos_token_ids=self.tokenizer.eos_token_ids)
+        seq.max_len = min(seq.max_len, self.max_model_len)
         if child_params.seed is not None:
             seq.generator = torch.Generator(device=self.device)
             seq.generator.manual_seed(child_params.seed % (2**64))
         return seq
 
     def abort_request(self, request_id: str) -> bool:
-        """Stop a request wherever it is; its blocks are freed immediately."""
+        """Stop a request wherever it is; its blocks are freed immediately. Tokens it has
+        in flight are discarded when they come back."""
         if request_id not in self._requests:
             return False
-        self.scheduler.abort(request_id)
-        for seq in self._requests[request_id]:
+        if request_id in self._aborted:  # aborted already; reported at the next step
+            return True
+        family = self._requests[request_id]
+        for seq in self.scheduler.abort(family):
+            if seq.batch is not None:
+                self.batch.remove(seq)
+        for seq in family:
             self.exports.discard(seq)
         self._aborted.append(request_id)
         return True
@@ -258,7 +333,8 @@ class LLMEngine:
     # -- stepping -----------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, run and post-process one step. Returns what each request produced."""
+        """Schedule and launch one step, read one step's tokens back (this one, or with
+        async scheduling the one before). Returns what each request produced."""
         outputs = self._step()
         for o in outputs:
             if o.finished:
@@ -267,108 +343,237 @@ class LLMEngine:
         return outputs
 
     def _step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
         outputs = [self._aborted_output(rid) for rid in self._aborted]
         outputs += [self._request_output(rid) for rid in self._finished_early if rid in self._requests]
         self._aborted, self._finished_early = [], []
         outputs.extend(self._drain_exports())
-        out = self.scheduler.schedule()
-        if out.is_empty:
-            return outputs
-        now = time.monotonic()
-        sample_seqs: list[Sequence] = []
-        forks: list[tuple[Sequence, Sequence]] = []
-        counts: list[int] = []
-        for s in out.scheduled:
-            if s.seq.first_scheduled_time is None:
-                s.seq.first_scheduled_time = now
-            counts.append(s.num_samples)
-            if s.num_samples:
-                sample_seqs.append(s.seq)
-                for _ in range(s.seq.pending_forks):
-                    child = self.forks.spawn(s.seq, self._requests[s.seq.request_id], self._params[s.seq.request_id], self._new_sequence)
-                    forks.append((s.seq, child))
-                    sample_seqs.append(child)
-                s.seq.pending_forks = 0
-
-        self._import(out.imports)
-        plan = StepPlan.from_schedule(out, counts, self.config.block_size)
-        inputs, input_ids = self._inputs_for(plan)
-        scoring = prompt_logprobs.plan((s.seq, s.seq.num_computed_tokens, s.num_tokens) for s in out.scheduled)
-        constrained = [row for row, seq in enumerate(sample_seqs) if seq.grammar is not None]
-        # Grammar masks are filled on a host thread while the device runs the forward pass.
-        masks = self.bitmasks.submit([sample_seqs[row].grammar for row in constrained]) if constrained else None
-        self.timer.start()
-        try:
-            logits, scores = self.runner.forward(inputs, input_ids, scoring)
-        finally:
-            bitmask = masks.result() if masks is not None else None
-        samples = self.runner.sample(logits, sample_seqs, (constrained, bitmask) if constrained else None) if sample_seqs else None
-        self.timer.stop()
-        predicted = plan.next_decode() if self._prepare is not None and samples is not None else None
-        if predicted is not None:
-            # The device is busy with this step: build the next one's inputs meanwhile.
-            self._prepare.submit(build_inputs, predicted, self.device)
-        try:
-            sampled = self.runner.sampler.collect(samples) if samples is not None else None
-            self.num_steps += 1
-            for row, seq in enumerate(sample_seqs):
-                if seq.capture_logits and seq.captured_logits is None:
-                    seq.captured_logits = logits[row].float().cpu()
-        finally:
-            ahead = self._prepare.sync() if predicted is not None else None  # re-raises its errors
-        self._ahead = (predicted, ahead, samples.tokens) if ahead is not None else None
-        self.timer.account()
-
-        prompt_logprobs.record(scoring, scores)
-        for s in out.scheduled:
-            s.seq.num_computed_tokens += s.num_tokens
-            self.block_manager.commit(s.seq)
-            if s.seq.num_computed_tokens <= s.seq.num_prompt_tokens:
-                self.num_prompt_tokens_computed += s.num_tokens
-        # PD streamed export: hand out the blocks this step's chunks completed.
-        outputs.extend(self.exports.export_completed_blocks(s.seq for s in out.scheduled))
-        for parent, child in forks:
-            self.forks.attach(parent, child)
         touched: dict[str, None] = {}
-        if sampled is not None:
-            now = time.monotonic()
-            for seq, tok, lp in zip(sample_seqs, sampled.token_ids, sampled.logprobs):
-                if seq.is_finished:  # a child that could not be attached
+        forward = 0.0
+        if self._in_flight and self._in_flight[-1][0].bitmask is not None:
+            # Structured outputs: a grammar's next mask depends on the token in flight, so
+            # that token is read before anything else is scheduled (no overlap for them).
+            forward, _ = self._read(touched, outputs)
+        out = self.scheduler.schedule()
+        t1 = time.perf_counter()
+        t2 = t3 = t1
+        launched = not out.is_empty
+        if launched:
+            step, pre_ops = self._prepare(out)
+            t2 = time.perf_counter()
+            pending = self.queue.submit(lambda: self.runner.execute(step, pre_ops))
+            self._in_flight.append((step, pending))
+            self._advance(step)
+            t3 = time.perf_counter()
+        touched.update((s.request_id, None) for s in out.preempted)
+        t4 = t5 = t3
+        if self._in_flight and (not self.async_scheduling or len(self._in_flight) > 1 or not launched):
+            forward, t4 = self._read(touched, outputs)
+        outputs.extend(self._request_output(rid) for rid in touched if rid in self._requests)
+        t5 = time.perf_counter()
+        if launched or forward:
+            self.phases.record(
+                {"schedule": t1 - t0, "prepare": t2 - t1, "launch": t3 - t2, "sample": t4 - t3, "output": t5 - t4, "forward": forward, "step": t5 - t0}
+            )
+        return outputs
+
+    def _read(self, touched: dict[str, None], outputs: list[RequestOutput]) -> tuple[float, float]:
+        """Wait for the oldest step in flight and process its ids (streamed KV pieces it
+        completed go to ``outputs``). Returns its forward time and when its ids were on
+        the host."""
+        done, pending = self._in_flight.popleft()
+        try:
+            res = pending.result()
+        except BaseException:
+            self._fail_in_flight(done)
+            raise
+        synced = time.perf_counter()
+        self._process(done, res, touched)
+        if done.chunks and self.exports.streaming:
+            # PD streamed export: hand out the full blocks this step's chunks completed
+            # (the step's KV is in the cache; a sequence preempted since has no blocks).
+            outputs.extend(
+                self.exports.export_completed_blocks(
+                    (c.seq, c.start + c.num_tokens) for c in done.chunks if c.seq.status is SequenceStatus.RUNNING
+                )
+            )
+        self.num_steps += 1
+        return res.forward_s, synced
+
+    def _prepare(self, out: SchedulerOutput) -> tuple[Step, list]:
+        """Apply the scheduler's changes to the batch; lay out the step."""
+        b, runner = self.batch, self.runner
+        pre_ops, self._pre_ops = self._pre_ops, []
+        for seq in out.preempted:
+            if seq.batch is not None:
+                b.remove(seq)
+        if out.imports:
+            imports = list(out.imports)
+            pre_ops.append(lambda: self._import(imports))
+        now = time.monotonic()
+        chunks: list[Chunk] = []
+        new_decodes: list[Sequence] = []
+        admitted = set(map(id, out.admitted))
+        for c in out.chunks:
+            seq = c.seq
+            if id(seq) in admitted:
+                if seq.first_scheduled_time is None:
+                    seq.first_scheduled_time = now
+                slot = b.add(seq, decode=c.is_decode)
+                self._init_slot(seq, slot, pre_ops, last_token=c.is_decode)
+            if c.is_decode:
+                new_decodes.append(seq)
+                continue
+            children: list[Sequence] = []
+            if c.num_samples > 1:  # n > 1: the siblings are sampled from this row
+                for _ in range(seq.pending_forks):
+                    child = self.forks.spawn(seq, self._requests[seq.request_id], self._params[seq.request_id], self._new_sequence)
+                    self._init_slot(child, b.add(child, decode=False), pre_ops, last_token=False)
+                    children.append(child)
+                seq.pending_forks = 0
+            chunks.append(Chunk(seq, seq.num_computed_tokens, c.num_tokens, c.num_samples, children))
+        for seq in out.grown:
+            if seq.batch is not None:
+                b.sync_blocks(seq)
+        if out.skipped:
+            skipped = set(map(id, out.skipped))
+            rows = np.asarray([r for r, s in enumerate(b.decode_seqs) if id(s) not in skipped], dtype=np.int64)
+        else:
+            rows = slice(0, b.num_decodes)
+        step = self.builder.build(self.scheduler.step - 1, rows, out.num_decodes, chunks)
+        step.decode_rows, step.new_decodes = rows, new_decodes
+        if self._capturing:
+            step.captures = [i for i, s in enumerate(step.sample_seqs) if s.capture_logits and s.captured_logits is None]
+        if any(c.seq.params.prompt_logprobs is not None for c in chunks):
+            step.prompt_rows = prompt_logprobs.plan(((c.seq, c.start, c.num_tokens) for c in chunks), first_row=step.num_decodes)
+            step.score_spans = prompt_logprobs.spans(step.prompt_rows)
+        if b.num_constrained:
+            rows_c = [i for i, s in enumerate(step.sample_seqs) if s.grammar is not None]
+            if rows_c:  # masks filled on a host thread while the forward is launched
+                step.bitmask = (rows_c, self.bitmasks.submit([step.sample_seqs[i].grammar for i in rows_c]))
+        return step, pre_ops
+
+    def _init_slot(self, seq: Sequence, slot: int, pre_ops: list, *, last_token: bool) -> None:
+        """Device state of a sequence joining the batch: its last token when its first step
+        decodes it, its penalty state when it has penalties (queued before the step)."""
+        state = self.runner.state
+        if last_token:
+            token = seq.token_ids[-1]
+            pre_ops.append(lambda: state.set_last(slot, token))
+        if seq.params.has_penalties:
+            prompt, output = list(seq.prompt_token_ids), list(seq.output_token_ids)
+            pre_ops.append(lambda: state.init_penalties(slot, prompt, output))
+
+    def _advance(self, step: Step) -> None:
+        """Right after launch: the batch as if ``step`` had run (KV computed, one token in
+        flight per sampled row), prompts that reached their end start decoding, forks
+        attach, and (async) sequences at their length limit retire."""
+        b, sched = self.batch, self.scheduler
+        rows = step.decode_rows
+        b.num_computed[rows] += 1
+        b.num_tokens[rows] += 1
+        for seq in step.new_decodes or ():
+            sched.start_decoding(seq)
+        for c in step.chunks:
+            seq = c.seq
+            b.num_computed[seq.row] += c.num_tokens
+            if seq.num_computed_tokens <= seq.num_prompt_tokens:
+                self.num_prompt_tokens_computed += c.num_tokens
+            if not c.num_samples:
+                continue
+            b.num_tokens[seq.row] += 1
+            b.to_decode(seq)
+            sched.start_decoding(seq)
+            for child in c.children:
+                b.num_tokens[child.row] += 1
+                attached, copy = self.forks.attach(seq, child)
+                if not attached:  # no block for it now: it recomputes its prompt later
+                    b.remove(child)
                     continue
-                seq.append_token(tok, lp)
-                self.num_generated_tokens += 1
-                if seq.first_token_time is None:
-                    seq.first_token_time = now
-                if seq.grammar is not None and not seq.grammar.accept(tok):
-                    self._finish(seq, "error")  # cannot happen: the mask allowed it
-                    touched[seq.request_id] = None
-                    continue
+                if copy is not None:  # after this step has written the parent's last block
+                    self._pre_ops.append(lambda copy=copy: self.runner.copy_blocks([copy]))
+                b.sync_blocks(child)
+                b.to_decode(child)
+                sched.start_decoding(child)
+        if self.async_scheduling:
+            nd = b.num_decodes
+            for r in np.flatnonzero(b.num_tokens[:nd] >= b.max_len[:nd])[::-1].tolist():
+                seq = b.seqs[r]
+                sched.retire(seq)
+                b.remove(seq)
+
+    def _process(self, step: Step, res: StepResult, touched: dict[str, None]) -> None:
+        """A step's ids are on the host: append them, check stops, commit full blocks."""
+        self.timer.account(res.timing)
+        prompt_logprobs.record(step.prompt_rows, res.prompt_scores)
+        tokens = res.tokens.tolist()
+        lps: dict[int, object] = {}
+        if res.logprobs is not None:
+            picked = [tokens[i] for i in step.logprob_samples]
+            lps = dict(zip(step.logprob_samples, logprob_lists(res.logprobs, picked, step.logprob_ks)))
+        if res.captured:
+            for i, logits in zip(step.captures, res.captured):
+                seq = step.sample_seqs[i]
+                if seq.captured_logits is None:
+                    seq.captured_logits = logits.float()
+                    self._capturing -= 1
+        bs = self.config.block_size
+        caching = self.block_manager.enable_prefix_caching
+        if caching:  # the chunks' full blocks join the prefix cache, finished or not
+            for c in step.chunks:
+                if c.seq.block_table:
+                    self.block_manager.commit(c.seq)
+        now = time.monotonic()
+        generated = 0
+        for i, (seq, t) in enumerate(zip(step.sample_seqs, tokens)):
+            if seq.status is SequenceStatus.FINISHED:  # stopped or aborted one step back
+                self.num_discarded_tokens += 1
+                continue
+            seq.token_ids.append(t)
+            seq.new_token_ids.append(t)
+            if seq.batch is None:
+                seq.num_pending -= 1
+            if lps:
+                lp = lps.get(i)
+                if lp is not None:
+                    seq.logprobs.append(lp)
+                    seq.new_logprobs.append(lp)
+            generated += 1
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            touched[seq.request_id] = None
+            if caching and len(seq.token_ids) // bs > seq.num_committed_blocks and seq.block_table:
+                self.block_manager.commit(seq)
+            if seq.grammar is not None and not seq.grammar.accept(t):
+                self._finish(seq, "error")  # cannot happen: the mask allowed it
+            elif seq.grammar is not None or t in seq.stop_ids or len(seq.token_ids) >= seq.max_len:
                 reason = self._stop_reason(seq)
                 if reason is not None:
                     self._finish(seq, reason)
-                touched[seq.request_id] = None
-        for seq in out.preempted:
-            touched.setdefault(seq.request_id, None)
-        outputs.extend(self._request_output(rid) for rid in touched if rid in self._requests)
-        return outputs
+        self.num_generated_tokens += generated
 
-    def _inputs_for(self, plan: StepPlan) -> tuple[StepInputs, torch.Tensor]:
-        """This step's inputs: the ones built ahead if the prediction held, else fresh."""
-        ahead, self._ahead = self._ahead, None
-        if ahead is not None and plan.matches(ahead[0]):
-            self.prepared_ahead_hits += 1
-            return ahead[1], ahead[2]
-        if ahead is not None:
-            self.prepared_ahead_misses += 1
-        inputs = build_inputs(plan, self.device)
-        return inputs, inputs.input_ids
+    def _fail_in_flight(self, failed: Step) -> None:
+        """A step's device work raised: every request with a sequence in a step that will
+        not come back is aborted (reported at the next step), then the error propagates."""
+        steps = [failed]
+        while self._in_flight:
+            step, pending = self._in_flight.popleft()
+            steps.append(step)
+            try:
+                pending.result()
+            except BaseException:  # noqa: BLE001 - the first error is the one raised
+                pass
+        victims = {s.request_id for st in steps for s in st.sample_seqs} | {c.seq.request_id for st in steps for c in st.chunks}
+        for rid in victims:
+            self.abort_request(rid)
 
     def close(self) -> None:
-        """Stop the helper thread and free staging (the engine is unusable afterwards)."""
-        if self._prepare is not None:
-            self._prepare.close()
+        """Stop the device queue's worker and free staging (the engine is unusable afterwards)."""
+        self.queue.close()
         self.bitmasks.close()
         self.swapper.close()
+        if self.tp is not None:
+            self.tp.close()
 
     def _import(self, imports: list) -> None:
         for imp, rows, blocks in imports:
@@ -379,6 +584,8 @@ class LLMEngine:
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq, reason)
+        if seq.batch is not None:
+            self.batch.remove(seq)
         if seq.export_kv and seq.index == 0:
             self.exports.add(seq)  # the request finishes once its prompt's KV is gathered
             return
@@ -396,20 +603,32 @@ class LLMEngine:
     def num_pending_exports(self) -> int:
         return len(self.exports)
 
+    def capture_first_logits(self, seq: Sequence) -> None:
+        """Keep the fp32 logits of ``seq``'s next sampled row (tests, debugging)."""
+        seq.capture_logits = True
+        self._capturing += 1
+
     def _request_output(self, request_id: str) -> RequestOutput:
         family = self._requests[request_id]
-        outs = []
-        for seq in family:
+        if len(family) == 1:
+            seq = family[0]
             ids, lps = seq.take_new()
-            if ids or seq.is_finished:
-                outs.append(CompletionOutput(seq.index, ids, lps, seq.finish_reason, seq.num_output_tokens))
+            outs = [CompletionOutput(0, ids, lps, seq.finish_reason, seq.num_output_tokens)] if ids or seq.is_finished else []
+            finished = seq.is_finished and not seq.export_pending and seq.pending_forks == 0
+        else:
+            outs = []
+            for seq in family:
+                ids, lps = seq.take_new()
+                if ids or seq.is_finished:
+                    outs.append(CompletionOutput(seq.index, ids, lps, seq.finish_reason, seq.num_output_tokens))
+            finished = self._all_done(request_id)
         head = family[0]
-        finished = self._all_done(request_id)
         metrics = {}
-        if head.first_scheduled_time is not None:
-            metrics["queue_s"] = head.first_scheduled_time - head.arrival_time
-        if head.first_token_time is not None:
-            metrics["ttft_s"] = head.first_token_time - head.arrival_time
+        if finished:  # (reported once, with the final output)
+            if head.first_scheduled_time is not None:
+                metrics["queue_s"] = head.first_scheduled_time - head.arrival_time
+            if head.first_token_time is not None:
+                metrics["ttft_s"] = head.first_token_time - head.arrival_time
         return RequestOutput(
             request_id,
             outs,

@@ -2,8 +2,9 @@
 
 A request with ``n`` samples runs one sequence through the prompt. At the step where it
 samples its first token, ``n - 1`` siblings are spawned and sampled in the same step
-(each with its own derived seed); after the step they share the prompt's KV blocks
-(refcounted, the partial last block copied), so the prompt is computed once.
+(each with its own derived seed and its own batch row, drawn from the parent's logits
+row); once the step is launched they share the prompt's KV blocks (refcounted, the
+partial last block copied after the step), so the prompt is computed once.
 """
 
 from __future__ import annotations
@@ -17,10 +18,9 @@ from libs.engine.sequence import Sequence
 
 
 class Forks:
-    def __init__(self, scheduler: Scheduler, block_manager: BlockManager, copy_blocks: Callable[[list[tuple[int, int]]], None], block_size: int):
+    def __init__(self, scheduler: Scheduler, block_manager: BlockManager, block_size: int):
         self._scheduler = scheduler
         self._blocks = block_manager
-        self._copy_blocks = copy_blocks
         self._block_size = block_size
 
     @staticmethod
@@ -32,14 +32,14 @@ class Forks:
         family.append(child)
         return child
 
-    def attach(self, parent: Sequence, child: Sequence) -> None:
-        """Share the parent's prompt blocks with a freshly sampled child (copying a partial
-        last block). Without a free block the child is queued to recompute instead."""
+    def attach(self, parent: Sequence, child: Sequence) -> tuple[bool, tuple[int, int] | None]:
+        """Share the parent's prompt blocks with a freshly sampled child. Returns whether
+        it was attached, and the (src, dst) block copy to run once the parent's last block
+        is written (a partial last block is copied). Without a free block for that copy
+        the child is queued to recompute instead."""
         if self._blocks.num_free_blocks < 1 and parent.num_computed_tokens % self._block_size:
             self._scheduler.add(child)  # recompute later; its prompt blocks are prefix-cache hits
-            return
+            return False, None
         copy = self._blocks.fork(parent, child)
-        if copy is not None:
-            self._copy_blocks([copy])
         child.status = parent.status
-        self._scheduler.running.append(child)
+        return True, copy

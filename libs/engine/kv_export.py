@@ -98,21 +98,30 @@ class ExportQueue:
     def __len__(self) -> int:
         return len(self._pending)
 
+    @property
+    def streaming(self) -> bool:
+        """Whether any sequence is having its blocks streamed (the engine skips the
+        per-step check otherwise)."""
+        return bool(self._handed_out)
+
     # -- streamed export ---------------------------------------------------------------------
 
     def stream(self, seq: Sequence) -> None:
         """Hand out ``seq``'s full prompt blocks as chunks complete them (see the module doc)."""
         self._handed_out[seq.seq_id] = 0
 
-    def export_completed_blocks(self, seqs: Iterable[Sequence]) -> list[RequestOutput]:
-        """After a step: gather the full blocks this step completed for streamed sequences
-        still prefilling; one unfinished ``RequestOutput`` per sequence that got some."""
+    def export_completed_blocks(self, chunks: Iterable[tuple[Sequence, int]]) -> list[RequestOutput]:
+        """After a step's device work is done: gather the full blocks it completed for
+        streamed sequences still prefilling; one unfinished ``RequestOutput`` per sequence
+        that got some. ``chunks`` pairs each prefilled sequence with how many of its tokens
+        have their KV in the cache after that step (with async scheduling the engine has
+        already launched the next step, so the sequence's own count may be ahead)."""
         outputs = []
-        for seq in seqs:
+        for seq, computed in chunks:
             done = self._handed_out.get(seq.seq_id)
-            if done is None or seq.is_finished or seq.num_computed_tokens >= seq.num_prompt_tokens:
+            if done is None or seq.is_finished or computed >= seq.num_prompt_tokens:
                 continue  # not streamed, or its prompt is complete: the rest goes at the end
-            full = seq.num_computed_tokens // self._block_size
+            full = computed // self._block_size
             if full <= done:
                 continue
             bufs = self._gather(seq.block_table[done:full])

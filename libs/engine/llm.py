@@ -22,7 +22,6 @@ from libs.structured import GrammarSpec
 class LLM(LLMEngine):
     """An ``LLMEngine`` with blocking ``generate``/``stream`` loops over its ``step()``."""
 
-
     def generate(
         self,
         prompts: str | list[int] | Seq[str | list[int]] | None = None,
@@ -84,7 +83,7 @@ class LLM(LLMEngine):
         rid = f"logits-{id(self)}-{time.monotonic_ns()}"
         self.add_request(rid, prompt_token_ids, SamplingParams(temperature=0, max_tokens=1))
         seq = self._requests[rid][0]
-        seq.capture_logits = True
+        self.capture_first_logits(seq)
         while rid in self._requests:
             self.step()
         return seq.captured_logits[: self.vocab_size]

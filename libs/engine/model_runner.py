@@ -1,29 +1,102 @@
-"""Runs one step on the device: block imports and copies, the forward pass, sampling.
+"""Runs one step on the device: its inputs' copy, the forward, sampling, the ids' copy back.
 
-The runner owns the model, the paged KV cache, the sampler, the staging swapper and
-(on CUDA) the decode CUDA graphs. Inputs come from ``libs.engine.inputs`` (built from an
-immutable ``StepPlan``, possibly ahead of time on another thread); the runner only
-launches work. Reading sampled tokens back is the caller's single host sync per step.
+The runner owns the model, the paged KV cache, the sampler, the staging swapper, the
+step staging and (on CUDA) the captured graphs. ``execute(step)`` is the device work of
+one step, submitted through the device queue (libs/engine/device_queue.py); it reads
+only the step (immutable) and device state that steps update in order:
+
+- ``SlotState``: per device slot (one per running sequence, libs/engine/input_batch.py),
+  the last sampled token, which the next step gathers as its input id, and, when some
+  request uses penalties, its output-token counts and prompt-token mask. Sampling writes
+  them, so a step never waits for the host to learn what the previous one sampled.
+- the KV cache.
+
+The one thing that comes back to the host is the sampled ids (and requested logprobs),
+copied into pinned memory at the end of the step; ``StepResult.event`` marks when they
+have landed.
 """
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
+from typing import Callable
+
 import torch
 
 from kernels.swap import BlockSwapper, StagingBuffer, StagingStateError
-from kernels.swap import reference as swap_reference
-from libs.engine.cuda_graphs import DecodeGraphs
-from libs.engine.inputs import StepInputs
-from libs.engine.prompt_logprobs import PromptLogprobs, PromptRows, score
-from libs.engine.sampler import DeviceSamples, Sampler, SamplingBatch
-from libs.engine.sequence import KVImport, Sequence
-from libs.model.attention import AttentionMetadata
+from libs.engine.cuda_graphs import ForwardGraphs, graph_batch_sizes, prefill_token_buckets
+from libs.engine.prompt_logprobs import PromptLogprobs, score
+from libs.engine.sampler import Sampler, SamplingTensors
+from libs.engine.sequence import KVImport
+from libs.engine.step_inputs import Layout, PackViews, Step, StepStaging
+from libs.engine.step_timer import StepTimer
 from libs.model.llama import LlamaModel
+
+
+def to_device(ids: list[int], device: torch.device) -> torch.Tensor:
+    """An int64 list on ``device`` without a stream sync (a copy from pageable memory
+    would wait for the stream; pinned memory does not)."""
+    t = torch.tensor(ids, dtype=torch.long)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+
+
+@dataclass
+class StepResult:
+    """What a step hands back: on the host (pinned) once ``event`` has completed."""
+
+    tokens: torch.Tensor  # [S] int64
+    logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
+    captured: list[torch.Tensor] | None
+    event: "torch.cuda.Event | None" = None
+    forward_s: float = 0.0  # host time in the forward (launches on CUDA, compute on the CPU)
+    timing: tuple = (None, None)  # the step's CUDA events (StepTimer)
+    prompt_scores: list[PromptLogprobs] | None = None  # of ``Step.prompt_rows``, on the host
+
+
+class SlotState:
+    """Device state of each batch slot, grown as slots are added (in step order)."""
+
+    def __init__(self, device: torch.device, vocab_size: int):
+        self.device = device
+        self.vocab_size = vocab_size
+        self.last_sampled = torch.zeros(64, dtype=torch.long, device=device)
+        self.counts: torch.Tensor | None = None  # [slots, V] float32: output token counts
+        self.prompt_seen: torch.Tensor | None = None  # [slots, V] bool
+
+    def reserve(self, num_slots: int) -> None:
+        cap = self.last_sampled.shape[0]
+        if num_slots <= cap:
+            return
+        new = max(num_slots, 2 * cap)
+        self.last_sampled = torch.cat([self.last_sampled, self.last_sampled.new_zeros(new - cap)])
+        if self.counts is not None:
+            self.counts = torch.cat([self.counts, self.counts.new_zeros(new - cap, self.vocab_size)])
+            self.prompt_seen = torch.cat([self.prompt_seen, self.prompt_seen.new_zeros(new - cap, self.vocab_size)])
+
+    def init_penalties(self, slot: int, prompt_ids: list[int], output_ids: list[int]) -> None:
+        """Counts and prompt mask of a sequence joining the batch (penalty requests only)."""
+        V, slots = self.vocab_size, self.last_sampled.shape[0]
+        if self.counts is None:
+            self.counts = torch.zeros(slots, V, dtype=torch.float32, device=self.device)
+            self.prompt_seen = torch.zeros(slots, V, dtype=torch.bool, device=self.device)
+        self.counts[slot].zero_()
+        self.prompt_seen[slot].zero_()
+        out = to_device([t for t in output_ids if t < V], self.device)
+        if out.numel():
+            self.counts[slot].index_add_(0, out, torch.ones(out.numel(), device=self.device))
+        prompt = to_device([t for t in prompt_ids if t < V], self.device)
+        if prompt.numel():
+            self.prompt_seen[slot, prompt] = True
+
+    def set_last(self, slot: int, token: int) -> None:
+        self.last_sampled[slot] = token
 
 
 class ModelRunner:
     def __init__(
-        self, model: LlamaModel, cache: torch.Tensor, block_size: int, vocab_size: int, device: torch.device, swapper: BlockSwapper
+        self, model: LlamaModel, cache: torch.Tensor, block_size: int, vocab_size: int, device: torch.device,
+        swapper: BlockSwapper, *, max_num_seqs: int = 64, max_num_batched_tokens: int = 1024, max_blocks_per_seq: int = 1,
     ):
         self.model = model
         self.cache = cache
@@ -31,7 +104,13 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.sampler = Sampler(vocab_size, device)
-        self.graphs: DecodeGraphs | None = None
+        self.state = SlotState(device, vocab_size)
+        self.max_blocks_per_seq = max_blocks_per_seq
+        sizes = Layout(max_num_batched_tokens, max_num_seqs, max_blocks_per_seq, 2 * max_num_seqs, 64, 2 * max_num_seqs).sizes()
+        self.staging = StepStaging(device, sizes)
+        self.graphs: ForwardGraphs | None = None
+        self.timer = StepTimer(device)
+        self._out = [torch.empty(1024, dtype=torch.long, pin_memory=True) for _ in range(2)] if device.type == "cuda" else []
 
     def _bind(self) -> None:
         # Several engines may share one loaded model (tests, benchmarks); the model's layers
@@ -40,11 +119,25 @@ class ModelRunner:
             self.model.bind_kv_cache(self.cache)
             self.model.kv_cache_owner = self
 
-    def enable_cuda_graphs(self, max_batch: int, max_blocks_per_seq: int) -> None:
-        """Capture the decode forward for batch sizes up to ``max_batch`` (CUDA only)."""
+    def enable_graphs(self, max_batch: int, prefill_max_tokens: int, prefill_seqs: int, *, emulate: bool = False) -> ForwardGraphs:
+        """Capture decode graphs for batch sizes up to ``max_batch`` and prefill graphs for
+        token counts up to ``prefill_max_tokens`` (0: none) over ``prefill_seqs`` sequences.
+        The device packs are resized first so every graph's views stay put. ``emulate``:
+        no capture, the graph layouts run eagerly (libs/engine/cuda_graphs.py)."""
         self._bind()
-        self.graphs = DecodeGraphs(self.model, self.device, max_batch=max_batch, max_blocks_per_seq=max_blocks_per_seq, block_size=self.block_size)
-        self.graphs.capture()
+        W = self.max_blocks_per_seq
+        decode = graph_batch_sizes(max_batch) if max_batch > 0 else []
+        prefill = prefill_token_buckets(prefill_max_tokens) if prefill_max_tokens > 0 else []
+        if self.staging.device_packs is not None:
+            layouts = [ForwardGraphs.decode_layout(b, W) for b in decode] + [ForwardGraphs.prefill_layout(t, prefill_seqs, W) for t in prefill]
+            # Room for the sampling part behind the forward inputs of any graph layout.
+            room = [Layout(L.tokens, L.seqs, L.width, 4 * L.seqs, 256, 4 * L.seqs).sizes() for L in layouts]
+            current = tuple(p.numel() for p in self.staging.device_packs)
+            want = tuple(max([c, *(r[i] for r in room)]) for i, c in enumerate(current))
+            self.staging.set_device_packs(tuple(torch.zeros(n, dtype=p.dtype, device=self.device) for n, p in zip(want, self.staging.device_packs)))
+        self.graphs = ForwardGraphs(self.model, self.staging, self.device, width=W, block_size=self.block_size, emulate=emulate)
+        self.graphs.capture(decode, prefill, prefill_seqs)
+        return self.graphs
 
     # -- KV movement ------------------------------------------------------------------------
 
@@ -52,8 +145,8 @@ class ModelRunner:
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy whole blocks (all layers) src → dst, e.g. a forked sequence's partial block."""
         if copies:
-            src = torch.tensor([c[0] for c in copies], device=self.device)
-            dst = torch.tensor([c[1] for c in copies], device=self.device)
+            src = to_device([c[0] for c in copies], self.device)
+            dst = to_device([c[1] for c in copies], self.device)
             self.cache[dst] = self.cache[src]
 
     @torch.inference_mode()
@@ -63,14 +156,13 @@ class ModelRunner:
         for buf in imp.buffers:
             lo, hi = max(rows[0], offset), min(rows[-1] + 1, offset + buf.n)
             if lo < hi:
-                ids = block_ids[lo - rows[0] : hi - rows[0]]
-                if hi - lo == buf.n:
-                    self.swapper.swap_in(buf, ids)
-                else:  # only part of this buffer is needed (the rest was a local cache hit)
-                    swap_reference.scatter_blocks(buf.host[lo - offset : hi - offset], ids, self.cache)
-                    if self.device.type == "cuda":
-                        torch.cuda.current_stream().synchronize()  # before the buffer is reused
+                # Only part of a buffer may be needed (the rest was a local cache hit); the
+                # buffer's event orders its reuse after this copy.
+                self._swap_in(buf, block_ids[lo - rows[0] : hi - rows[0]], lo - offset)
             offset += buf.n
+
+    def _swap_in(self, buf: StagingBuffer, block_ids: list[int], first_row: int) -> None:
+        self.swapper.swap_in(buf, block_ids, first_row=first_row)
 
     def export_blocks(self, block_ids: list[int]) -> list[StagingBuffer] | None:
         """Gather blocks into staging buffers of the swapper, or None if not enough are
@@ -79,44 +171,116 @@ class ModelRunner:
         bufs: list[StagingBuffer] = []
         try:
             for i in range(0, len(block_ids), step):
-                bufs.append(self.swapper.swap_out(block_ids[i : i + step]))
+                bufs.append(self._swap_out(block_ids[i : i + step]))
         except StagingStateError:
             for b in bufs:
                 b.release()
             return None
         return bufs
 
+    def _swap_out(self, block_ids: list[int]) -> StagingBuffer:
+        return self.swapper.swap_out(block_ids)
+
     # -- the step -----------------------------------------------------------------------
 
     @torch.inference_mode()
-    def forward(self, inputs: StepInputs, input_ids: torch.Tensor, prompt_rows: list[PromptRows] = ()) -> tuple[torch.Tensor, list[PromptLogprobs]]:
-        """Run the model (a captured graph when one fits); fp32 logits of the sampled rows,
-        and the scores of ``prompt_rows`` (libs/engine/prompt_logprobs.py)."""
+    def execute(self, step: Step, pre_ops: list[Callable[[], None]]) -> StepResult:
+        """One step's device work, in order: ``pre_ops`` (imports, new slots' state, fork
+        copies), the inputs' copy, the forward, sampling, and the ids' copy to the host."""
         self._bind()
-        if not prompt_rows and self.graphs is not None and self.graphs.can_run(inputs):
-            return self.graphs.run(inputs, input_ids), []
-        meta = AttentionMetadata(
-            slot_mapping=inputs.slot_mapping,
-            block_tables=inputs.block_tables,
-            seq_lens=inputs.seq_lens,
-            query_start_loc=inputs.query_start_loc,
-            num_decodes=inputs.num_decodes,
-            num_prefill_tokens=inputs.num_prefill_tokens,
-            max_seq_len=inputs.max_seq_len,
-        )
-        hidden = self.model(input_ids, inputs.positions, meta)
-        scores = score(hidden, prompt_rows, self.model.compute_logits, self.sampler.vocab_size) if prompt_rows else []
-        return self.model.compute_logits(hidden[inputs.logits_indices]), scores
+        self.state.reserve(step.num_slots)
+        for op in pre_ops:
+            op()
+        started = self.timer.start()
+        v = self.staging.upload(step.pack, step.layout, params=step.params)
+        t = time.perf_counter()
+        scores: list[PromptLogprobs] | None = [] if step.prompt_rows else None
+        logits = self._forward(step, v, scores)
+        forward_s = time.perf_counter() - t
+        st = self._sampling_tensors(step, v)
+        samples = self.sampler.sample(logits, st)
+        state = self.state
+        state.last_sampled.index_copy_(0, v.sample_slots, samples.tokens)
+        if state.counts is not None:
+            ones = torch.ones(step.num_samples, dtype=state.counts.dtype, device=self.device)
+            state.counts.index_put_((v.sample_slots, samples.tokens), ones, accumulate=True)
+        captured = [logits[i].float().clone() for i in step.captures] if step.captures else None
+        result = self._to_host(samples.tokens, samples.logprobs, captured, step.index)
+        result.forward_s = forward_s
+        result.timing = (started, self.timer.stop())
+        result.prompt_scores = scores
+        return result
 
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence], bitmask: tuple[list[int], torch.Tensor] | None = None) -> DeviceSamples:
-        """Sample one token per sequence; ``bitmask``: (constrained rows, their grammar masks)."""
-        batch = SamplingBatch(
-            params=[s.params for s in seqs],
-            generators=[s.generator for s in seqs],
-            prompt_ids=[s.prompt_token_ids if s.params.repetition_penalty != 1 else [] for s in seqs],
-            output_ids=[s.output_token_ids if s.params.has_penalties else [] for s in seqs],
-            banned_ids=[s.min_tokens_banned() for s in seqs],
-            bitmask_rows=bitmask[0] if bitmask is not None else None,
-            bitmask=bitmask[1] if bitmask is not None else None,
+    def _forward(self, step: Step, v: PackViews, scores: list[PromptLogprobs] | None = None) -> torch.Tensor:
+        """fp32 logits of the sampled rows, ``[S, vocab]``."""
+        nd = step.num_decodes
+        if nd:  # decode rows feed what the last step sampled for them
+            torch.index_select(self.state.last_sampled, 0, v.decode_slots[:nd], out=v.input_ids[:nd])
+        return self.forward_pass(step, v, scores)
+
+    def forward_pass(self, step: Step, v: PackViews, scores: list[PromptLogprobs] | None = None) -> torch.Tensor:
+        """The forward on inputs in place (``v``, input ids included): the logits of the
+        sampled rows. Under tensor parallelism every rank runs this on the same inputs
+        (libs/engine/tp: ``step`` is then a ``ForwardPlan``, the fields read here). The
+        step's ``score_spans`` (prompt logprobs) go through the LM head on every rank;
+        ``scores`` (rank 0's) receives their results."""
+        nd = step.num_decodes
+        if step.path == "decode_graph":
+            return self.graphs.replay("decode", step.layout.seqs, v)[:nd]  # type: ignore[union-attr]
+        if step.path == "prefill_graph":
+            hidden = self.graphs.replay("prefill", step.layout.tokens, v)  # type: ignore[union-attr]
+        else:
+            meta = v.metadata(nd, step.num_tokens - nd, step.max_seq_len)
+            meta.query_start_loc = v.query_start_loc[: step.num_prefill_seqs + 1]
+            hidden = self.model(v.input_ids, v.positions, meta)
+            if step.num_samples == step.num_tokens == nd:  # decode only: every row is sampled
+                return self.model.compute_logits(hidden)
+        if step.score_spans:
+            out = score(hidden, step.score_spans, self.model.compute_logits, self.sampler.vocab_size, step.prompt_rows)
+            if scores is not None:
+                scores.extend(out)
+        return self.model.compute_logits(hidden.index_select(0, v.logits_indices))
+
+    def _sampling_tensors(self, step: Step, v: PackViews) -> SamplingTensors:
+        st = SamplingTensors(
+            temperature=v.temperature, top_p=v.top_p, top_k=v.top_k, min_p=v.min_p,
+            presence=v.presence, frequency=v.frequency, repetition=v.repetition,
+            all_greedy=step.all_greedy, any_greedy=step.any_greedy, any_top_k=step.any_top_k,
+            any_top_p=step.any_top_p, any_min_p=step.any_min_p, any_penalties=step.any_penalties,
+            any_repetition=step.any_repetition,
         )
-        return self.sampler.sample(logits, batch)
+        if step.any_penalties:
+            st.counts = self.state.counts.index_select(0, v.sample_slots)  # type: ignore[union-attr]
+            if step.any_repetition:
+                st.prompt_seen = self.state.prompt_seen.index_select(0, v.sample_slots)  # type: ignore[union-attr]
+        if step.layout.bans:
+            st.ban = (v.ban_rows, v.ban_cols)
+        if step.layout.biases:
+            st.bias = (v.bias_rows, v.bias_cols, v.bias_vals)
+        if step.bitmask is not None:  # filled on a host thread while the forward was launched
+            rows, masks = step.bitmask
+            host = masks.result()
+            st.bitmask = host.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else host
+            st.bitmask_rows = to_device(rows, self.device)
+        if step.generators:
+            st.generators = step.generators
+        if step.logprob_samples:
+            st.logprob_rows = v.logprob_rows
+            st.max_logprobs = step.max_logprobs
+        return st
+
+    def _to_host(self, tokens: torch.Tensor, lp, captured, index: int) -> StepResult:
+        if self.device.type != "cuda":
+            return StepResult(tokens, lp, captured)
+        S = tokens.shape[0]
+        k = index & 1
+        if self._out[k].shape[0] < S:
+            self._out[k] = torch.empty(2 * S, dtype=torch.long, pin_memory=True)
+        out = self._out[k][:S]
+        out.copy_(tokens, non_blocking=True)
+        host = lambda t: torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)  # noqa: E731
+        lp = tuple(host(t) for t in lp) if lp is not None else None
+        captured = [host(t) for t in captured] if captured else None
+        event = torch.cuda.Event()
+        event.record()
+        return StepResult(out, lp, captured, event)

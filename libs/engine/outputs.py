@@ -12,7 +12,7 @@ if TYPE_CHECKING:
     from libs.engine.prompt_logprobs import PromptLogprobs
 
 
-@dataclass
+@dataclass(slots=True)
 class CompletionOutput:
     """What one sequence of a request produced since the last report."""
 
@@ -23,14 +23,15 @@ class CompletionOutput:
     num_output_tokens: int
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
     """One step's news about one request: new tokens of each sequence, and whether it ended.
 
     ``exported_kv`` is set on the final output of a prefill-only (``export_kv``) request,
     and, with ``stream_export``, on unfinished outputs carrying the blocks a chunk completed
-    (libs/engine/kv_export.py). ``prompt_logprobs`` (asked by ``SamplingParams``) comes
-    once, on the output of the step that finished the prompt, the first token's step."""
+    (libs/engine/kv_export.py); ``metrics`` (``queue_s``, ``ttft_s``) on the final output
+    of every request. ``prompt_logprobs`` (asked by ``SamplingParams``) comes once, on the
+    output of the step that finished the prompt, the first token's step."""
 
     request_id: str
     outputs: list[CompletionOutput]

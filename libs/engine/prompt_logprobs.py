@@ -13,6 +13,13 @@ the sampler reports. Chunked prefill scores chunk after chunk; entries are appen
 position, so a chunk computed twice (a preempted sequence computes its prompt again)
 adds nothing twice, and the whole is ``len(prompt) - 1`` entries in order.
 
+The work rides on the step (``Step.prompt_rows``, laid out by the engine with the chunk's
+rows after the step's decode rows) and runs in the runner's forward, right after the model,
+from the same hidden states; the results come back with the step's ids (``StepResult``),
+one host read per scored chunk (a step with scored rows syncs there). Under tensor
+parallelism the LM head gathers the vocabulary across ranks, so every rank runs the same
+LM-head passes (the spans travel in the ``ForwardPlan``) and rank 0 alone scores.
+
 What is scored must be computed: a sequence that asks takes nothing from the prefix cache
 or from a KV import (as vLLM v1 skips its prefix cache for such requests), which the
 block manager and the engine check with :func:`needs_scoring`.
@@ -93,9 +100,10 @@ def rows_to_score(seq: "Sequence", row: int, start: int, num_tokens: int) -> Pro
     return PromptRows(seq, row, start, tuple(prompt[start + 1 : end + 1]), seq.params.prompt_logprobs)
 
 
-def plan(chunks: Iterable[tuple["Sequence", int, int]]) -> list[PromptRows]:
-    """The step's scoring work from its chunks ``(seq, start, num_tokens)``, in step order."""
-    out, row = [], 0
+def plan(chunks: Iterable[tuple["Sequence", int, int]], first_row: int = 0) -> list[PromptRows]:
+    """The step's scoring work from its chunks ``(seq, start, num_tokens)``, in step order,
+    the first chunk's rows starting at ``first_row`` (after the step's decode rows)."""
+    out, row = [], first_row
     for seq, start, n in chunks:
         rows = rows_to_score(seq, row, start, n)
         if rows is not None:
@@ -104,24 +112,42 @@ def plan(chunks: Iterable[tuple["Sequence", int, int]]) -> list[PromptRows]:
     return out
 
 
+def spans(work: Iterable[PromptRows]) -> tuple[tuple[int, int], ...]:
+    """``(first row, rows)`` of each entry: what every tensor-parallel rank runs the LM head on."""
+    return tuple((w.row, len(w.targets)) for w in work)
+
+
 @torch.inference_mode()
-def score(hidden: torch.Tensor, work: list[PromptRows], compute_logits: Callable[[torch.Tensor], torch.Tensor], vocab_size: int) -> list[PromptLogprobs]:
+def score(
+    hidden: torch.Tensor,
+    rows: tuple[tuple[int, int], ...],
+    compute_logits: Callable[[torch.Tensor], torch.Tensor],
+    vocab_size: int,
+    work: list[PromptRows] | None,
+) -> list[PromptLogprobs]:
     """Each entry's scores from the step's final hidden states ``[T, hidden]``.
 
-    ``compute_logits`` is the model's LM head (fp32 logits); one host read per entry."""
+    ``rows`` are the entries' :func:`spans`; ``compute_logits`` is the model's LM head
+    (fp32 logits). A tensor-parallel rank other than 0 passes no ``work``: it runs the same
+    LM-head passes (their all-gathers) and gets nothing back."""
     results = []
-    for w in work:
-        n = len(w.targets)
-        targets = torch.tensor(w.targets, dtype=torch.long, device=hidden.device)
+    for i, (row, n) in enumerate(rows):
+        w = work[i] if work is not None else None
+        targets = torch.tensor(w.targets, dtype=torch.long, device=hidden.device) if w is not None else None
         chosen, top_vals, top_ids = [], [], []
         for lo in range(0, n, ROWS_PER_PASS):
             hi = min(n, lo + ROWS_PER_PASS)
-            logprobs = torch.log_softmax(compute_logits(hidden[w.row + lo : w.row + hi])[:, :vocab_size].float(), dim=-1)
+            logits = compute_logits(hidden[row + lo : row + hi])
+            if w is None:
+                continue
+            logprobs = torch.log_softmax(logits[:, :vocab_size].float(), dim=-1)
             chosen.append(logprobs.gather(1, targets[lo:hi].unsqueeze(1)).squeeze(1))
             if w.k > 0:
                 vals, ids = logprobs.topk(w.k, dim=-1)
                 top_vals.append(vals)
                 top_ids.append(ids)
+        if w is None:
+            continue
         result = PromptLogprobs(token_ids=list(w.targets), logprobs=torch.cat(chosen).tolist())
         if w.k > 0:
             result.top_ids = torch.cat(top_ids).tolist()
@@ -133,9 +159,9 @@ def score(hidden: torch.Tensor, work: list[PromptRows], compute_logits: Callable
     return results
 
 
-def record(work: list[PromptRows], results: list[PromptLogprobs]) -> None:
+def record(work: list[PromptRows] | None, results: list[PromptLogprobs] | None) -> None:
     """Append each chunk's scores to its sequence's (``Sequence.prompt_scores``)."""
-    for w, r in zip(work, results):
+    for w, r in zip(work or (), results or ()):
         if w.seq.prompt_scores is None:
             w.seq.prompt_scores = PromptLogprobs()
         w.seq.prompt_scores.extend_from(w.position, r)

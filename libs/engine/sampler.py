@@ -1,21 +1,32 @@
 """Turning logits into tokens: penalties, logit bias, grammar masks, temperature, top-k /
 top-p / min-p, seeds, logprobs.
 
-Order of the logits processing: penalties, ``logit_bias`` (OpenAI: added to the logits;
--100 bans), ``min_tokens`` bans, then the grammar bitmask of constrained rows
-(libs/engine/structured). The grammar has the last word: if a row's bias and bans leave no
-token the grammar allows, the row falls back to the grammar's mask over the raw logits,
-so a constrained row always samples a token that follows its grammar.
+A step's sampling is a fixed handful of batched tensor ops over ``[rows, vocab]``, driven
+by per-row parameter tensors (``SamplingTensors``), whatever mix of requests the batch
+holds: no per-row Python, no host syncs, nothing read back but the ids (and the top-k
+logprobs, k <= 20). Optional stages (penalties, min-p, top-k, top-p, the min_tokens ban,
+logprobs) run only when some row needs them; a row that does not is left exactly as it
+was by each of them (a penalty of 0 subtracts 0, a repetition penalty of 1 divides by 1).
 
 Sampling uses the exponential race (``argmax(p / E)`` with ``E ~ Exp(1)``), which draws
 exactly from ``p`` and lets each row use its own generator: a seeded request draws its
 noise from a generator seeded with its seed, so its tokens do not depend on what else is
-in the batch. Only the sampled ids and the top-k logprobs (k <= 20) leave the device.
+in the batch. Seeded rows are the one per-row loop (one ``exponential_`` each): torch has
+no batched per-row generator.
+
+Order of the logits processing: penalties, ``logit_bias`` (OpenAI: added to the logits;
+-100 bans), ``min_tokens`` bans, then the grammar bitmask of constrained rows
+(libs/structured). The grammar has the last word: if a row's bias and bans leave no token
+the grammar allows, the row falls back to the grammar's mask over the raw logits, so a
+constrained row always samples a token that follows its grammar. Bias and bans come as
+``(row, token)`` lists of the rows that have them, the bitmask as one packed row per
+constrained row: what they cost grows with what they touch, not with the batch.
+Speculative decoding samples ``k + 1`` rows per sequence through the same function.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -23,10 +34,105 @@ from kernels.select import bitmask_op
 from libs.engine.params import SamplingParams
 from libs.engine.sequence import TokenLogprob
 
+_GREEDY_TEMPERATURE = 1e-5  # SamplingParams.greedy's threshold
+
+
+@dataclass
+class SamplingTensors:
+    """One step's per-row sampling parameters, on the logits' device (``rows`` = S)."""
+
+    temperature: torch.Tensor  # [S] float32, raw (greedy rows below 1e-5)
+    top_p: torch.Tensor  # [S] float32
+    top_k: torch.Tensor  # [S] int64, 0 = off
+    min_p: torch.Tensor  # [S] float32
+    presence: torch.Tensor  # [S] float32
+    frequency: torch.Tensor  # [S] float32
+    repetition: torch.Tensor  # [S] float32
+    # Host-side facts about the rows, so absent stages cost nothing.
+    all_greedy: bool
+    any_greedy: bool
+    any_top_k: bool
+    any_top_p: bool
+    any_min_p: bool
+    any_penalties: bool
+    any_repetition: bool
+    counts: torch.Tensor | None = None  # [S, V] float32: output token counts (penalties)
+    prompt_seen: torch.Tensor | None = None  # [S, V] bool: prompt tokens (repetition)
+    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (rows, token ids, values) added
+    ban: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, token ids) that may not be sampled
+    bitmask: torch.Tensor | None = None  # [R, ceil(V / 32)] int32: the grammar masks of ...
+    bitmask_rows: torch.Tensor | None = None  # [R] int64: ... these rows
+    generators: list[tuple[int, torch.Generator]] = field(default_factory=list)  # seeded rows
+    logprob_rows: torch.Tensor | None = None  # [L] int64: rows that want logprobs
+    max_logprobs: int = 0
+
+    @classmethod
+    def from_params(
+        cls,
+        params: list[SamplingParams],
+        device: torch.device,
+        vocab_size: int,
+        *,
+        generators: list[torch.Generator | None] | None = None,
+        prompt_ids: list[list[int]] | None = None,
+        output_ids: list[list[int]] | None = None,
+        banned_ids: list[list[int]] | None = None,
+        bitmask: torch.Tensor | None = None,
+        bitmask_rows: list[int] | None = None,
+    ) -> "SamplingTensors":
+        """Tensors for a list of rows (tests, tools). The engine builds the same tensors
+        from its persistent batch instead (libs/engine/step_inputs.py)."""
+        f32 = lambda xs: torch.tensor(xs, dtype=torch.float32, device=device)  # noqa: E731
+        S, V = len(params), vocab_size
+        greedy = [p.greedy for p in params]
+        st = cls(
+            temperature=f32([p.temperature for p in params]),
+            top_p=f32([p.top_p for p in params]),
+            top_k=torch.tensor([max(p.top_k, 0) for p in params], dtype=torch.long, device=device),
+            min_p=f32([p.min_p for p in params]),
+            presence=f32([p.presence_penalty for p in params]),
+            frequency=f32([p.frequency_penalty for p in params]),
+            repetition=f32([p.repetition_penalty for p in params]),
+            all_greedy=all(greedy),
+            any_greedy=any(greedy),
+            any_top_k=any(p.top_k > 0 for p in params),
+            any_top_p=any(p.top_p < 1 for p in params),
+            any_min_p=any(p.min_p > 0 for p in params),
+            any_penalties=any(p.has_penalties for p in params),
+            any_repetition=any(p.repetition_penalty != 1 for p in params),
+        )
+        if st.any_penalties:
+            st.counts = torch.zeros(S, V, dtype=torch.float32, device=device)
+            st.prompt_seen = torch.zeros(S, V, dtype=torch.bool, device=device)
+            for i in range(S):
+                out = [t for t in (output_ids or [[]] * S)[i] if 0 <= t < V]
+                if out:
+                    st.counts[i].index_add_(0, torch.tensor(out, device=device), torch.ones(len(out), device=device))
+                pr = [t for t in (prompt_ids or [[]] * S)[i] if 0 <= t < V]
+                if pr:
+                    st.prompt_seen[i, torch.tensor(pr, device=device)] = True
+        adds, bans = bias_and_bans(params, V)
+        bans += [(i, t) for i, ids in enumerate(banned_ids or []) for t in ids if 0 <= t < V]
+        if adds:
+            rows, cols, vals = zip(*adds)
+            st.bias = (torch.tensor(rows, device=device), torch.tensor(cols, device=device), f32(vals))
+        if bans:
+            rows, cols = zip(*bans)
+            st.ban = (torch.tensor(rows, device=device), torch.tensor(cols, device=device))
+        if bitmask is not None and bitmask_rows:
+            st.bitmask = bitmask.to(device)
+            st.bitmask_rows = torch.tensor(bitmask_rows, dtype=torch.long, device=device)
+        st.generators = [(i, g) for i, g in enumerate(generators or []) if g is not None]
+        want = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if want:
+            st.logprob_rows = torch.tensor(want, dtype=torch.long, device=device)
+            st.max_logprobs = max(params[i].logprobs for i in want)
+        return st
+
 
 @dataclass
 class SamplingBatch:
-    """One row per sample to draw (a forked request contributes several rows)."""
+    """One row per sample to draw, as lists (the ``Sampler.__call__`` convenience API)."""
 
     params: list[SamplingParams]
     generators: list[torch.Generator | None]
@@ -48,9 +154,9 @@ class DeviceSamples:
     """Sampled tokens (and logprob tensors) still on the device: the next step may feed
     ``tokens`` straight back as its input ids before the host has read them."""
 
-    tokens: torch.Tensor  # [rows] int64
-    logprobs: tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor] | None  # rows, chosen, top vals, top ids
-    want: list[int | None]
+    tokens: torch.Tensor  # [S] int64
+    # (chosen token's logprob [L], top values [L, k], top ids [L, k]) for the logprob rows
+    logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
 
 
 class Sampler:
@@ -59,173 +165,138 @@ class Sampler:
         self.device = device
         self._apply_bitmask = bitmask_op(device)
 
-    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
-        return self.collect(self.sample(logits, batch))
-
     @torch.no_grad()
-    def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> DeviceSamples:
-        """Launch sampling; nothing is read back. ``logits``: fp32 ``[rows, vocab]``."""
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        """Sample a list batch and read the results back (tests, tools)."""
+        st = SamplingTensors.from_params(
+            batch.params, logits.device, min(logits.shape[1], self.vocab_size), generators=batch.generators,
+            prompt_ids=batch.prompt_ids, output_ids=batch.output_ids, banned_ids=batch.banned_ids,
+            bitmask=batch.bitmask, bitmask_rows=batch.bitmask_rows,
+        )
+        ds = self.sample(logits, st)
+        tokens = ds.tokens.tolist()
+        want = [p.logprobs for p in batch.params]
+        rows = [i for i, k in enumerate(want) if k is not None]
+        out: list[TokenLogprob | None] = [None] * len(tokens)
+        if ds.logprobs is not None:
+            for j, lp in enumerate(logprob_lists(ds.logprobs, [tokens[i] for i in rows], [want[i] for i in rows])):
+                out[rows[j]] = lp
+        return SamplerOutput(tokens, out)
+
+    def sample(self, logits: torch.Tensor, st: SamplingTensors) -> DeviceSamples:
+        """Launch sampling; nothing is read back. ``logits``: fp32 ``[S, vocab]``. Call under
+        ``torch.inference_mode()`` (the runner's step is)."""
         logits = logits[:, : self.vocab_size]
-        params = batch.params
-        want_logprobs = [p.logprobs for p in params]
-        raw_logprobs = torch.log_softmax(logits, dim=-1) if any(k is not None for k in want_logprobs) else None
-        raw = logits
+        raw = logits  # logprobs are the raw model distribution, before any processing
 
-        if any(p.has_penalties for p in params):
-            logits = self._apply_penalties(logits.clone(), batch)
-        if any(p.logit_bias for p in params):
-            logits = self._bias(logits if logits is not raw else logits.clone(), params)
-        if batch.banned_ids is not None and any(batch.banned_ids):
-            logits = self._ban(logits, batch.banned_ids)
-        if batch.bitmask is not None and batch.bitmask_rows:
+        if st.any_penalties:
+            logits = apply_penalties(logits, st)
+        if st.bias is not None:
+            rows, cols, vals = st.bias
+            logits = (logits.clone() if logits is raw else logits).index_put_((rows, cols), vals, accumulate=True)
+        if st.ban is not None:
+            logits = logits.index_put(st.ban, torch.tensor(float("-inf"), device=logits.device))
+        if st.bitmask is not None:
             processed = logits is not raw  # bias and bans may have removed every allowed token
-            logits = self._constrain(logits if processed else logits.clone(), raw if processed else None, batch)
+            logits = self._constrain(logits if processed else logits.clone(), raw if processed else None, st)
 
-        greedy = [i for i, p in enumerate(params) if p.greedy]
-        random = [i for i, p in enumerate(params) if not p.greedy]
-        if not random:
-            tokens = logits.argmax(dim=-1)
-        elif not greedy:
-            tokens = self._sample(logits, params, batch.generators)
+        greedy_tokens = logits.argmax(dim=-1) if st.any_greedy else None
+        if st.all_greedy:
+            tokens = greedy_tokens
         else:
-            tokens = torch.empty(len(params), dtype=torch.long, device=logits.device)
-            g_idx = torch.tensor(greedy, device=logits.device)
-            r_idx = torch.tensor(random, device=logits.device)
-            tokens[g_idx] = logits[g_idx].argmax(dim=-1)
-            tokens[r_idx] = self._sample(logits[r_idx], [params[i] for i in random], [batch.generators[i] for i in random])
-        return DeviceSamples(tokens, self._logprob_tensors(raw_logprobs, tokens, want_logprobs), want_logprobs)
+            tokens = self._sample(logits, st)
+            if greedy_tokens is not None:
+                tokens = torch.where(st.temperature < _GREEDY_TEMPERATURE, greedy_tokens, tokens)
 
-    def collect(self, ds: DeviceSamples) -> SamplerOutput:
-        """Read the samples back: the one host sync of a step."""
-        token_list = ds.tokens.tolist()
-        return SamplerOutput(token_list, self._logprobs(ds, token_list))
+        lp = None
+        if st.logprob_rows is not None:
+            sub = torch.log_softmax(raw.index_select(0, st.logprob_rows), dim=-1)
+            chosen = sub.gather(1, tokens.index_select(0, st.logprob_rows).unsqueeze(1)).squeeze(1)
+            top_vals, top_ids = sub.topk(st.max_logprobs, dim=-1) if st.max_logprobs > 0 else (sub[:, :0], sub[:, :0].long())
+            lp = (chosen, top_vals, top_ids)
+        return DeviceSamples(tokens, lp)
 
-    def _ban(self, logits: torch.Tensor, banned: list[list[int]]) -> torch.Tensor:
-        """Mask each row's banned ids to -inf; the rest of the row stays finite, so every
-        row still has tokens to sample."""
-        pairs = [(i, t) for i, ids in enumerate(banned) for t in ids if 0 <= t < logits.shape[1]]
-        if not pairs:
-            return logits
-        rows, cols = zip(*pairs)
-        logits = logits.clone()
-        logits[torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device)] = float("-inf")
-        return logits
-
-    def _bias(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-        """OpenAI's ``logit_bias``, in place: added to the logits, -100 bans outright."""
-        V = logits.shape[1]
-        add = [(i, t, b) for i, p in enumerate(params) for t, b in p.logit_bias if t < V and b > -100]
-        ban = [(i, t) for i, p in enumerate(params) for t, b in p.logit_bias if t < V and b <= -100]
-        dev = logits.device
-        if add:
-            rows, cols, vals = zip(*add)
-            idx = (torch.tensor(rows, device=dev), torch.tensor(cols, device=dev))
-            logits.index_put_(idx, torch.tensor(vals, dtype=logits.dtype, device=dev), accumulate=True)
-        if ban:
-            rows, cols = zip(*ban)
-            logits[torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)] = float("-inf")
-        return logits
-
-    def _constrain(self, logits: torch.Tensor, raw: torch.Tensor | None, batch: SamplingBatch) -> torch.Tensor:
+    def _constrain(self, logits: torch.Tensor, raw: torch.Tensor | None, st: SamplingTensors) -> torch.Tensor:
         """Apply the grammar bitmasks to their rows, in place; a row left with no token at
         all (its bias or bans removed every token the grammar allows) takes the grammar's
-        mask over its raw logits instead."""
-        assert batch.bitmask is not None and batch.bitmask_rows is not None
-        dev = logits.device
-        bitmask = batch.bitmask.to(dev, non_blocking=True)
-        rows = torch.tensor(batch.bitmask_rows, dtype=torch.long, device=dev)
+        mask over its raw logits instead (without a host sync)."""
+        rows, bitmask = st.bitmask_rows, st.bitmask
         self._apply_bitmask(logits, bitmask, rows)
         if raw is None:
             return logits
-        # Without a host sync: every constrained row also gets the grammar-only version.
-        local = torch.arange(len(batch.bitmask_rows), device=dev)
+        local = torch.arange(rows.shape[0], device=logits.device)
         fresh = self._apply_bitmask(raw.index_select(0, rows), bitmask, local)
         sub = logits.index_select(0, rows)
         dead = (sub.amax(dim=-1) == float("-inf")).unsqueeze(1)
         logits.index_copy_(0, rows, torch.where(dead, fresh, sub))
         return logits
 
-    def _apply_penalties(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """Repetition (HF/vLLM: over prompt and output), presence and frequency (OpenAI:
-        over the output) penalties, only on rows that ask for them."""
-        V = logits.shape[1]
-        for i, p in enumerate(batch.params):
-            if not p.has_penalties:
-                continue
-            out_ids = torch.tensor(batch.output_ids[i], dtype=torch.long, device=logits.device)
-            counts = torch.bincount(out_ids[out_ids < V], minlength=V).to(logits.dtype)
-            row = logits[i]
-            if p.repetition_penalty != 1.0:
-                seen = counts > 0
-                prompt = torch.tensor(batch.prompt_ids[i], dtype=torch.long, device=logits.device)
-                seen[prompt[prompt < V]] = True
-                penalized = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
-                row = torch.where(seen, penalized, row)
-            row = row - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).to(logits.dtype)
-            logits[i] = row
-        return logits
-
-    def _sample(self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> torch.Tensor:
-        temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=logits.device)
+    def _sample(self, logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+        temps = st.temperature
+        if st.any_greedy:  # greedy rows are replaced by their argmax; keep their math finite
+            temps = torch.where(temps < _GREEDY_TEMPERATURE, torch.ones_like(temps), temps)
         logits = logits / temps.unsqueeze(1)
-        logits = self._filter(logits, params)
+        logits = self._filter(logits, st)
         probs = torch.softmax(logits, dim=-1)
         noise = torch.empty_like(probs)
-        unseeded = [i for i, g in enumerate(generators) if g is None]
-        if unseeded:
-            noise[unseeded] = torch.empty((len(unseeded), probs.shape[1]), device=probs.device).exponential_()
-        for i, g in enumerate(generators):
-            if g is not None:
-                noise[i].exponential_(generator=g)
+        if len(st.generators) < probs.shape[0]:
+            noise.exponential_()
+        for i, g in st.generators:
+            noise[i].exponential_(generator=g)
         return (probs / noise).argmax(dim=-1)
 
-    def _filter(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    def _filter(self, logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
         """Mask tokens outside top-k, outside the top-p nucleus and below min-p to -inf.
         The most likely token always survives every filter."""
         neg_inf = torch.finfo(logits.dtype).min
-        if any(p.min_p > 0 for p in params):
+        if st.any_min_p:
             probs = torch.softmax(logits, dim=-1)
-            min_p = torch.tensor([p.min_p for p in params], dtype=logits.dtype, device=logits.device)
-            threshold = min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+            threshold = st.min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
             logits = logits.masked_fill(probs < threshold, neg_inf)
-        need_k = any(p.top_k > 0 for p in params)
-        need_p = any(p.top_p < 1 for p in params)
-        if not (need_k or need_p):
+        if not (st.any_top_k or st.any_top_p):
             return logits
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         V = logits.shape[1]
         mask = torch.zeros_like(sorted_logits, dtype=torch.bool)
-        if need_k:
-            k = torch.tensor([p.top_k if p.top_k > 0 else V for p in params], device=logits.device)
-            ranks = torch.arange(V, device=logits.device).unsqueeze(0)
-            mask |= ranks >= k.unsqueeze(1)
-        if need_p:
-            top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype, device=logits.device)
+        if st.any_top_k:
+            k = torch.where(st.top_k > 0, st.top_k, V)
+            mask |= torch.arange(V, device=logits.device).unsqueeze(0) >= k.unsqueeze(1)
+        if st.any_top_p:
             probs_sorted = torch.softmax(sorted_logits.masked_fill(mask, neg_inf), dim=-1)
             before = probs_sorted.cumsum(dim=-1) - probs_sorted  # mass strictly above each token
-            mask |= before >= top_p.unsqueeze(1)
+            # Rows with top_p = 1 keep everything (a cumulative sum that rounds to 1 must
+            # not cut their tail).
+            mask |= (before >= st.top_p.unsqueeze(1)) & (st.top_p < 1).unsqueeze(1)
         mask[:, 0] = False
         sorted_logits = sorted_logits.masked_fill(mask, neg_inf)
         return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
-    def _logprob_tensors(self, raw: torch.Tensor | None, tokens: torch.Tensor, want: list[int | None]):
-        """Only what leaves the device: the chosen token's logprob and the top k (k <= 20)."""
-        if raw is None:
-            return None
-        rows = [i for i, k in enumerate(want) if k is not None]
-        sub = raw[torch.tensor(rows, device=raw.device)]
-        chosen = sub.gather(1, tokens[torch.tensor(rows, device=raw.device)].unsqueeze(1)).squeeze(1)
-        k = max(want[i] for i in rows)
-        top_vals, top_ids = sub.topk(k, dim=-1) if k > 0 else (sub[:, :0], sub[:, :0].long())
-        return rows, chosen, top_vals, top_ids
 
-    def _logprobs(self, ds: DeviceSamples, token_list: list[int]) -> list[TokenLogprob | None]:
-        out: list[TokenLogprob | None] = [None] * len(ds.want)
-        if ds.logprobs is None:
-            return out
-        rows, chosen, top_vals, top_ids = ds.logprobs
-        chosen_l, vals_l, ids_l = chosen.tolist(), top_vals.tolist(), top_ids.tolist()
-        for j, i in enumerate(rows):
-            ki = ds.want[i]
-            out[i] = TokenLogprob(token_list[i], chosen_l[j], ids_l[j][:ki], vals_l[j][:ki])
-        return out
+def apply_penalties(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+    """Repetition (HF/vLLM: over prompt and output; positive logits divided, negative
+    multiplied), then presence and frequency (OpenAI: over the output), on every row at
+    once: a row without penalties passes through unchanged."""
+    counts = st.counts
+    assert counts is not None
+    if st.any_repetition:
+        seen = counts > 0
+        if st.prompt_seen is not None:
+            seen |= st.prompt_seen
+        rep = st.repetition.unsqueeze(1)
+        logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
+    return logits - st.frequency.unsqueeze(1) * counts - st.presence.unsqueeze(1) * (counts > 0).to(logits.dtype)
+
+
+def bias_and_bans(params: list[SamplingParams], vocab_size: int) -> tuple[list[tuple[int, int, float]], list[tuple[int, int]]]:
+    """Rows' ``logit_bias`` as ``(row, token, value)`` additions and ``(row, token)`` bans
+    (a bias of -100 bans outright, as OpenAI defines it)."""
+    adds = [(i, t, b) for i, p in enumerate(params) for t, b in p.logit_bias if t < vocab_size and b > -100]
+    bans = [(i, t) for i, p in enumerate(params) for t, b in p.logit_bias if t < vocab_size and b <= -100]
+    return adds, bans
+
+
+def logprob_lists(lp: tuple[torch.Tensor, torch.Tensor, torch.Tensor], tokens: list[int], ks: list[int]) -> list[TokenLogprob]:
+    """``TokenLogprob``s from logprob tensors already on the host, one per logprob row."""
+    chosen, vals, ids = lp
+    chosen_l, vals_l, ids_l = chosen.tolist(), vals.tolist(), ids.tolist()
+    return [TokenLogprob(t, c, i[:k], v[:k]) for t, c, i, v, k in zip(tokens, chosen_l, ids_l, vals_l, ks)]

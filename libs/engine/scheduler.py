@@ -1,17 +1,30 @@
-"""Continuous batching with chunked prefill and preemption by recompute.
+"""Continuous batching with chunked prefill and preemption by recompute, O(changes) per step.
 
 Every step has a token budget (``max_num_batched_tokens``) and a cap on running
-sequences (``max_num_seqs``). Running sequences are served first, in arrival order:
-each gets what it still needs (one token while decoding, the next chunk of its prompt
-while prefilling). Waiting sequences are admitted with what budget is left, after a
-prefix-cache lookup that skips blocks already in the cache. When a running sequence
-needs a block and none is free, the most recently arrived running sequence is
-preempted: its blocks are freed and it goes back to the front of the queue to be
-recomputed later (its full blocks usually survive in the prefix cache, so the
-recompute is mostly cache hits).
+sequences (``max_num_seqs``). Decoding sequences come first, one token each; then
+sequences still prefilling get the next chunk of their prompt, in arrival order; then
+waiting sequences are admitted with what budget is left, after a prefix-cache lookup
+that skips blocks already in the cache. When a sequence needs a block and none is free,
+the most recently admitted running sequence is preempted: its blocks are freed and it
+goes back to the front of the queue to be recomputed later (its full blocks usually
+survive in the prefix cache, so the recompute is mostly cache hits).
 
-The step's batch is laid out decode-first (one query token each), then prefill chunks,
-which is the layout the attention backends expect.
+The per-step cost does not grow with the number of running sequences. A decoding
+sequence needs nothing from the scheduler except a new block every ``block_size``
+steps, and which ones need one at step ``s`` is known in advance: a sequence that feeds
+position ``p`` at step ``s`` keeps ``(p - s) mod block_size`` constant while it decodes,
+so decoding sequences sit in ``block_size`` buckets by that phase (a timing wheel) and
+step ``s`` visits only the bucket whose sequences reach a block boundary. The output
+lists changes only (blocks appended, chunks scheduled, sequences admitted or
+preempted); the engine applies them to its persistent batch, whose decode region is
+exactly the decoding set.
+
+Async scheduling (libs/engine/engine.py) schedules step N + 1 before step N's tokens are
+on the host. A decoding sequence then simply goes on (its input id comes from the
+device); one that the last step took to its length limit is ``retire``d here without
+waiting to be read back; one that stops on a token is found one step late, and its extra
+token is discarded. A waiting sequence with a token still in flight is not admitted
+until that token is read back (its prompt to recompute is not known yet).
 """
 
 from __future__ import annotations
@@ -39,22 +52,28 @@ class ScheduledSeq:
     seq: Sequence
     num_tokens: int  # tokens fed this step, from seq.num_computed_tokens on
     num_samples: int  # 0 when this chunk does not reach the end of the sequence
+    is_decode: bool = False  # one generated token: laid out with the decoding rows
 
 
 @dataclass
 class SchedulerOutput:
-    scheduled: list[ScheduledSeq] = field(default_factory=list)  # decode-first order
-    num_decodes: int = 0
-    imports: list[tuple[KVImport, list[int], list[int]]] = field(default_factory=list)  # (import, staging rows, block ids)
+    """What changed this step. The decoding sequences not in ``skipped`` all run one token."""
+
+    num_decodes: int = 0  # decoding sequences that run this step (admitted decode-type ones included)
+    chunks: list[ScheduledSeq] = field(default_factory=list)  # prompt chunks and admissions, in order
+    admitted: list[Sequence] = field(default_factory=list)  # need a row in the batch
+    grown: list[Sequence] = field(default_factory=list)  # block tables that got new blocks
+    skipped: list[Sequence] = field(default_factory=list)  # decoding, but not run this step (budget)
     preempted: list[Sequence] = field(default_factory=list)
+    imports: list[tuple[KVImport, list[int], list[int]]] = field(default_factory=list)  # (import, staging rows, block ids)
 
     @property
     def num_batched_tokens(self) -> int:
-        return sum(s.num_tokens for s in self.scheduled)
+        return self.num_decodes + sum(s.num_tokens for s in self.chunks if not s.is_decode)
 
     @property
     def is_empty(self) -> bool:
-        return not self.scheduled
+        return self.num_decodes == 0 and not self.chunks
 
 
 class Scheduler:
@@ -62,7 +81,13 @@ class Scheduler:
         self.config = config
         self.bm = block_manager
         self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
+        self.running: dict[int, Sequence] = {}  # admission order (the preemption order)
+        self.prefilling: dict[int, Sequence] = {}  # running, with prompt tokens left to compute
+        self.decoding: dict[int, Sequence] = {}
+        self.retired: dict[int, Sequence] = {}  # done computing, last tokens still in flight
+        self._wheel: list[dict[int, Sequence]] = [{} for _ in range(block_manager.block_size)]
+        self._phase: dict[int, int] = {}  # seq_id -> wheel bucket
+        self.step = 0  # index of the next step to schedule
         self.num_preemptions = 0
 
     @property
@@ -80,52 +105,81 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        s, bs = self.step, self.block_size
+        self.step += 1
         budget = self.config.max_num_batched_tokens
-        decodes: list[ScheduledSeq] = []
-        prefills: list[ScheduledSeq] = []
 
-        i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            n = self._chunk(seq.num_uncomputed_tokens, budget)
-            if n == 0:
-                i += 1
-                continue
-            need = self.bm.blocks_needed(seq, n)
-            while need > self.bm.num_free_blocks and self.running[-1] is not seq:
-                self._preempt(self.running.pop(), out)
-            if need > self.bm.num_free_blocks:
-                self.running.pop()  # seq itself is last: nothing left to take from
-                self._preempt(seq, out)
+        if len(self.decoding) > budget:  # rare: the newest decodes wait a step
+            for seq in list(self.decoding.values())[budget:]:
+                out.skipped.append(seq)
+                self._rekey(seq, (self._phase[seq.seq_id] - 1) % bs)
+        for seq in list(self._wheel[-s % bs].values()):  # the ones at a block boundary now
+            if seq.seq_id not in self.decoding or seq in out.skipped:
+                continue  # preempted meanwhile, or not running this step
+            need = self.bm.blocks_needed(seq, 1)
+            if need and self._make_room(seq, need, out):
+                self.bm.allocate_slots(seq, 1)
+                out.grown.append(seq)
+        budget -= len(self.decoding) - len(out.skipped)
+
+        for seq in list(self.prefilling.values()):
+            if budget <= 0:
                 break
+            if seq.seq_id not in self.prefilling:  # preempted by an earlier one this step
+                continue
+            n = self._chunk(seq.num_tokens - seq.num_computed_tokens, budget)
+            if n == 0:
+                continue
+            if not self._make_room(seq, self.bm.blocks_needed(seq, n), out):
+                break
+            grew = self.bm.blocks_needed(seq, n) > 0
             self.bm.allocate_slots(seq, n)
-            (decodes if _is_decode(seq, n) else prefills).append(self._scheduled(seq, n))
+            if grew:
+                out.grown.append(seq)
+            out.chunks.append(self._scheduled(seq, n, decode_ok=False))
             budget -= n
-            i += 1
 
         # Admit waiting sequences unless this step had to preempt (no room to grow).
         while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
+            if seq.num_pending:  # its last token is still in flight: its prompt is not known yet
+                break
             admitted = self._admit(seq, budget, out)
             if admitted is None:
                 break
             self.waiting.popleft()
-            self.running.append(seq)
-            (decodes if _is_decode(seq, admitted.num_tokens) else prefills).append(admitted)
+            self.running[seq.seq_id] = seq
+            out.admitted.append(seq)
+            out.chunks.append(admitted)
+            if not admitted.is_decode:
+                self.prefilling[seq.seq_id] = seq
             budget -= admitted.num_tokens
-
-        out.scheduled = decodes + prefills
-        out.num_decodes = len(decodes)
+        out.num_decodes = len(self.decoding) - len(out.skipped) + sum(c.is_decode for c in out.chunks)
         return out
+
+    def _make_room(self, seq: Sequence, need: int, out: SchedulerOutput) -> bool:
+        """Preempt the newest running sequences until ``need`` blocks are free; False
+        (and ``seq`` preempted) when ``seq`` itself is the newest left."""
+        while need > self.bm.num_free_blocks:
+            victim = next(reversed(self.running.values()))
+            self._preempt(victim, out)
+            if victim is seq:
+                return False
+        return True
 
     def _chunk(self, remaining: int, budget: int) -> int:
         if remaining <= budget:
             return remaining
         return budget if self.config.enable_chunked_prefill else 0
 
-    def _scheduled(self, seq: Sequence, n: int) -> ScheduledSeq:
+    def _scheduled(self, seq: Sequence, n: int, *, decode_ok: bool = True) -> ScheduledSeq:
+        """``decode_ok``: an admitted sequence whose one token to compute is a generated
+        one joins the decoding rows (never a prompt's last token, even alone in a chunk:
+        the quantized path runs decode rows on 4-bit weights). A prefilling sequence stays
+        in the prefill rows for its last chunk, whatever its size."""
         reaches_end = seq.num_computed_tokens + n == seq.num_tokens
-        return ScheduledSeq(seq, n, (1 + seq.pending_forks) if reaches_end else 0)
+        is_decode = decode_ok and n == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens and reaches_end
+        return ScheduledSeq(seq, n, (1 + seq.pending_forks) if reaches_end else 0, is_decode)
 
     def _admit(self, seq: Sequence, budget: int, out: SchedulerOutput) -> ScheduledSeq | None:
         """Prefix hits, imported KV, then fresh blocks for the first chunk; None if it
@@ -163,31 +217,55 @@ class Scheduler:
         return self._scheduled(seq, n)
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self._drop(seq)
         self.bm.free(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_computed_tokens = 0
         seq.was_preempted = True
         self.waiting.appendleft(seq)
         out.preempted.append(seq)
+        if seq in out.admitted:  # admitted earlier this step: undo
+            out.admitted.remove(seq)
+        if seq in out.skipped:
+            out.skipped.remove(seq)
+        out.chunks = [c for c in out.chunks if c.seq is not seq]
         self.num_preemptions += 1
 
-    # -- lifecycle ----------------------------------------------------------------------
+    # -- transitions the engine reports -------------------------------------------------
+
+    def start_decoding(self, seq: Sequence) -> None:
+        """``seq`` was just launched with the step that samples its next token: from the
+        next step on it decodes, feeding position ``num_computed_tokens``."""
+        self.prefilling.pop(seq.seq_id, None)
+        self.running.setdefault(seq.seq_id, seq)
+        self.decoding[seq.seq_id] = seq
+        self._rekey(seq, (seq.num_computed_tokens - self.step) % self.block_size)
+
+    def retire(self, seq: Sequence) -> None:
+        """``seq`` reached its length limit with its last token still in flight: it needs
+        no more steps and finishes when that token is read back."""
+        self._drop(seq)
+        self.retired[seq.seq_id] = seq
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Mark finished and drop from the queues; the caller frees (or exports) blocks."""
+        if seq.status is SequenceStatus.WAITING and seq in self.waiting:
+            self.waiting.remove(seq)  # preempted with its last token in flight
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
-        if seq in self.running:
-            self.running.remove(seq)
+        self._drop(seq)
+        self.retired.pop(seq.seq_id, None)
 
-    def abort(self, request_id: str) -> list[Sequence]:
-        """Abort every sequence of ``request_id`` wherever it is; blocks are freed now."""
-        aborted = [s for s in self.running if s.request_id == request_id]
-        aborted += [s for s in self.waiting if s.request_id == request_id]
-        for seq in aborted:
-            if seq in self.running:
-                self.running.remove(seq)
-            else:
+    def abort(self, seqs: list[Sequence]) -> list[Sequence]:
+        """Abort these sequences wherever they are; their blocks are freed now."""
+        aborted = []
+        for seq in seqs:
+            if seq.is_finished:
+                continue
+            if seq.seq_id in self.running or seq.seq_id in self.retired:
+                self._drop(seq)
+                self.retired.pop(seq.seq_id, None)
+            elif seq in self.waiting:
                 self.waiting.remove(seq)
             seq.status = SequenceStatus.FINISHED
             seq.finish_reason = "abort"
@@ -195,10 +273,23 @@ class Scheduler:
             if seq.kv_import is not None:
                 seq.kv_import.release()
                 seq.kv_import = None
+            aborted.append(seq)
         return aborted
 
+    # -- internals ----------------------------------------------------------------------
 
-def _is_decode(seq: Sequence, n: int) -> bool:
-    """One generated token (never a prompt's last token, even alone in a chunk): the batch's
-    decode-first part, which every attention backend and the quantized path rely on."""
-    return n == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens
+    def _drop(self, seq: Sequence) -> None:
+        sid = seq.seq_id
+        self.running.pop(sid, None)
+        self.prefilling.pop(sid, None)
+        if self.decoding.pop(sid, None) is not None:
+            del self._wheel[self._phase.pop(sid)][sid]
+
+    def _rekey(self, seq: Sequence, phase: int) -> None:
+        sid = seq.seq_id
+        old = self._phase.get(sid)
+        if old is not None:
+            del self._wheel[old][sid]
+        self._phase[sid] = phase
+        self._wheel[phase][sid] = seq
+

@@ -2,8 +2,18 @@
 
 A request with ``n > 1`` becomes ``n`` sequences that share the prompt's KV blocks: the
 first one computes the prompt, the others are forked from it when it samples its first
-token (see Scheduler). ``token_ids`` is prompt + output; ``num_computed_tokens`` of them
-have their KV in the cache; the scheduler feeds the rest.
+token (libs/engine/forks.py). ``token_ids`` is prompt + output as known on the host;
+``num_computed_tokens`` of them have their KV in the cache; the scheduler feeds the rest.
+
+While a sequence runs it owns a row of the engine's persistent ``InputBatch``
+(libs/engine/input_batch.py), and the row's arrays are the truth for its per-step
+counters: ``num_computed_tokens`` reads and writes the row, so a decode step advances
+every running sequence with one vectorised add instead of a Python loop. Off the batch
+(waiting, finished) the counters live on the sequence itself.
+
+With async scheduling a sampled token may still be on its way from the device:
+``num_pending`` counts those (the batch row counts them in its ``num_tokens``); they are
+appended to ``token_ids`` when the step's ids are read back, one step late.
 """
 
 from __future__ import annotations
@@ -22,6 +32,7 @@ if TYPE_CHECKING:
     from kernels.swap import StagingBuffer
     from libs.engine.prompt_logprobs import PromptLogprobs
     from libs.structured import GrammarMatcher
+    from libs.engine.input_batch import InputBatch
 
 _seq_ids = itertools.count()
 
@@ -71,7 +82,7 @@ class KVImport:
             b.release()
 
 
-@dataclass
+@dataclass(eq=False)  # identity: sequences are compared and hashed as objects
 class Sequence:
     request_id: str
     index: int
@@ -85,7 +96,10 @@ class Sequence:
         self.token_ids: list[int] = list(self.prompt_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)
         self.status = SequenceStatus.WAITING
-        self.num_computed_tokens = 0
+        self.batch: "InputBatch | None" = None  # set while the sequence owns a row
+        self.row = -1
+        self._num_computed = 0
+        self.num_pending = 0  # sampled tokens not read back yet (off the batch only)
         self.num_cached_tokens = 0  # prompt tokens found in the local prefix cache
         self.num_imported_tokens = 0  # prompt tokens whose KV was loaded from the pool
         self.block_table: list[int] = []
@@ -109,6 +123,22 @@ class Sequence:
         self.captured_logits: "torch.Tensor | None" = None
         self.prompt_scores: "PromptLogprobs | None" = None  # prompt_logprobs, chunk by chunk
         self.prompt_scores_reported = False
+        # Stop tests, precomputed: a sampled token is checked against these two only.
+        self.stop_ids = frozenset(self.params.stop_token_ids) | (frozenset() if self.params.ignore_eos else frozenset(self.eos_token_ids))
+        self.max_len = self.num_prompt_tokens + self.params.max_tokens if self.params.max_tokens is not None else 1 << 62
+
+    @property
+    def num_computed_tokens(self) -> int:
+        b = self.batch
+        return self._num_computed if b is None else int(b.num_computed[self.row])
+
+    @num_computed_tokens.setter
+    def num_computed_tokens(self, value: int) -> None:
+        b = self.batch
+        if b is None:
+            self._num_computed = value
+        else:
+            b.num_computed[self.row] = value
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -120,7 +150,13 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
+        """Tokens known on the host (prompt + output read back so far)."""
         return len(self.token_ids)
+
+    @property
+    def num_tokens_with_pending(self) -> int:
+        b = self.batch
+        return len(self.token_ids) + self.num_pending if b is None else int(b.num_tokens[self.row])
 
     @property
     def num_uncomputed_tokens(self) -> int:

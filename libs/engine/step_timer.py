@@ -1,4 +1,5 @@
-"""How busy the device is: GPU time per step, and the idle gaps between steps.
+"""How busy the device is (GPU time per step, idle gaps between steps), and where the
+host's time per step goes.
 
 CUDA events are recorded around each step's device work (forward and sampling) on the
 stream; after the step's host sync both have completed, so reading them costs nothing.
@@ -13,34 +14,41 @@ import torch
 
 
 class StepTimer:
+    """``start()``/``stop()`` return a step's events, which travel with its result (async
+    scheduling launches step N + 1 before step N is read back); ``account(events)`` adds
+    the step once its result is on the host."""
+
     def __init__(self, device: torch.device):
         self.enabled = device.type == "cuda"
         self.busy_s = 0.0
         self.idle_s = 0.0
         self.steps = 0
-        self._start: torch.cuda.Event | None = None
-        self._end: torch.cuda.Event | None = None
         self._prev_end: torch.cuda.Event | None = None
 
-    def start(self) -> None:
-        if self.enabled:
-            self._start = torch.cuda.Event(enable_timing=True)
-            self._start.record()
+    def start(self) -> "torch.cuda.Event | None":
+        return self._record()
 
-    def stop(self) -> None:
-        if self.enabled:
-            self._end = torch.cuda.Event(enable_timing=True)
-            self._end.record()
+    def stop(self) -> "torch.cuda.Event | None":
+        return self._record()
 
-    def account(self) -> None:
-        """Add the last step (call after its host sync, when its events have completed)."""
-        if not self.enabled or self._start is None or self._end is None:
+    def _record(self) -> "torch.cuda.Event | None":
+        if not self.enabled:
+            return None
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+
+    def account(self, events: tuple) -> None:
+        """Add a step from its ``(start, stop)`` events (after its host sync, when both
+        have completed); steps must be accounted in launch order."""
+        start, end = events
+        if start is None or end is None:
             return
-        self._end.synchronize()
-        self.busy_s += self._start.elapsed_time(self._end) / 1e3
+        end.synchronize()
+        self.busy_s += start.elapsed_time(end) / 1e3
         if self._prev_end is not None:
-            self.idle_s += self._prev_end.elapsed_time(self._start) / 1e3
-        self._prev_end, self._start, self._end = self._end, None, None
+            self.idle_s += max(0.0, self._prev_end.elapsed_time(start) / 1e3)
+        self._prev_end = end
         self.steps += 1
 
     def reset(self) -> None:
@@ -54,3 +62,33 @@ class StepTimer:
     def idle_fraction(self) -> float | None:
         total = self.busy_s + self.idle_s
         return self.idle_s / total if self.enabled and total > 0 else None
+
+
+PHASES = ("schedule", "prepare", "launch", "sample", "output")
+
+
+class HostPhases:
+    """Host seconds per step phase, always on (a few ``perf_counter`` calls a step).
+
+    - ``schedule``: the scheduler's decision;
+    - ``prepare``: applying it to the persistent batch and laying out the step's inputs;
+    - ``launch``: handing the step's device work over (on the CPU without async
+      scheduling the work runs right there, so it includes the forward and sampling);
+    - ``sample``: waiting for a step's sampled ids and reading them;
+    - ``output``: appending tokens, stop checks, request outputs.
+
+    ``forward`` is the time the device queue spent in the model forward (host launch
+    time on CUDA, compute on the CPU). ``history`` keeps every step when enabled
+    (benchmarks take medians of it)."""
+
+    def __init__(self) -> None:
+        self.totals = dict.fromkeys((*PHASES, "forward", "step"), 0.0)
+        self.steps = 0
+        self.history: list[dict[str, float]] | None = None
+
+    def record(self, phases: dict[str, float]) -> None:
+        self.steps += 1
+        for k, v in phases.items():
+            self.totals[k] += v
+        if self.history is not None:
+            self.history.append(phases)

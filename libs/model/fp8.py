@@ -89,6 +89,22 @@ class Fp8Weight:
         rows = dense[: self.shape[0]] if self.out_index is None else dense[self.out_index]
         return rows[:, : self.shape[1]]
 
+    def narrow(self, dim: int, start: int, stop: int, name: str = "weight") -> "Fp8Weight":
+        """Rows (``dim`` 0) or columns (1) ``[start, stop)`` along whole 128-blocks, with
+        their own scales: a tensor-parallel shard of the very weight TP=1 runs. A cut
+        inside a block would need new scales (other weights, other KV), so it is refused."""
+        full = self.shape[dim]
+        if self.out_index is not None or start % BLOCK or (stop % BLOCK and stop != full) or not 0 <= start < stop <= full:
+            raise ValueError(
+                f"{name}: an FP8 weight splits for tensor parallelism only along its {BLOCK}-blocks, "
+                f"not at [{start}, {stop}) of {full} (use a tensor_parallel_size that cuts heads and the MLP at multiples of {BLOCK})"
+            )
+        q_stop = self.q.shape[dim] if stop == full else stop
+        q = self.q.narrow(dim, start, q_stop - start).contiguous()
+        scale = self.scale.narrow(dim, start // BLOCK, -(-q_stop // BLOCK) - start // BLOCK).contiguous()
+        shape = (stop - start, self.shape[1]) if dim == 0 else (self.shape[0], stop - start)
+        return Fp8Weight(q, scale, shape)
+
     @staticmethod
     def cat(parts: list["Fp8Weight"]) -> "Fp8Weight":
         """Fuse parts along N (q/k/v, gate/up); each keeps its own blocks."""

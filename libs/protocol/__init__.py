@@ -31,6 +31,7 @@ from libs.protocol.message import Message, check, decode, encode, from_wire, mes
 from libs.protocol.messages import (
     AbortRequest,
     DecodeRequest,
+    DeregisterInstance,
     ErrorMessage,
     HandoffUpdate,
     Heartbeat,
@@ -53,6 +54,7 @@ __all__ = [
     "MSGPACK_CONTENT_TYPE",
     "AbortRequest",
     "DecodeRequest",
+    "DeregisterInstance",
     "ErrorCode",
     "ErrorMessage",
     "HandoffUpdate",

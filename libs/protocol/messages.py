@@ -6,7 +6,8 @@ Router -> decode: :class:`DecodeRequest`, answered by a stream of :class:`TokenE
 ``await_handoff`` the router then posts :class:`HandoffUpdate` messages as prefill
 progresses (the streamed handoff, docs/HANDOFF.md).
 Router -> prefill/decode: :class:`AbortRequest`.
-Prefill/decode -> router: :class:`RegisterInstance` once, then :class:`Heartbeat`; the router
+Prefill/decode -> router: :class:`RegisterInstance` once, then :class:`Heartbeat` (and
+:class:`DeregisterInstance` when going down); the router
 answers both with :class:`InstanceAck`.
 Anyone: :class:`ErrorMessage` where a msgpack peer needs an error it can decode.
 
@@ -479,6 +480,27 @@ class RegisterInstance(Message, version=1):
         if self.quantization == "none":
             del out["quantization"]
         return out
+
+
+@dataclass(kw_only=True)
+class DeregisterInstance(Message, version=1):
+    """Prefill/decode -> router when it goes down (a stop, or a tensor-parallel rank that
+    died): stop sending it work now, not after missed heartbeats. Its open streams end;
+    the router resumes them elsewhere.
+
+    Attributes:
+        instance_id: as registered.
+        role: as registered.
+        reason: why it leaves (logged by the router).
+    """
+
+    instance_id: str
+    role: Role
+    reason: str = ""
+
+    def validate(self) -> None:
+        check(len(self.instance_id) > 0, "instance_id", "must not be empty")
+        check(len(self.reason) <= 1000, "reason", "must be at most 1000 characters")
 
 
 @dataclass(kw_only=True)

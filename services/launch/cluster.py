@@ -60,6 +60,7 @@ class ClusterConfig:
     worker_args: list[str] = field(default_factory=list)
     prefill_args: list[str] = field(default_factory=list)
     decode_args: list[str] = field(default_factory=list)
+    instance_args: dict[str, list[str]] = field(default_factory=dict)  # one instance's own, by name ("decode-1")
     cache_store_args: list[str] = field(default_factory=list)
     echo: IO[str] | None = None  # copy every service's stdout here (make run)
 
@@ -180,7 +181,7 @@ class LocalCluster:
             "--port", "0", "--router-url", router_url,
             "--device", cfg.device, "--dtype", cfg.dtype, "--threads", str(cfg.worker_threads()),
             "--instance-id", f"{role}-{index}",
-            *(["--model", cfg.model] if cfg.model else []), *cfg.worker_args, *extra,
+            *(["--model", cfg.model] if cfg.model else []), *cfg.worker_args, *extra, *cfg.instance_args.get(f"{role}-{index}", []),
         ]
         return self._child(f"{role}-{index}", f"services.{role}", args, threads=cfg.worker_threads())
 

@@ -1,5 +1,7 @@
-"""The engine on CUDA (Triton attention, CUDA graphs, async prepare, pinned swaps) against
-transformers on the same random weights, and against its own slower paths."""
+"""The engine on CUDA (Triton attention, decode and prefill CUDA graphs, async scheduling,
+pinned swaps) against transformers on the same random weights, and against its own
+slower paths: graph replay equals eager, async scheduling equals sync token for token,
+and nothing is emitted past a stop or an abort."""
 
 import pytest
 import torch
@@ -60,29 +62,81 @@ def test_first_step_logits_match_transformers(models):
     eng.close()
 
 
-def test_greedy_matches_transformers_with_graphs_and_async_prepare(models):
+def test_greedy_matches_transformers_with_graphs_and_async_scheduling(models):
     hf, loaded = models
-    eng = make(loaded)
-    assert eng.runner.graphs is not None and eng._prepare is not None
+    eng = make(loaded, async_scheduling="on")
+    assert eng.runner.graphs is not None and eng.async_scheduling
     ps = prompts()
     got = eng.generate(ps, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
-    assert eng.runner.graphs.replays > 0 and eng.prepared_ahead_hits > 0
+    assert eng.runner.graphs.replays["decode"] > 0 and eng.runner.graphs.replays["prefill"] > 0
     for ids, r in zip(ps, got):
         assert r.token_ids == hf_greedy(hf, ids, 16)
     assert eng.timer.idle_fraction is not None and 0 <= eng.timer.idle_fraction < 1
     eng.close()
 
 
-def test_graphs_and_async_prepare_do_not_change_outputs(models):
+@pytest.mark.parametrize("graphs", ["decode", "prefill"])
+def test_graph_replay_equals_eager(models, graphs):
+    """Logits of prompts (prefill graphs: mixed steps too) and of decode steps."""
+    _, loaded = models
+    eager = make(loaded, cuda_graphs=False)
+    fast = make(loaded, prefill_graph_max_tokens=0 if graphs == "decode" else 8192)
+    assert (fast.runner.graphs.prefill_tokens == []) == (graphs == "decode")
+    for ids in prompts(4):
+        for extra in ([], [7, 8, 9]):  # prompt logits, then logits after a few decode steps
+            a = eager.first_step_logits(ids + extra)
+            b = fast.first_step_logits(ids + extra)
+            assert torch.allclose(a, b, atol=1e-4, rtol=0), (a - b).abs().max()
+    # Decode steps: every step's logprobs (decode graphs; with prefill graphs, the steps
+    # that mix decodes with the other prompts' chunks).
+    ps = prompts()
+    params = SamplingParams(temperature=0, max_tokens=24, logprobs=5, ignore_eos=True)
+    a, b = eager.generate(ps, params), fast.generate(ps, params)
+    assert [r.token_ids for r in a] == [r.token_ids for r in b]
+    for x, y in zip(a, b):
+        assert [lp.top_ids for lp in x.logprobs] == [lp.top_ids for lp in y.logprobs]
+        got = torch.tensor([lp.top_logprobs for lp in y.logprobs])
+        assert torch.allclose(torch.tensor([lp.top_logprobs for lp in x.logprobs]), got, atol=1e-3, rtol=0)
+    assert fast.runner.graphs.replays[graphs] > 0
+    eager.close()
+    fast.close()
+
+
+def test_async_scheduling_equals_sync_on_cuda(models):
+    from tests.unit.test_async_scheduling import drive, mixed_workload
+
+    _, loaded = models
+    reqs = [(t, [x % 49152 for x in p], sp) for t, p, sp in mixed_workload(2)]
+    runs = {}
+    for mode in ("off", "on"):
+        eng = make(loaded, async_scheduling=mode, num_blocks=64, max_num_batched_tokens=128)
+        runs[mode] = drive(eng, reqs, {6: "r2", 15: "r9"})
+        assert eng.block_manager.num_free_blocks == 64
+        eng.close()
+    for key in runs["off"]:
+        assert runs["off"][key]["ids"] == runs["on"][key]["ids"], key
+        assert runs["off"][key]["reason"] == runs["on"][key]["reason"], key
+
+
+def test_a_stopped_or_aborted_sequence_never_emits_past_its_end_on_cuda(models, monkeypatch):
+    import tests.unit.test_async_scheduling as t
+
+    _, loaded = models
+    monkeypatch.setattr(t, "tiny_engine", lambda **kw: make(loaded, **{**kw, "num_blocks": 256}))
+    for mode in ("off", "on"):
+        t.test_a_stopped_or_aborted_sequence_never_emits_past_its_end(mode)
+
+
+def test_graphs_and_async_scheduling_do_not_change_outputs(models):
     _, loaded = models
     ps = prompts()
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    ref = make(loaded, cuda_graphs=False, async_prepare="off").generate(ps, params)
-    fast = make(loaded)
+    ref = make(loaded, cuda_graphs=False, async_scheduling="off").generate(ps, params)
+    fast = make(loaded, async_scheduling="on")
     got = fast.generate(ps, params)
     assert [r.token_ids for r in got] == [r.token_ids for r in ref]
     seeded = SamplingParams(temperature=0.9, top_p=0.9, max_tokens=24, seed=3, ignore_eos=True)
-    a = make(loaded, cuda_graphs=False, async_prepare="off").generate(ps[:2], seeded)
+    a = make(loaded, cuda_graphs=False, async_scheduling="off").generate(ps[:2], seeded)
     b = fast.generate(ps[:2], seeded)
     assert [r.token_ids for r in a] == [r.token_ids for r in b]
     fast.close()
@@ -119,14 +173,16 @@ def test_kv_export_import_through_pinned_staging(models):
     assert pre.swapper.in_use == 0 and dec.swapper.in_use == 0
 
 
-def test_streamed_export_on_cuda_equals_the_export_at_the_end(models):
-    """Chunk-wise gathers (swap_out after each chunk's step, pinned staging) hand out the
-    same bytes as one gather at the end, piece by piece in block order."""
+@pytest.mark.parametrize("async_scheduling", ["off", "on"])
+def test_streamed_export_on_cuda_equals_the_export_at_the_end(models, async_scheduling):
+    """Chunk-wise gathers (swap_out after each chunk's step is read back, pinned staging)
+    hand out the same bytes as one gather at the end, piece by piece in block order; with
+    async scheduling the next chunk is already running on the stream when they are taken."""
     _, loaded = models
     ids = prompts(1)[0] + list(range(100, 400))
 
     def export(stream: bool) -> list[tuple[int, torch.Tensor]]:
-        eng = make(loaded, swap_max_blocks=8, max_num_batched_tokens=64, enable_prefix_caching=False)
+        eng = make(loaded, swap_max_blocks=8, max_num_batched_tokens=64, enable_prefix_caching=False, async_scheduling=async_scheduling)
         eng.add_request("p", ids, SamplingParams(temperature=0, max_tokens=1), export_kv=True, stream_export=stream)
         got = []
         while eng.has_unfinished_requests():

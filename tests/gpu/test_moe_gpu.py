@@ -188,7 +188,7 @@ def test_engine_on_cuda_matches_transformers(qwen3_moe):
     from libs.engine import SamplingParams
 
     got = eng.generate(prompts, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
-    assert eng.runner.graphs.replays > 0
+    assert eng.runner.graphs.replays["decode"] > 0
     for ids, r in zip(prompts, got):
         out, past, x = [], None, torch.tensor([ids], device=CUDA)
         with torch.no_grad():

@@ -1,5 +1,5 @@
 """Hypothesis against the internal msgpack endpoints of real processes: the router's
-register/heartbeat, prefill's /v1/prefill, decode's /v1/decode and /v1/handoff, and both
+register/heartbeat/deregister, prefill's /v1/prefill, decode's /v1/decode and /v1/handoff, and both
 /v1/abort.
 
 Bodies are drawn from five families: valid messages (kept cheap: a few tokens to
@@ -34,6 +34,7 @@ from libs.protocol import INTERNAL_TOKEN_HEADER, Message, StreamDecoder, encode
 from libs.protocol.messages import (
     AbortRequest,
     DecodeRequest,
+    DeregisterInstance,
     Heartbeat,
     HandoffUpdate,
     PrefillProgress,
@@ -174,7 +175,10 @@ def router() -> Iterator[tuple[str, str]]:
         yield proc.url, token
 
 
-@pytest.mark.parametrize(("path", "cls"), [("/internal/v1/register", RegisterInstance), ("/internal/v1/heartbeat", Heartbeat)])
+@pytest.mark.parametrize(
+    ("path", "cls"),
+    [("/internal/v1/register", RegisterInstance), ("/internal/v1/heartbeat", Heartbeat), ("/internal/v1/deregister", DeregisterInstance)],
+)
 def test_router_internal_endpoints(router: tuple[str, str], path: str, cls: type[Message]) -> None:
     url, token = router
     with urllib.request.urlopen(url + "/v1/models", timeout=10) as resp:

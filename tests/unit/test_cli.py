@@ -27,6 +27,7 @@ RUNS = {
     "json_greedy": ["--prompt", PROMPT, "--max-tokens", str(MAX_TOKENS), "--temperature", "0", "--json"],
     "json_chat_seeded": ["--chat", CHAT, "--max-tokens", str(MAX_TOKENS), "--temperature", "0.8", "--top-p", "0.9", "--seed", str(SEED), "--json"],
     "stream_greedy": ["--prompt", PROMPT, "--max-tokens", str(MAX_TOKENS), "--temperature", "0"],
+    "stream_seeded_async": ["--prompt", PROMPT, "--max-tokens", str(MAX_TOKENS), "--seed", str(SEED), "--async-scheduling", "on"],
     "too_long": ["--prompt", PROMPT, "--max-tokens", "100000"],
 }
 BAD_ARGS = {  # rejected before the model is loaded
@@ -91,6 +92,12 @@ def test_streaming_prints_the_same_text(runs, engine):
     ref = engine.generate(PROMPT, SamplingParams(temperature=0, max_tokens=MAX_TOKENS))[0]
     assert out == ref.text + "\n"
     assert runs["stream_greedy"][2] == ""  # nothing on stderr
+
+
+def test_async_scheduling_flag_streams_the_same_sample(runs, engine):
+    out = ok(runs, "stream_seeded_async")
+    ref = engine.generate(PROMPT, SamplingParams(seed=SEED, max_tokens=MAX_TOKENS))[0]
+    assert out == ref.text + "\n"
 
 
 @pytest.mark.parametrize("name", ["too_long", *BAD_ARGS])

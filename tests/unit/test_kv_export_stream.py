@@ -1,6 +1,7 @@
 """Streamed PD export (libs/engine/kv_export.py): a chunked prompt's full blocks are handed
 out after the step that completed them, the rest at the end, on a tiny random model."""
 
+import pytest
 import torch
 
 from libs.engine import SamplingParams
@@ -41,9 +42,12 @@ def blocks_of(outs) -> list[tuple[int, torch.Tensor, int]]:
     return flat
 
 
-def test_chunks_hand_out_full_blocks_before_the_prompt_finishes_and_match_the_end_export():
+@pytest.mark.parametrize("async_scheduling", ["off", "on"])
+def test_chunks_hand_out_full_blocks_before_the_prompt_finishes_and_match_the_end_export(async_scheduling):
+    """With async scheduling a chunk's blocks go out once its step is read back (the next
+    chunk already launched): the same pieces, a step later."""
     ids = prompt(150)  # 9 full blocks + a 6-token tail; 40-token chunks: 4 steps
-    eng = tiny_engine(max_num_batched_tokens=40, enable_prefix_caching=False)
+    eng = tiny_engine(max_num_batched_tokens=40, enable_prefix_caching=False, async_scheduling=async_scheduling)
     streamed = run(eng, "s", ids, stream=True)
     at_end = run(eng, "e", ids, stream=False)
 
@@ -113,8 +117,9 @@ def test_abort_mid_stream_frees_blocks_and_staging():
     assert eng.exports._handed_out == {}
 
 
-def test_preempted_stream_hands_out_each_block_once():
-    eng = tiny_engine(num_blocks=14, max_num_batched_tokens=32, enable_prefix_caching=False)
+@pytest.mark.parametrize("async_scheduling", ["off", "on"])
+def test_preempted_stream_hands_out_each_block_once(async_scheduling):
+    eng = tiny_engine(num_blocks=14, max_num_batched_tokens=32, enable_prefix_caching=False, async_scheduling=async_scheduling)
     long_ids = prompt(150)
     rival = prompt(60, offset=2000)
     eng.add_request("r", rival, SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))
@@ -127,3 +132,4 @@ def test_preempted_stream_hands_out_each_block_once():
                 o.exported_kv.release()
     assert eng.scheduler.num_preemptions > 0
     assert got == list(range(10))
+    eng.close()

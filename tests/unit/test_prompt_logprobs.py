@@ -50,12 +50,14 @@ def test_prompt_logprobs_match_transformers(engine, hf_model, prompts):
         assert len(r.token_ids) == 2
 
 
-def test_chunked_prefill_concatenates_the_chunks(engine, hf_model, prompts):
-    """A 13-token budget splits the prompt into chunks not aligned with the 16-token blocks.
+@pytest.mark.parametrize("async_scheduling", ["off", "on"])
+def test_chunked_prefill_concatenates_the_chunks(engine, hf_model, prompts, async_scheduling):
+    """A 13-token budget splits the prompt into chunks not aligned with the 16-token blocks
+    (with async scheduling, a chunk is planned before the last one's scores are read).
     After the first request the prefix cache holds the prompt; a scored prompt must not use
     it (it would have no scores for the cached part), an unscored one still does."""
     small = LLM(
-        EngineConfig(device="cpu", dtype="float32", num_blocks=256, max_num_seqs=4, max_num_batched_tokens=13),
+        EngineConfig(device="cpu", dtype="float32", num_blocks=256, max_num_seqs=4, max_num_batched_tokens=13, async_scheduling=async_scheduling),
         loaded=engine.loaded,
     )
     try:

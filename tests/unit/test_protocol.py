@@ -24,6 +24,7 @@ from libs.protocol import (
     DecodeRequest,
     ErrorCode,
     ErrorMessage,
+    DeregisterInstance,
     Heartbeat,
     InstanceAck,
     Limits,
@@ -262,6 +263,7 @@ STRATEGIES: dict[type[Message], st.SearchStrategy[Any]] = {
         block_size=st.integers(1, 4096),
     ),
     Heartbeat: heartbeats(),
+    DeregisterInstance: st.builds(DeregisterInstance, instance_id=ident, role=st.sampled_from(["prefill", "decode"]), reason=text),
     InstanceAck: st.builds(InstanceAck, instance_id=text, heartbeat_timeout_s=st.floats(0, 1e6, exclude_min=True)),
     ErrorMessage: st.builds(ErrorMessage, code=st.integers(100, 599), message=text),
 }

@@ -1,0 +1,51 @@
+"""The CUDA-graph step layouts, checked on the CPU by running them eagerly (``emulate``).
+
+A decode graph runs a padded batch (padding rows write to slot -1 and have length 0); a
+prefill graph runs every row, decode rows included, as queries of the prefill kernel
+over a padded token bucket and padded sequence slots. Run eagerly on those exact
+layouts, the engine must produce what it produces without them (tests/gpu replays the
+real graphs against eager).
+"""
+
+from libs.engine import SamplingParams
+from tests.models import tiny_engine
+from tests.unit.test_async_scheduling import drive, mixed_workload
+
+
+def test_graph_layouts_run_eagerly_equal_the_plain_layouts():
+    reqs = mixed_workload(4)[:12]
+    cfg = dict(num_blocks=96, max_num_batched_tokens=64, max_num_seqs=12)
+    plain = drive(tiny_engine(**cfg), reqs)
+    eng = tiny_engine(**cfg, async_scheduling="on")
+    eng.enable_graphs(emulate=True)
+    assert eng.builder.decode_graph_sizes[-1] == 12 and eng.builder.prefill_graph_tokens[-1] == 64
+    padded = drive(eng, reqs)
+    replays = eng.runner.graphs.replays
+    assert replays["decode"] > 10 and replays["prefill"] > 5
+    for key in plain:
+        assert plain[key]["ids"] == padded[key]["ids"] and plain[key]["reason"] == padded[key]["reason"], key
+    assert eng.block_manager.num_free_blocks == 96
+    eng.close()
+
+
+def test_steps_too_big_for_a_graph_run_eagerly():
+    eng = tiny_engine(num_blocks=200, max_num_batched_tokens=256, max_num_seqs=4, graph_max_batch=2, prefill_graph_max_tokens=32)
+    eng.enable_graphs(emulate=True)
+    paths = []
+    build = eng.builder.build
+
+    def spy(*a):
+        step = build(*a)
+        paths.append((step.path, step.num_decodes, step.num_tokens))
+        return step
+
+    eng.builder.build = spy
+    p = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (6, 6, 10)]
+    prompts = [list(range(100, 140)), list(range(300, 310)), list(range(500, 503))]
+    ref = tiny_engine(num_blocks=200).generate(prompts, p)
+    got = eng.generate(prompts, p)
+    assert [r.token_ids for r in got] == [r.token_ids for r in ref]
+    assert ("eager", 0, 53) in paths  # 53 prompt tokens > the 32-token bucket
+    assert any(path == "eager" and nd == 3 and t == 3 for path, nd, t in paths)  # 3 decodes > the largest graph (2)
+    assert any(path == "decode_graph" and nd == 1 for path, nd, _ in paths)  # the last one alone
+    eng.close()
