@@ -50,22 +50,30 @@ def test_prompt_logprobs_match_transformers(engine, hf_model, prompts):
         assert len(r.token_ids) == 2
 
 
-@pytest.mark.parametrize("async_scheduling", ["off", "on"])
-def test_chunked_prefill_concatenates_the_chunks(engine, hf_model, prompts, async_scheduling):
-    """A 13-token budget splits the prompt into chunks not aligned with the 16-token blocks
-    (with async scheduling, a chunk is planned before the last one's scores are read).
-    After the first request the prefix cache holds the prompt; a scored prompt must not use
-    it (it would have no scores for the cached part), an unscored one still does."""
+@pytest.mark.parametrize("mode", ["sync", "async", "graphs"])
+def test_chunked_prefill_concatenates_the_chunks(engine, hf_model, prompts, mode):
+    """A 13-token budget splits the prompt into chunks not aligned with the 16-token blocks,
+    batched behind the decode rows of a short request (so a chunk's rows start after them).
+    ``async``: a chunk is planned before the last one's scores are read; ``graphs``: the
+    prefill-graph layout (padded token bucket), run eagerly on the CPU. After the first
+    request the prefix cache holds the prompt; a scored prompt must not use it (it would
+    have no scores for the cached part), an unscored one still does."""
     small = LLM(
-        EngineConfig(device="cpu", dtype="float32", num_blocks=256, max_num_seqs=4, max_num_batched_tokens=13, async_scheduling=async_scheduling),
+        EngineConfig(device="cpu", dtype="float32", num_blocks=256, max_num_seqs=4, max_num_batched_tokens=13,
+                     async_scheduling="off" if mode == "sync" else "on"),
         loaded=engine.loaded,
     )
+    if mode == "graphs":
+        small.enable_graphs(emulate=True)
     try:
-        ids = prompts[1]
+        ids, short = prompts[1], prompts[0][:4]
         assert len(ids) > 2 * 13
-        (r,) = small.generate([ids], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=K))
+        params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=K)]
+        _, r = small.generate([short, ids], params)
         (again,) = small.generate([ids], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0))
         (cached,) = small.generate([ids], SamplingParams(temperature=0, max_tokens=1))
+        if mode == "graphs":
+            assert small.runner.graphs.replays["prefill"] > 2
     finally:
         small.close()
     ref = reference(hf_model, ids)
