@@ -72,6 +72,14 @@ BENCHES = [
     Bench("gpu_prefill_profile", ["-m", "bench.gpu_prefill_profile"], 600, gpu=True, what="where a prefill step's GPU time goes"),
     Bench("attention", ["bench/attention_bench.py", "--markdown", "{out}/attention.md"], 900, gpu=True, what="paged attention kernels"),
     Bench("swap", ["bench/swap_bench.py", "--markdown", "{out}/swap.md"], 600, gpu=True, what="swap kernels vs copies"),
+    Bench("fp8_quality", ["-m", "bench.fp8_quality", "--out", "{out}/fp8_quality.json"], 1200,
+          what="FP8 weights on SmolLM2 vs float32: greedy agreement, perplexity (CPU)"),
+    Bench("fp8_tune", ["-m", "bench.fp8_tune", "--out", "{out}/fp8_gemm_configs.json"], 300, gpu=True,
+          what="FP8 GEMM tile tuning (its table goes to the results folder, not kernels/fp8)"),
+    Bench("fp8_gemm", ["-m", "bench.fp8_gemm_bench", "--out", "{out}/fp8_gemm.json"], 300, gpu=True,
+          what="FP8 GEMM (swap-AB, normal) vs torch._scaled_mm and bf16"),
+    Bench("fp8_decode", ["-m", "bench.fp8_decode_bench", "--out", "{out}/fp8_decode.json"], 300, gpu=True,
+          what="decode ms/step, Llama-3.2-1B shape, FP8 vs bf16"),
 ]
 
 

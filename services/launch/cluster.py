@@ -49,6 +49,7 @@ class ClusterConfig:
     redis_port: int | None = None  # the port of the Redis started here; default: a free one
     pool_url: str | None = None  # where services reach Redis (e.g. a proxy in front of it); default: Redis itself
     pool_gb: float = 1.0  # Redis maxmemory; cache_store's budget is 80% of it
+    redis_args: list[str] = field(default_factory=list)  # more flags for the Redis (or each cluster node) started here
     api_key: str | None = None  # the router requires it when set
     # the services' shared secret; default: TIDEPOOL_INTERNAL_TOKEN, else a random one
     internal_token: str = field(default_factory=lambda: os.environ.get("TIDEPOOL_INTERNAL_TOKEN") or secrets.token_urlsafe(32))
@@ -127,7 +128,7 @@ class LocalCluster:
         if self.redis is None:
             self.redis = redis_child(
                 "redis", self._redis_port, maxmemory_bytes=int(self.config.pool_gb * 2**30),
-                log_dir=self.config.log_dir, echo=self.config.echo,
+                log_dir=self.config.log_dir, echo=self.config.echo, extra_args=self.config.redis_args,
             )
         self.redis.start()
         self.redis_url = self.redis.wait_ready(10)
@@ -142,7 +143,8 @@ class LocalCluster:
     def start_redis_cluster(self, nodes: int) -> None:
         """A local Redis Cluster (services/launch/redis_cluster.py); ``pool_gb`` is split between its nodes."""
         self.redis_nodes = LocalRedisCluster(
-            nodes, maxmemory=int(self.config.pool_gb * 2**30 / nodes), log_dir=self.config.log_dir
+            nodes, maxmemory=int(self.config.pool_gb * 2**30 / nodes), log_dir=self.config.log_dir,
+            extra_args=self.config.redis_args,
         ).start()
         self.redis_url = self.redis_nodes.url
 
