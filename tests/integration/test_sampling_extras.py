@@ -9,12 +9,21 @@ from __future__ import annotations
 import pytest
 
 from libs.engine import SamplingParams
-from tests.integration.pd_helpers import PROMPT, TRACE, trace_of
+from tests.integration.pd_helpers import TRACE, trace_of
 
 pytestmark = pytest.mark.integration
 
 SHORT = "The capital of France is"
-LONG = PROMPT + " " + PROMPT  # over 64 tokens: prefill scores it in two chunks
+# Prompts of this module's own (other modules expect pd_helpers.PROMPT to be new to the pool).
+PROMPT = (
+    "The old cartographer unrolled the map of the northern coast on the oak table. Every inlet "
+    "had a name he had given it, and on the evening before the survey ship sailed he"
+)
+LONG = PROMPT + (  # over 64 tokens: prefill scores it in two chunks of 64
+    " The wind had turned by nightfall, and the harbour master came up the hill with a lantern and"
+    " news of a storm that the fishermen had seen gathering beyond the islands since noon, so that"
+)
+
 TOL = 2e-3
 
 
