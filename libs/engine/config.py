@@ -13,7 +13,12 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bf
 # Where "auto" turns async scheduling on: only where a benchmark showed it faster at every
 # batch size (bench/RESULTS.md, issue 10's section; python -m bench.async_scheduling).
 # CPU: measured, not faster at batch 1 (the worker thread and the engine thread share the
-# GIL and, on small machines, the cores), so off. CUDA: not measured yet, so off until it is.
+# GIL and, on small machines, the cores), so off. CUDA (H100, 2026-11-23): SmolLM2-135M's
+# shape decodes 1.33-1.57x faster at batch 1, 8 and 64 (bench.async_scheduling; 1.45x and
+# 1.55x in bench.gpu_engine), but it stays off there: on the H100 a greedy row's tokens
+# differ from sync scheduling's from its third token (tests/gpu/test_engine_gpu.py,
+# test_async_scheduling_equals_sync_on_cuda, strict xfail), and correctness comes first. A
+# 2-layer toy model, whose steps are too short to hide anything behind, runs 0.94-0.98x.
 ASYNC_SCHEDULING_DEFAULTS: dict[str, bool] = {"cuda": False, "cpu": False}
 
 
