@@ -47,6 +47,7 @@ from libs.engine.kv_export import ExportQueue
 from libs.engine.model_runner import ModelRunner, StepResult
 from libs.engine.outputs import CompletionOutput, RequestOutput
 from libs.engine.params import SamplingParams
+from libs.engine import prompt_logprobs
 from libs.engine.sampler import logprob_lists
 from libs.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from libs.engine.sequence import KVImport, Sequence, SequenceStatus
@@ -247,6 +248,9 @@ class LLMEngine:
             seq.append_token(t, None)
         seq.new_token_ids.clear()
         seq.pending_forks = params.n - 1
+        if kv_import is not None and prompt_logprobs.needs_scoring(seq):
+            kv_import.release()  # a scored prompt is computed, not loaded
+            kv_import = None
         seq.kv_import = kv_import
         seq.export_kv = export_kv
         seq.grammar = grammar
@@ -440,6 +444,9 @@ class LLMEngine:
         step.decode_rows, step.new_decodes = rows, new_decodes
         if self._capturing:
             step.captures = [i for i, s in enumerate(step.sample_seqs) if s.capture_logits and s.captured_logits is None]
+        if any(c.seq.params.prompt_logprobs is not None for c in chunks):
+            step.prompt_rows = prompt_logprobs.plan(((c.seq, c.start, c.num_tokens) for c in chunks), first_row=step.num_decodes)
+            step.score_spans = prompt_logprobs.spans(step.prompt_rows)
         if b.num_constrained:
             rows_c = [i for i, s in enumerate(step.sample_seqs) if s.grammar is not None]
             if rows_c:  # masks filled on a host thread while the forward is launched
@@ -498,6 +505,7 @@ class LLMEngine:
     def _process(self, step: Step, res: StepResult, touched: dict[str, None]) -> None:
         """A step's ids are on the host: append them, check stops, commit full blocks."""
         self.timer.account(res.timing)
+        prompt_logprobs.record(step.prompt_rows, res.prompt_scores)
         tokens = res.tokens.tolist()
         lps: dict[int, object] = {}
         if res.logprobs is not None:
@@ -630,6 +638,7 @@ class LLMEngine:
             head.num_imported_tokens,
             self.exports.result(head) if finished else None,
             metrics,
+            prompt_logprobs.take_complete(head),
         )
 
     def _aborted_output(self, request_id: str) -> RequestOutput:

@@ -26,6 +26,7 @@ import torch
 
 from kernels.swap import BlockSwapper, StagingBuffer, StagingStateError
 from libs.engine.cuda_graphs import ForwardGraphs, graph_batch_sizes, prefill_token_buckets
+from libs.engine.prompt_logprobs import PromptLogprobs, score
 from libs.engine.sampler import Sampler, SamplingTensors
 from libs.engine.sequence import KVImport
 from libs.engine.step_inputs import Layout, PackViews, Step, StepStaging
@@ -50,6 +51,7 @@ class StepResult:
     event: "torch.cuda.Event | None" = None
     forward_s: float = 0.0  # host time in the forward (launches on CUDA, compute on the CPU)
     timing: tuple = (None, None)  # the step's CUDA events (StepTimer)
+    prompt_scores: list[PromptLogprobs] | None = None  # of ``Step.prompt_rows``, on the host
 
 
 class SlotState:
@@ -192,7 +194,8 @@ class ModelRunner:
         started = self.timer.start()
         v = self.staging.upload(step.pack, step.layout, params=step.params)
         t = time.perf_counter()
-        logits = self._forward(step, v)
+        scores: list[PromptLogprobs] | None = [] if step.prompt_rows else None
+        logits = self._forward(step, v, scores)
         forward_s = time.perf_counter() - t
         st = self._sampling_tensors(step, v)
         samples = self.sampler.sample(logits, st)
@@ -205,19 +208,22 @@ class ModelRunner:
         result = self._to_host(samples.tokens, samples.logprobs, captured, step.index)
         result.forward_s = forward_s
         result.timing = (started, self.timer.stop())
+        result.prompt_scores = scores
         return result
 
-    def _forward(self, step: Step, v: PackViews) -> torch.Tensor:
+    def _forward(self, step: Step, v: PackViews, scores: list[PromptLogprobs] | None = None) -> torch.Tensor:
         """fp32 logits of the sampled rows, ``[S, vocab]``."""
         nd = step.num_decodes
         if nd:  # decode rows feed what the last step sampled for them
             torch.index_select(self.state.last_sampled, 0, v.decode_slots[:nd], out=v.input_ids[:nd])
-        return self.forward_pass(step, v)
+        return self.forward_pass(step, v, scores)
 
-    def forward_pass(self, step: Step, v: PackViews) -> torch.Tensor:
+    def forward_pass(self, step: Step, v: PackViews, scores: list[PromptLogprobs] | None = None) -> torch.Tensor:
         """The forward on inputs in place (``v``, input ids included): the logits of the
         sampled rows. Under tensor parallelism every rank runs this on the same inputs
-        (libs/engine/tp: ``step`` is then a ``ForwardPlan``, the fields read here)."""
+        (libs/engine/tp: ``step`` is then a ``ForwardPlan``, the fields read here). The
+        step's ``score_spans`` (prompt logprobs) go through the LM head on every rank;
+        ``scores`` (rank 0's) receives their results."""
         nd = step.num_decodes
         if step.path == "decode_graph":
             return self.graphs.replay("decode", step.layout.seqs, v)[:nd]  # type: ignore[union-attr]
@@ -229,6 +235,10 @@ class ModelRunner:
             hidden = self.model(v.input_ids, v.positions, meta)
             if step.num_samples == step.num_tokens == nd:  # decode only: every row is sampled
                 return self.model.compute_logits(hidden)
+        if step.score_spans:
+            out = score(hidden, step.score_spans, self.model.compute_logits, self.sampler.vocab_size, step.prompt_rows)
+            if scores is not None:
+                scores.extend(out)
         return self.model.compute_logits(hidden.index_select(0, v.logits_indices))
 
     def _sampling_tensors(self, step: Step, v: PackViews) -> SamplingTensors:

@@ -256,6 +256,8 @@ class Step:
     generators: list[tuple[int, "torch.Generator"]] | None = None
     captures: list[int] | None = None  # sample rows whose logits are kept (tests)
     bitmask: tuple | None = None  # (constrained sample rows, future of their grammar masks)
+    prompt_rows: list | None = None  # prompt logprobs scored from this step's hidden states (libs/engine/prompt_logprobs.py)
+    score_spans: tuple = ()  # their (first row, rows): every tensor-parallel rank runs the LM head on them
     # for the engine's bookkeeping after launch
     decode_rows: "slice | np.ndarray | None" = None
     new_decodes: list["Sequence"] | None = None

@@ -6,7 +6,8 @@
    already exist cannot be evicted between here and decode, and every block written
    later is pinned from its first byte.
 2. Leading blocks already in the pool (and not in our own prefix cache) are loaded
-   instead of computed.
+   instead of computed, unless the prompt is to be scored (``prompt_logprobs``: every
+   position computed; the result carries the scores).
 3. The engine computes the rest (batched with other prompts, in chunks), samples the
    first token of each of the ``n`` completions, and gathers the prompt's blocks into
    staging.
@@ -42,9 +43,9 @@ from libs.structured import GrammarMatcher
 from libs.engine.async_engine import EngineStepError
 from libs.kvpool.pool import PoolError
 from libs.protocol import MessageStreamResponse, msgpack_response, read_message
-from libs.protocol.messages import PrefillProgress, PrefillRequest, PrefillResult
+from libs.protocol.messages import PrefillProgress, PrefillRequest, PrefillResult, PromptLogprobs
 from services.worker.app import RUNTIME, full, rejected
-from services.worker.convert import sampling_params, wire_logprob
+from services.worker.convert import sampling_params, wire_logprob, wire_prompt_logprobs
 from services.worker.grammar import start_grammar
 from services.worker.runtime import WorkerRuntime
 from services.worker.transfer import LoadResult, StoreResult, load_blocks, store_blocks
@@ -129,6 +130,7 @@ class PrefillJob:
     progress_done: bool = False
     streamed_blocks: int = 0  # blocks durable before compute finished
     compute_done_at: float = 0.0  # wall clock when compute ended (decode's ``load_done_at`` is comparable on one host)
+    prompt_scores: PromptLogprobs | None = None  # the prompt's logprobs, when asked (echo with logprobs)
     engine_time: dict[str, float] = field(default_factory=dict)  # _engine_clock's advance while this prompt computed
 
     def __post_init__(self) -> None:
@@ -186,7 +188,7 @@ class PrefillJob:
         self.changed.set()  # the first progress: the lease exists
         local = rt.cached_prefix_blocks(prompt)
         load = LoadResult(None)
-        if pool_run > local:
+        if pool_run > local and self.params.prompt_logprobs is None:  # a prompt to score is computed whole
             load = await load_blocks(rt, keys[:pool_run], local, max_tokens=len(prompt) - 1)
 
         t_engine = time.perf_counter()
@@ -202,6 +204,8 @@ class PrefillJob:
         writes: list[asyncio.Task[StoreResult]] = []
         try:
             async for out in stream:
+                if out.prompt_logprobs is not None:
+                    self.prompt_scores = wire_prompt_logprobs(out.prompt_logprobs)
                 for c in out.outputs:
                     if c.new_token_ids and c.index not in first:
                         first[c.index] = c.new_token_ids[0]
@@ -288,6 +292,7 @@ class PrefillJob:
             request_id=msg.request_id,
             first_token_ids=[first[i] for i in range(n)],
             first_logprobs=[first_lp[i] for i in range(n)] if self.params.logprobs is not None and len(first_lp) == n else None,
+            prompt_logprobs=self.prompt_scores,
             block_keys=[str(k) for k in self.keys],
             lease_id=self.lease_id,
             num_prompt_tokens=len(prompt),

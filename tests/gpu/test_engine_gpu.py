@@ -213,3 +213,24 @@ def test_streamed_export_on_cuda_equals_the_export_at_the_end(models, async_sche
     assert [i for i, _ in streamed] == [i for i, _ in at_end] == list(range(-(-len(ids) // 16)))
     for (_, a), (_, b) in zip(streamed, at_end):
         assert torch.equal(a, b)
+
+
+def test_prompt_logprobs_on_cuda_match_transformers(models):
+    """Prompt logprobs with the prefill graphs (chunks of 64 tokens: prompts up to 300
+    tokens span several chunks and buckets) against transformers' log_softmax at every
+    prompt position. Tolerance 4e-3: the logits agree to 2e-3 (test_first_step_logits,
+    Triton's tf32 dots), and a log-softmax adds its normalizer's error."""
+    hf, loaded = models
+    eng = make(loaded, max_num_batched_tokens=64)
+    ps = prompts(4)
+    results = eng.generate(ps, SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=5))
+    assert eng.runner.graphs is not None and eng.runner.graphs.replays["prefill"] > 0
+    for ids, r in zip(ps, results):
+        with torch.no_grad():
+            ref = torch.log_softmax(hf(torch.tensor([ids], device="cuda")).logits[0, :-1].float(), dim=-1).cpu()
+        want = ref.gather(1, torch.tensor(ids[1:]).unsqueeze(1)).squeeze(1)
+        got = torch.tensor(r.prompt_logprobs.logprobs)
+        assert r.prompt_logprobs.token_ids == ids[1:]
+        assert torch.allclose(got, want, atol=4e-3, rtol=0), (got - want).abs().max()
+        assert torch.allclose(torch.tensor(r.prompt_logprobs.top_logprobs), ref.topk(5, dim=-1).values, atol=4e-3, rtol=0)
+    eng.close()

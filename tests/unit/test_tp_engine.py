@@ -77,6 +77,17 @@ def test_seeded_sampling_with_forks_equals_tp1(tp_engine, engine):
     assert ref[0].token_ids != ref[1].token_ids
 
 
+def test_prompt_logprobs_equal_tp1(tp_engine, engine):
+    """Prompt logprobs run the vocabulary-parallel LM head on every rank (the spans travel
+    in the forward plan); a two-chunk prompt's scores equal TP=1's."""
+    ids = tp_engine.tokenizer.encode(LONG)
+    params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3)
+    (ours,), (ref,) = tp_engine.generate([ids], params), engine.generate([ids], params)
+    assert ours.prompt_logprobs.token_ids == ref.prompt_logprobs.token_ids == ids[1:]
+    assert ours.prompt_logprobs.logprobs == pytest.approx(ref.prompt_logprobs.logprobs, abs=1e-4)
+    assert ours.prompt_logprobs.top_ids == ref.prompt_logprobs.top_ids and ours.token_ids == ref.token_ids
+
+
 # -- the handoff through whole-block values ---------------------------------------------------
 
 

@@ -66,22 +66,29 @@ class ForwardPlan(NamedTuple):
     num_tokens: int
     num_prefill_seqs: int
     max_seq_len: int
+    score_spans: tuple = ()  # prompt logprobs: LM-head passes every rank runs (prompt_logprobs.py)
 
     @property
     def num_samples(self) -> int:
         return self.layout.samples
 
+    @property
+    def prompt_rows(self) -> None:
+        return None  # only rank 0 scores
+
     @classmethod
     def of(cls, step: "Step | ForwardPlan") -> "ForwardPlan":
-        return cls(Layout(*step.layout), step.path, step.num_decodes, step.num_tokens, step.num_prefill_seqs, step.max_seq_len)
+        return cls(Layout(*step.layout), step.path, step.num_decodes, step.num_tokens, step.num_prefill_seqs, step.max_seq_len, tuple(step.score_spans))
 
     def to_args(self) -> dict:
         return {"layout": list(self.layout), "path": self.path, "nd": self.num_decodes, "tokens": self.num_tokens,
-                "prefill_seqs": self.num_prefill_seqs, "max_seq_len": self.max_seq_len}
+                "prefill_seqs": self.num_prefill_seqs, "max_seq_len": self.max_seq_len,
+                "scores": [list(s) for s in self.score_spans]}
 
     @classmethod
     def from_args(cls, a: dict) -> "ForwardPlan":
-        return cls(Layout(*a["layout"]), a["path"], a["nd"], a["tokens"], a["prefill_seqs"], a["max_seq_len"])
+        spans = tuple((int(r), int(n)) for r, n in a.get("scores", ()))
+        return cls(Layout(*a["layout"]), a["path"], a["nd"], a["tokens"], a["prefill_seqs"], a["max_seq_len"], spans)
 
 
 def receive_views(staging: StepStaging, layout: Layout, tensors: dict[str, torch.Tensor]) -> PackViews:
@@ -154,9 +161,9 @@ class TensorParallelRunner(ModelRunner):
 
     @torch.inference_mode()
     @mirrored
-    def forward_pass(self, step: "Step | ForwardPlan", v: PackViews) -> torch.Tensor:
+    def forward_pass(self, step: "Step | ForwardPlan", v: PackViews, scores: list | None = None) -> torch.Tensor:
         self._send("forward", ForwardPlan.of(step).to_args(), {name: getattr(v, name) for name in FORWARD_VIEWS})
-        return super().forward_pass(step, v)
+        return super().forward_pass(step, v, scores)
 
     @torch.inference_mode()
     @mirrored
