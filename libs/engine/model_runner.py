@@ -128,6 +128,11 @@ class ModelRunner:
         W = self.max_blocks_per_seq
         decode = graph_batch_sizes(max_batch) if max_batch > 0 else []
         prefill = prefill_token_buckets(prefill_max_tokens) if prefill_max_tokens > 0 else []
+        if emulate and self.staging.device_packs is None:
+            # An emulated graph must read what a captured one reads, the device packs, so
+            # the CPU gets them too (a copy per step): a step whose inputs do not land
+            # there then shows up on the CPU as it would on the GPU.
+            self.staging.set_device_packs(tuple(torch.zeros(1, dtype=dt, device=self.device) for dt in (torch.int64, torch.int32, torch.float32)))
         if self.staging.device_packs is not None:
             layouts = [ForwardGraphs.decode_layout(b, W) for b in decode] + [ForwardGraphs.prefill_layout(t, prefill_seqs, W) for t in prefill]
             # Room for the sampling part behind the forward inputs of any graph layout.
