@@ -15,10 +15,12 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bf
 # CPU: measured, not faster at batch 1 (the worker thread and the engine thread share the
 # GIL and, on small machines, the cores), so off. CUDA (H100, 2026-11-23): SmolLM2-135M's
 # shape decodes 1.33-1.57x faster at batch 1, 8 and 64 (bench.async_scheduling; 1.45x and
-# 1.55x in bench.gpu_engine), but it stays off there: on the H100 a greedy row's tokens
-# differ from sync scheduling's from its third token (tests/gpu/test_engine_gpu.py,
-# test_async_scheduling_equals_sync_on_cuda, strict xfail), and correctness comes first. A
-# 2-layer toy model, whose steps are too short to hide anything behind, runs 0.94-0.98x.
+# 1.55x in bench.gpu_engine), but it stays off there until the H100 re-runs
+# tests/gpu/test_engine_gpu.py: that run found greedy rows that differed between the modes.
+# The cause was a graph replay reading stale inputs when a step's bans overflowed the graph
+# buffers (both modes; fixed in step_inputs.py, reproduced and tested on the CPU with
+# emulated graphs), but the fix has not run on a GPU yet. A 2-layer toy model, whose steps
+# are too short to hide anything behind, runs 0.94-0.98x.
 ASYNC_SCHEDULING_DEFAULTS: dict[str, bool] = {"cuda": False, "cpu": False}
 
 
