@@ -95,16 +95,22 @@ def random_loaded(shape: str, device: torch.device, dtype: torch.dtype, seed: in
     return LoadedModel(f"random-{shape}", Path("random"), cfg, model, tok, fp, dtype, device)
 
 
-def cuda_time(fn: Callable[[], object], reps: int = 5, warmup: int = 1) -> float:
-    """Median seconds of ``fn`` (synchronised)."""
+def synchronize(device: torch.device | str = "cuda") -> None:
+    """Wait for ``device``'s queued work (nothing to wait for on the CPU)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def cuda_time(fn: Callable[[], object], reps: int = 5, warmup: int = 1, device: torch.device | str = "cuda") -> float:
+    """Median seconds of ``fn`` (synchronised with ``device``: CUDA, or the CPU)."""
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(reps):
-        torch.cuda.synchronize()
+        synchronize(device)
         t = time.perf_counter()
         fn()
-        torch.cuda.synchronize()
+        synchronize(device)
         times.append(time.perf_counter() - t)
     return statistics.median(times)
 

@@ -79,7 +79,7 @@ def decode_ms_per_step(llm: LLM, batch: int, steps: int) -> float:
     for i in range(batch):
         ids = torch.randint(0, llm.vocab_size, (PROMPT,), generator=g).tolist()
         llm.add_request(f"d{batch}-{i}-{time.monotonic_ns()}", ids, SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True))
-    while llm.num_waiting or any(s.num_output_tokens == 0 for s in llm.scheduler.running):
+    while llm.num_waiting or any(s.num_output_tokens == 0 for s in llm.scheduler.running.values()):
         llm.step()
     sync = torch.cuda.synchronize if llm.device.type == "cuda" else (lambda: None)
     sync()

@@ -3,15 +3,19 @@
 Llama-3-8B's projection shapes (N x K: 4096 x 4096, 14336 x 4096, 4096 x 14336) at
 M in {1, 4, 16, 64, 128, 256, 1024, 4096}, all in one run on one GPU:
 
-- ours, swap-AB (``plan_gemm(m, swap_ab=True)``);
-- ours, without swap-AB;
+- ours, swap-AB (``plan_gemm(m, swap_ab=True, n=, k=, device=)``: the tuned plan where
+  bench/fp8_tune.py stored one for this GPU, else the heuristic);
+- ours, without swap-AB (the same, ``swap_ab=False``);
 - ``torch._scaled_mm`` with rowwise scales (one per token, one per output channel: the
-  closest cuBLAS FP8 GEMM; a coarser format than 128 x 128 blocks);
+  closest cuBLAS FP8 GEMM; a coarser format than 128 x 128 blocks), on operands
+  quantized beforehand: its figure leaves out the activation quantization;
 - bf16 ``torch.matmul``.
 
-The FP8 GEMMs get pre-quantized operands; the activation quantization (our Triton kernel,
-padding fused) is timed on its own and added in the "ours + quant" column, which is what a
-linear layer costs. Ratios: swap-AB / without (goal >= 1.3x at M <= 16), bf16 / ours-best
+Ours is timed as a linear layer runs it, ``triton_gemm.fp8_linear``: the activation
+quantization included, whether the plan fuses it into the GEMM or launches the
+quantization kernel first (that kernel's own time is its own column). Every figure is a
+CUDA-graph replay with the weights cold in L2 (bench/gpu_timing.py says why not
+``do_bench``). Ratios: swap-AB / without (goal >= 1.3x at M <= 16), bf16 / ours-best
 (goal >= 1.3x at M <= 64, >= 1.5x at M >= 2048), scaled_mm / ours-best.
 
 ``--write-threshold`` stores, in kernels/fp8/swap_ab_threshold.json, the largest M of the
@@ -41,7 +45,7 @@ from typing import Callable
 import torch
 
 from bench.common import table
-from kernels.fp8 import layout, plan_gemm
+from kernels.fp8 import layout, plan
 from kernels.fp8 import reference as ref
 
 SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336)]
@@ -50,45 +54,54 @@ TOY_SHAPES = [(256, 256)]
 TOY_MS = [1, 4, 16, 64]
 
 
-def timer(device: torch.device) -> Callable[[Callable[[], object]], float]:
-    """Median milliseconds of a call."""
+def timer(device: torch.device) -> Callable[[list[Callable[[], object]]], float]:
+    """Milliseconds per call of a list of calls, one per operand copy."""
     if device.type == "cuda":
-        import triton.testing
+        from bench.gpu_timing import graph_ms
 
-        return lambda fn: float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+        return lambda calls: graph_ms(calls, min_calls=max(24, len(calls)))
 
-    def cpu(fn: Callable[[], object]) -> float:
-        fn()
+    def cpu(calls: list[Callable[[], object]]) -> float:
+        calls[0]()
         t = time.perf_counter()
-        fn()
+        calls[0]()
         return (time.perf_counter() - t) * 1e3
 
     return cpu
 
 
-def scaled_mm_rowwise(x: torch.Tensor, w: torch.Tensor) -> Callable[[], torch.Tensor] | None:
-    """``torch._scaled_mm`` with a scale per token and per output channel, or None where
-    this torch/GPU has no rowwise FP8 GEMM."""
+def copies(device: torch.device, *tensors: torch.Tensor) -> int:
+    if device.type != "cuda":
+        return 1
+    from bench.gpu_timing import copies_for
+
+    return copies_for(sum(t.numel() * t.element_size() for t in tensors))
+
+
+def scaled_mm_rowwise(x: torch.Tensor, w: torch.Tensor, n_copies: int) -> list[Callable[[], torch.Tensor]] | None:
+    """``torch._scaled_mm`` with a scale per token and per output channel (one call per
+    operand copy), or None where this torch/GPU has no rowwise FP8 GEMM."""
     if x.device.type != "cuda":
         return None
     xs = (x.float().abs().amax(dim=1, keepdim=True).clamp_min(1e-10) / layout.E4M3_MAX)
     ws = (w.float().abs().amax(dim=1, keepdim=True).clamp_min(1e-10) / layout.E4M3_MAX)
     xq, wq = ref.to_e4m3(x.float() / xs), ref.to_e4m3(w.float() / ws)
-    fn = lambda: torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws.t(), out_dtype=torch.bfloat16)  # noqa: E731
+    wqs = [wq] + [wq.clone() for _ in range(n_copies - 1)]
+    calls = [lambda wq=wq: torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws.t(), out_dtype=torch.bfloat16) for wq in wqs]
     try:
-        y = fn()
+        y = calls[0]()
     except (RuntimeError, TypeError) as e:
         print(f"torch._scaled_mm rowwise unavailable for {tuple(x.shape)} x {tuple(w.shape)}: {str(e).splitlines()[0]}")
         return None
     exact = x.float() @ w.float().t()
     assert (y.float() - exact).norm() <= 0.1 * exact.norm(), "torch._scaled_mm gave a wrong product"
-    return fn
+    return calls
 
 
 def run(device: torch.device, shapes: list[tuple[int, int]], ms: list[int]) -> list[dict]:
     from kernels.fp8 import triton_gemm, triton_quant
 
-    ms_of = timer(device)
+    time_of = timer(device)
     out_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     rows = []
     for n, k in shapes:
@@ -99,25 +112,24 @@ def run(device: torch.device, shapes: list[tuple[int, int]], ms: list[int]) -> l
         for m in ms:
             x = torch.randn(m, k, generator=g, device=device).to(out_dtype)
             row: dict = {"n": n, "k": k, "m": m}
-            normal = plan_gemm(m, swap_ab=False)
-            x_ref = ref.per_token_group_quant(x, row_multiple=normal.row_multiple)
-            expected = ref.block_scaled_mm(*x_ref, w_q, w_s, m=m, n=n, plan=normal)
+            expected = ref.fp8_linear(x, w_q, w_s, n=n, out_dtype=torch.float32)
+            c = copies(device, w_q, x)
+            wqs = [(w_q, w_s)] + [(w_q.clone(), w_s.clone()) for _ in range(c - 1)]
             for name, swap in (("swap_ab", True), ("normal", False)):
-                plan = plan_gemm(m, swap_ab=swap)
-                x_q, x_s = triton_quant.per_token_group_quant(x, row_multiple=plan.row_multiple)
-                gemm = lambda: triton_gemm.block_scaled_mm(x_q, x_s, w_q, w_s, m=m, n=n, out_dtype=out_dtype, plan=plan)  # noqa: E731
-                got = gemm().float()
+                p = plan.plan_gemm(m, swap_ab=swap, n=n, k=k, device=device)
+                got = triton_gemm.fp8_linear(x, w_q, w_s, n=n, out_dtype=out_dtype, plan=p).float()
                 assert (got - expected).norm() <= 2.0**-7 * expected.norm(), f"{name} wrong at m={m} n={n} k={k}"
-                row[name] = ms_of(gemm)
-                row[f"quant_{name}"] = ms_of(lambda: triton_quant.per_token_group_quant(x, row_multiple=plan.row_multiple))
-            scaled = scaled_mm_rowwise(x, w)
-            row["scaled_mm_rowwise"] = ms_of(scaled) if scaled is not None else None
-            row["bf16"] = ms_of(lambda: torch.matmul(x, w16.t()))
-            best = min(("swap_ab", "normal"), key=lambda v: row[v])
-            row["ours_best"] = best
-            row["ours_with_quant"] = row[best] + row[f"quant_{best}"]
+                row[name] = time_of([lambda q=q, p=p: triton_gemm.fp8_linear(x, *q, n=n, out_dtype=out_dtype, plan=p) for q in wqs])
+                row[f"plan_{name}"] = p.label
+            row["quant"] = time_of([lambda: triton_quant.per_token_group_quant(x, row_multiple=16)])
+            scaled = scaled_mm_rowwise(x, w, c)
+            row["scaled_mm_rowwise"] = time_of(scaled) if scaled is not None else None
+            c16 = copies(device, w16)
+            w16s = [w16] + [w16.clone() for _ in range(c16 - 1)]
+            row["bf16"] = time_of([lambda v=v: torch.matmul(x, v.t()) for v in w16s])
+            row["ours_best"] = min(("swap_ab", "normal"), key=lambda v: row[v])
             rows.append(row)
-            print(json.dumps(row))
+            print(json.dumps(row), flush=True)
     return rows
 
 
@@ -138,14 +150,15 @@ def report(rows: list[dict]) -> str:
     def ratio(a: float | None, b: float | None) -> str:
         return "n/a" if a is None or b is None else f"{a / b:.2f}x"
 
-    headers = ["N x K", "M", "swap-AB ms", "normal ms", "quant ms", "scaled_mm ms", "bf16 ms", "swap/normal", "bf16/ours", "bf16/(ours+quant)", "scaled_mm/ours"]
+    headers = ["N x K", "M", "swap-AB ms", "normal ms", "quant kernel ms", "scaled_mm ms (no quant)", "bf16 ms",
+               "swap/normal", "bf16/ours", "scaled_mm/ours", "best plan"]
     body = []
     for r in rows:
         best = r[r["ours_best"]]
         body.append([
-            f"{r['n']} x {r['k']}", r["m"], f"{r['swap_ab']:.4f}", f"{r['normal']:.4f}", f"{r['quant_' + r['ours_best']]:.4f}",
+            f"{r['n']} x {r['k']}", r["m"], f"{r['swap_ab']:.4f}", f"{r['normal']:.4f}", f"{r['quant']:.4f}",
             "n/a" if r["scaled_mm_rowwise"] is None else f"{r['scaled_mm_rowwise']:.4f}", f"{r['bf16']:.4f}",
-            ratio(r["normal"], r["swap_ab"]), ratio(r["bf16"], best), ratio(r["bf16"], r["ours_with_quant"]), ratio(r["scaled_mm_rowwise"], best),
+            ratio(r["normal"], r["swap_ab"]), ratio(r["bf16"], best), ratio(r["scaled_mm_rowwise"], best), r["plan_" + r["ours_best"]],
         ])
     return table(headers, body)
 
@@ -156,12 +169,13 @@ def write_threshold(rows: list[dict], device: torch.device) -> int:
     data = {
         "swap_ab_max_m": value,
         "provisional": False,
-        "source": f"bench/fp8_gemm_bench.py --write-threshold at commit {commit}: largest M of the sweep up to which swap-AB beats the normal variant on every Llama-3-8B shape (geometric mean)",
+        "source": f"bench/fp8_gemm_bench.py --write-threshold at commit {commit}: largest M of the sweep up to which swap-AB beats the normal variant on every Llama-3-8B shape (geometric mean; per linear layer, tuned plans, CUDA-graph replay)",
         "device": torch.cuda.get_device_name(device),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "timings_ms": {f"{r['n']}x{r['k']}@{r['m']}": {"swap_ab": r["swap_ab"], "normal": r["normal"]} for r in rows},
     }
-    Path(layout.THRESHOLD_FILE).write_text(json.dumps(data, indent=2) + "\n")
+    Path(plan.THRESHOLD_FILE).write_text(json.dumps(data, indent=2) + "\n")
+    plan.reload()
     return value
 
 
@@ -176,9 +190,9 @@ def main() -> None:
         ap.error("--write-threshold needs GPU timings (not --toy)")
     rows = run(device, TOY_SHAPES if args.toy else SHAPES, TOY_MS if args.toy else MS)
     print(report(rows))
-    print(f"swap-AB faster up to M = {choose_threshold(rows)} (stored: {layout.swap_ab_max_m()})")
+    print(f"swap-AB faster up to M = {choose_threshold(rows)} (stored: {plan.swap_ab_max_m()})")
     if args.write_threshold:
-        print(f"wrote swap_ab_max_m = {write_threshold(rows, device)} to {layout.THRESHOLD_FILE}")
+        print(f"wrote swap_ab_max_m = {write_threshold(rows, device)} to {plan.THRESHOLD_FILE}")
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=2))
 

@@ -17,7 +17,19 @@ On the CPU the FP8 weights run through the dequantize-then-matmul reference, act
 quantized per token group exactly as the GPU kernels do, so these are FP8's numbers
 (W8A8 with 128 x 128 weight blocks), not a CPU approximation of them.
 
-    python -m bench.fp8_quality [--calibrate] [--out bench/results/fp8_quality.json]
+``--ablate`` says where the perplexity cost comes from, on a corpus large enough to
+tell (the repository's English docs, 512-token windows: ~8k tokens; the fixed text's
+220 tokens move by a point or two with any change to the rounding): the perplexity ratio
+against float32 with a 2-standard-error interval (paired per-token log-likelihoods) for
+the real FP8 engine, then for the decoder's projections emulated in float32 with only
+the weights, or only the activations, rounded as FP8 does, with finer weight scales
+than the format (e4m3 per row and 128 columns), with more mantissa bits (int8 per row),
+and bfloat16 weights and activations for scale. Emulated here means dequantized and
+multiplied in float32: the formulas of vLLM's native block-FP8 references
+(``x_s = amax / 448``, ``q = x / x_s`` saturated, blocks of 128), written independently of
+kernels/fp8, so the first two rows also cross-check the engine's path.
+
+    python -m bench.fp8_quality [--calibrate] [--ablate] [--out bench/results/fp8_quality.json]
 """
 
 from __future__ import annotations
@@ -26,9 +38,12 @@ import argparse
 import json
 import math
 import time
+from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from libs.engine import LLM, EngineConfig, SamplingParams
 from libs.model.attention import AttentionMetadata
@@ -137,16 +152,129 @@ def measure(fp32: LLM, other: LLM) -> dict:
     }
 
 
+CORPUS_FILES = ("README.md", "DEVELOPERS.md", "docs/ARCHITECTURE.md", "docs/HANDOFF.md")
+WINDOW, WINDOWS = 512, 16
+PROJECTIONS = (("self_attn", "qkv_proj"), ("self_attn", "o_proj"), ("mlp", "gate_up_proj"), ("mlp", "down_proj"))
+E4M3 = torch.float8_e4m3fn
+
+
+def corpus_windows(llm: LLM) -> list[list[int]]:
+    root = Path(__file__).resolve().parents[1]
+    ids: list[int] = []
+    for name in CORPUS_FILES:
+        ids += llm.tokenizer.encode((root / name).read_text())
+    return [ids[i : i + WINDOW] for i in range(0, len(ids) - WINDOW + 1, WINDOW)][:WINDOWS]
+
+
+def corpus_nll(llm: LLM, windows: list[list[int]]) -> torch.Tensor:
+    return torch.cat([-token_logprobs(llm, w) for w in windows])
+
+
+def _e4m3(v: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+    """Round-trip through e4m3 with scale ``amax / 448`` (broadcast), in float32."""
+    s = amax.clamp_min(1e-10) / 448.0
+    return (v / s).clamp(-448.0, 448.0).to(E4M3).float() * s
+
+
+def _blocks(w: torch.Tensor, rows: int, cols: int = 128) -> torch.Tensor:
+    """``w`` zero-padded and viewed as ``[N/rows, rows, K/cols, cols]`` blocks."""
+    n, k = w.shape
+    n_pad, k_pad = -(-n // rows) * rows, -(-k // cols) * cols
+    full = w.new_zeros(n_pad, k_pad)
+    full[:n, :k] = w
+    return full.view(n_pad // rows, rows, k_pad // cols, cols)
+
+
+def w_block_128x128(w: torch.Tensor) -> torch.Tensor:
+    b = _blocks(w, 128)
+    return _e4m3(b, b.abs().amax(dim=(1, 3), keepdim=True)).flatten(2).flatten(0, 1)[: w.shape[0], : w.shape[1]]
+
+
+def w_rows_1x128(w: torch.Tensor) -> torch.Tensor:
+    b = _blocks(w, 1)
+    return _e4m3(b, b.abs().amax(dim=3, keepdim=True)).flatten(2).flatten(0, 1)[: w.shape[0], : w.shape[1]]
+
+
+def w_int8_rows(w: torch.Tensor) -> torch.Tensor:
+    s = w.abs().amax(dim=1, keepdim=True).clamp_min(1e-10) / 127
+    return (w / s).round().clamp(-127, 127) * s
+
+
+def a_token_groups(x: torch.Tensor) -> torch.Tensor:
+    b = _blocks(x, 1)
+    return _e4m3(b, b.abs().amax(dim=3, keepdim=True)).flatten(2).flatten(0, 1)[: x.shape[0], : x.shape[1]]
+
+
+def bf16(t: torch.Tensor) -> torch.Tensor:
+    return t.bfloat16().float()
+
+
+class Emulated(nn.Module):
+    """A projection computed in float32 from rounded weights and (optionally) rounded inputs."""
+
+    def __init__(self, linear: nn.Linear, weights: Callable | None, acts: Callable | None):
+        super().__init__()
+        w = linear.weight.detach().float()
+        self.weight = w if weights is None else weights(w)
+        self.bias = linear.bias
+        self.acts = acts
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x if self.acts is None else self.acts(x), self.weight, self.bias)
+
+
+ABLATIONS: dict[str, tuple[Callable | None, Callable | None]] = {
+    "e4m3 128x128 weights + e4m3 1x128 activations (emulated)": (w_block_128x128, a_token_groups),
+    "e4m3 128x128 weights only": (w_block_128x128, None),
+    "e4m3 1x128 activations only": (None, a_token_groups),
+    "e4m3 1x128 weights only (finer scales than the format)": (w_rows_1x128, None),
+    "int8 per-row weights only (7-bit mantissa)": (w_int8_rows, None),
+    "bfloat16 weights + activations": (bf16, bf16),
+}
+
+
+def _ratio(d: torch.Tensor) -> dict:
+    d = d.double()
+    half = 2 * d.std().item() / math.sqrt(d.numel())
+    return {"ratio": math.exp(d.mean().item()), "ratio_low": math.exp(d.mean().item() - half), "ratio_high": math.exp(d.mean().item() + half)}
+
+
+@torch.inference_mode()
+def ablate(fp32: LLM, fp8: LLM) -> dict:
+    """Perplexity ratios against float32 on the corpus (see the module docstring)."""
+    windows = corpus_windows(fp32)
+    base = corpus_nll(fp32, windows)
+    out: dict = {"corpus": list(CORPUS_FILES), "tokens": int(base.numel()), "perplexity_fp32": math.exp(base.mean().item())}
+    out["fp8 engine"] = _ratio(corpus_nll(fp8, windows) - base)
+    print(f"fp8 engine: {out['fp8 engine']}", flush=True)
+    model = fp32.loaded.model
+    originals = [(getattr(layer, p), a, getattr(getattr(layer, p), a)) for layer in model.layers for p, a in PROJECTIONS]
+    try:
+        for name, (weights, acts) in ABLATIONS.items():
+            for parent, attr, linear in originals:
+                setattr(parent, attr, Emulated(linear, weights, acts))
+            out[name] = _ratio(corpus_nll(fp32, windows) - base)
+            print(f"{name}: {out[name]}", flush=True)
+    finally:
+        for parent, attr, linear in originals:
+            setattr(parent, attr, linear)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None, help="write the figures as JSON here too")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--calibrate", action="store_true", help="also measure bfloat16 the same way (a scale for the figures)")
+    ap.add_argument("--ablate", action="store_true", help="also: perplexity ratios on the docs corpus, by what is rounded (see above)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     t = time.time()
     fp32 = LLM(EngineConfig(device="cpu", num_blocks=512))
-    result = {"fp8": measure(fp32, LLM(EngineConfig(device="cpu", num_blocks=512, quantization="fp8")))}
+    fp8 = LLM(EngineConfig(device="cpu", num_blocks=512, quantization="fp8"))
+    result = {"fp8": measure(fp32, fp8)}
+    if args.ablate:
+        result["ablation"] = ablate(fp32, fp8)
     if args.calibrate:
         result["bfloat16"] = measure(fp32, LLM(EngineConfig(device="cpu", num_blocks=512, dtype="bfloat16")))
     result["seconds"] = round(time.time() - t, 1)

@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from bench.common import SHAPES, cuda_time, hf_llama, ours_from_hf, random_loaded, table
+from bench.common import SHAPES, cuda_time, hf_llama, ours_from_hf, random_loaded, synchronize, table
 from libs.engine import EngineConfig, LLM, SamplingParams
 from libs.engine.step_timer import PHASES
 
@@ -54,7 +54,7 @@ def decode(eng: LLM, batch: int, steps: int = DECODE_STEPS) -> dict:
         eng.step()
     for _ in range(2):
         eng.step()
-    torch.cuda.synchronize()
+    synchronize(eng.device)
     eng.timer.reset()
     tokens0 = eng.num_generated_tokens
     eng.phases.history = []
@@ -85,7 +85,7 @@ def prefill(eng: LLM, batch: int = 16, length: int = 1024) -> float:
         while eng.has_unfinished_requests():
             eng.step()
 
-    return batch * length / cuda_time(run, reps=1 if QUICK else 3, warmup=1)
+    return batch * length / cuda_time(run, reps=1 if QUICK else 3, warmup=1, device=eng.device)
 
 
 def hf_decode(hf, batch: int, steps: int = 64) -> dict:

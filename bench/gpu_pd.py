@@ -5,9 +5,11 @@ Two sides, the same prompt length, greedy, ``ignore_eos``:
 
 - **co-located**: the engine alone in one process (``LLM``, no pool, no HTTP), its
   default chunking: time to the first token (TTFT) and to the second (TTFT plus one decode
-  step), in a process of its own;
-- **PD**: Redis, cache_store, router, prefill and decode as processes (services.launch),
-  the client streaming completions through the router. For each prefill chunk size
+  step), in a process of its own; and its TTFT with each prefill chunk as its step budget,
+  which tells the cost of chunking itself from the cost of the handoff;
+- **PD**: Redis (or a local Redis Cluster, ``--redis-nodes``), cache_store, router,
+  prefill and decode as processes (services.launch), the client streaming completions
+  through the router. For each pool and each prefill chunk size
   (``--prefill-chunks``: prefill's ``--max-num-batched-tokens``, the piece a streamed
   handoff hands over) and each handoff mode (streamed, and serial: ``stream_handoff``
   false per request, interleaved), fresh prompts every request.
@@ -73,28 +75,36 @@ def prompts(n: int, length: int, seed: int) -> list[list[int]]:
 # -- co-located: one process, no pool --------------------------------------------------------------
 
 
-def colocated_rows(args: argparse.Namespace, model: str | None) -> list[dict]:
-    """Runs in its own process (``--colocated-only``): TTFT and time to the second token."""
+def colocated_rows(args: argparse.Namespace, model: str | None) -> dict[str, list[dict]]:
+    """Runs in its own process (``--colocated-only``): TTFT and time to the second token,
+    with the engine's default step budget (the goal's reference, key ``"default"``) and
+    with each prefill chunk as the budget (what chunking alone costs, no pool involved)."""
     from libs.engine import EngineConfig, LLM, SamplingParams
 
-    cfg = EngineConfig(model=model, device=args.device, dtype="auto", num_threads=args.threads, max_model_len=4096,
-                       **({"kv_cache_gb": 4} if args.device.startswith("cuda") else {"num_blocks": 512}))
-    llm = LLM(cfg)
-    rows = []
-    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
-    for i, p in enumerate(prompts(WARMUP + args.requests, args.prompt_len, seed=1)):
-        times = []
-        t0 = time.perf_counter()
-        for ids in llm.stream(p, params):
-            times += [time.perf_counter() - t0] * len(ids)
-        if i >= WARMUP:
-            rows.append({"ttft_s": times[0], "second_token_s": times[1]})
-    return rows
+    out: dict[str, list[dict]] = {}
+    for budget in [None, *(c for c in args.prefill_chunks if c < args.prompt_len)]:
+        cfg = EngineConfig(model=model, device=args.device, dtype="auto", num_threads=args.threads, max_model_len=4096,
+                           max_num_batched_tokens=budget,
+                           **({"kv_cache_gb": 4} if args.device.startswith("cuda") else {"num_blocks": 512}))
+        llm = LLM(cfg)
+        rows = []
+        params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+        for i, p in enumerate(prompts(WARMUP + args.requests, args.prompt_len, seed=1)):
+            times = []
+            t0 = time.perf_counter()
+            for ids in llm.stream(p, params):
+                times += [time.perf_counter() - t0] * len(ids)
+            if i >= WARMUP:
+                rows.append({"ttft_s": times[0], "second_token_s": times[1]})
+        out["default" if budget is None else str(budget)] = rows
+        del llm
+    return out
 
 
-def colocated(args: argparse.Namespace) -> list[dict]:
+def colocated(args: argparse.Namespace) -> dict[str, list[dict]]:
     argv = [sys.executable, "-m", "bench.gpu_pd", "--colocated-only", "--device", args.device, "--prompt-len", str(args.prompt_len),
-            "--requests", str(args.requests), "--threads", str(args.threads), *(["--tokenizer", args.tokenizer] if args.tokenizer else [])]
+            "--requests", str(args.requests), "--threads", str(args.threads), "--prefill-chunks", ",".join(map(str, args.prefill_chunks)),
+            *(["--tokenizer", args.tokenizer] if args.tokenizer else [])]
     env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
     out = subprocess.run(argv, check=True, capture_output=True, text=True, env=env).stdout
     return json.loads(out.strip().splitlines()[-1])
@@ -134,6 +144,9 @@ async def one(session: aiohttp.ClientSession, url: str, model: str, prompt: list
         "client_ttft_s": first,
         "client_second_token_s": second,
         "prefill_compute_s": t.get("queue_s", 0.0) + t.get("compute_s", 0.0),
+        "engine_steps": pre["worker"].get("engine_steps", 0.0),
+        "engine_step_s": pre["worker"].get("engine_step_s", 0.0),
+        "device_busy_s": pre["worker"].get("device_busy_s", 0.0),
         "write_exposed_s": t.get("write_s", 0.0),
         "read_s": dec.get("load_s", 0.0),
         "read_exposed_s": read_exposed,
@@ -160,10 +173,11 @@ async def drive(url: str, args: argparse.Namespace, chunk: int) -> list[dict]:
         return rows
 
 
-def cluster_config(args: argparse.Namespace, model: str | None, chunk: int) -> ClusterConfig:
+def cluster_config(args: argparse.Namespace, model: str | None, chunk: int, redis_nodes: int) -> ClusterConfig:
     cuda = args.device.startswith("cuda")
     return ClusterConfig(
         router_port=free_port(), model=model, device=args.device, threads=args.threads, pool_gb=8 if cuda else 2,
+        redis_cluster=redis_nodes, redis_args=args.redis_args.split(),
         log_dir=Path("/tmp/tidepool-gpu-pd-logs"),
         worker_args=["--max-model-len", "4096", *(["--kv-cache-gb", "4"] if cuda else ["--num-blocks", "512"])],
         prefill_args=["--max-num-batched-tokens", str(chunk)],
@@ -176,24 +190,33 @@ def med(rows: list[dict], key: str) -> float:
     return statistics.median(r[key] for r in rows)
 
 
-def report(args: argparse.Namespace, colo: list[dict], rows: list[dict], device: str) -> str:
-    colo_ttft, colo_second = med(colo, "ttft_s"), med(colo, "second_token_s")
+def pool_name(nodes: int) -> str:
+    return "one Redis" if nodes == 0 else f"{nodes}-node cluster"
+
+
+def report(args: argparse.Namespace, colo: dict[str, list[dict]], rows: list[dict], device: str) -> str:
+    colo_ttft, colo_second = med(colo["default"], "ttft_s"), med(colo["default"], "second_token_s")
     ms = lambda s: f"{s * 1e3:.1f}"  # noqa: E731
+    chunked = "; ".join(f"{c}-token chunks: TTFT {ms(med(colo[str(c)], 'ttft_s'))} ms" for c in args.prefill_chunks if str(c) in colo)
     out = [f"\n{device}: {args.prompt_len}-token prompts, median of {args.requests} per row "
            f"({'bf16, random SmolLM2-135M weights' if args.device.startswith('cuda') else 'float32, SmolLM2-135M-Instruct GGUF'}; "
-           f"{args.threads} torch threads per model process)\n",
-           f"co-located engine (one process, no pool): TTFT {ms(colo_ttft)} ms, TTFT + one decode step {ms(colo_second)} ms\n"]
-    headers = ["prefill chunk", "handoff", "client TTFT ms", "client 2nd token ms", "vs co-located TTFT + 1 step",
-               "prefill compute ms", "pool not overlapped with compute ms (writes after + reads after)", "pool reads ms (all)", "blocks loaded before the result"]
+           f"{args.threads} torch threads per model process; Redis flags '{args.redis_args}')\n",
+           f"co-located engine (one process, no pool): TTFT {ms(colo_ttft)} ms, TTFT + one decode step {ms(colo_second)} ms"
+           + (f" (the same engine with its step budget at the prefill chunk, what chunking alone costs: {chunked})" if chunked else "") + "\n"]
+    headers = ["pool", "prefill chunk", "handoff", "client TTFT ms", "client 2nd token ms", "vs co-located TTFT + 1 step",
+               "prefill compute ms (in engine steps / device busy, steps)", "pool not overlapped with compute ms (writes after + reads after)", "pool reads ms (all)", "blocks loaded before the result"]
     body = []
-    for chunk in args.prefill_chunks:
-        for mode in (True, False):
-            sel = [r for r in rows if r["chunk"] == chunk and r["stream_handoff"] == mode]
-            second = med(sel, "client_second_token_s")
-            body.append([chunk, "streamed" if mode else "serial", ms(med(sel, "client_ttft_s")), ms(second),
-                         f"{second / colo_second:.2f}x", ms(med(sel, "prefill_compute_s")),
-                         f"{ms(med(sel, 'pool_exposed_s'))} ({ms(med(sel, 'write_exposed_s'))} + {ms(med(sel, 'read_exposed_s'))})",
-                         ms(med(sel, "read_s")), f"{100 * med(sel, 'early_share'):.0f}%"])
+    for nodes in args.redis_nodes:
+        for chunk in args.prefill_chunks:
+            for mode in (True, False):
+                sel = [r for r in rows if r["chunk"] == chunk and r["stream_handoff"] == mode and r["redis_nodes"] == nodes]
+                second = med(sel, "client_second_token_s")
+                body.append([pool_name(nodes), chunk, "streamed" if mode else "serial", ms(med(sel, "client_ttft_s")), ms(second),
+                             f"{second / colo_second:.2f}x",
+                             f"{ms(med(sel, 'prefill_compute_s'))} ({ms(med(sel, 'engine_step_s'))} / {ms(med(sel, 'device_busy_s'))}, "
+                             f"{med(sel, 'engine_steps'):.0f})",
+                             f"{ms(med(sel, 'pool_exposed_s'))} ({ms(med(sel, 'write_exposed_s'))} + {ms(med(sel, 'read_exposed_s'))})",
+                             ms(med(sel, "read_s")), f"{100 * med(sel, 'early_share'):.0f}%"])
     out.append(table(headers, body))
     out.append(f"\nKV moved per request: {med(rows, 'bytes_written') / 1e6:.1f} MB written, {med(rows, 'bytes_read') / 1e6:.1f} MB read. "
                "Goals (H100, 2048 tokens): client time to the second token <= 60 ms and <= 1.5x the co-located TTFT + one step.")
@@ -208,12 +231,15 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=8, help="per row (chunk size x handoff mode)")
     ap.add_argument("--prefill-chunks", default=None, help="comma-separated prefill --max-num-batched-tokens values (default: 512,prompt-len)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads per model process (default 4 on CUDA, 1 on CPU)")
+    ap.add_argument("--redis-nodes", default="0", help="comma-separated pools to run: 0 = one Redis, N = a local N-node Redis Cluster")
+    ap.add_argument("--redis-args", default="", help="more redis-server flags, e.g. '--io-threads 4 --io-threads-do-reads yes'")
     ap.add_argument("--out", default=None, help="write the rows and the report as JSON here")
     ap.add_argument("--colocated-only", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     cuda = args.device.startswith("cuda")
     args.threads = args.threads or (4 if cuda else 1)
     args.prefill_chunks = [int(c) for c in (args.prefill_chunks or f"512,{args.prompt_len}").split(",")]
+    args.redis_nodes = [int(n) for n in args.redis_nodes.split(",")]
     model: str | None = None
     if cuda:
         if not args.tokenizer:
@@ -227,9 +253,15 @@ def main() -> None:
         return
     colo = colocated(args)
     rows = []
-    for chunk in args.prefill_chunks:
-        with LocalCluster(cluster_config(args, model, chunk)) as cluster:
-            rows += asyncio.run(drive(cluster.url, args, chunk))
+    for nodes in args.redis_nodes:
+        for chunk in args.prefill_chunks:
+            with LocalCluster(cluster_config(args, model, chunk, nodes)) as cluster:
+                got = [{"redis_nodes": nodes, **r} for r in asyncio.run(drive(cluster.url, args, chunk))]
+            rows += got
+            # As it goes, so that a run cut short by a time limit still says something.
+            print(f"{pool_name(nodes)}, {chunk}-token chunks: client 2nd token median "
+                  + ", ".join(f"{'streamed' if m else 'serial'} {1e3 * med([r for r in got if r['stream_handoff'] == m], 'client_second_token_s'):.1f} ms"
+                              for m in (True, False)), flush=True)
     assert all(r["decision"] == "prefill" and r["streamed"] == r["stream_handoff"] for r in rows), rows
     device = torch.cuda.get_device_name() if cuda else f"CPU ({platform.machine()}, {os.cpu_count()} cores)"
     text = report(args, colo, rows, device)

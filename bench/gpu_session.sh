@@ -8,9 +8,11 @@
 # under bench/results/ and the measured threshold files come back in $OUT/results.tgz.
 #
 #   bench/gpu_session.sh tests pd pool          # issue 8 and the GPU test suite
-#   bench/gpu_session.sh fp8 moe                # FP8 GEMM/decode, MoE executors
+#   bench/gpu_session.sh fp8 moe                # FP8 tuning/GEMM/decode (~5 min), MoE executors
 #   bench/gpu_session.sh engine                 # issue 10: the engine's GPU tests and benchmarks
 #   QUICK=1 bench/gpu_session.sh engine         # the same, benchmarks shortened (--quick)
+#   bench/gpu_session.sh tp                     # issue 15 on nvidia-h200-x2: the TP GPU tests
+#   bench/gpu_session.sh tp_bench               # issue 15: TP=1 vs TP=2, Qwen2.5-7B shape (writes a 15 GB checkpoint once)
 set -u
 OUT=${OUT:-/tmp/gpu-session-out}
 mkdir -p "$OUT" bench/results
@@ -48,8 +50,15 @@ for s in "$@"; do
         pool) step pool 150 python3 bench/pool_throughput.py --redis-bin /tmp/redis-root/usr/bin \
                 --redis-args "--io-threads 4" --reps 3 --markdown bench/results/pool_h100.md \
                 --json bench/results/pool_h100.json ;;
-        fp8) step fp8_gemm 200 python3 -m bench.fp8_gemm_bench --write-threshold --out bench/results/fp8_gemm_h100.json
-             step fp8_decode 120 python3 -m bench.fp8_decode_bench --out bench/results/fp8_decode_h100.json ;;
+        fp8) # tune the GEMM's tiles (kernels/fp8/gemm_configs.json), then the threshold and figures with them
+             step fp8_tune $((${FP8_TUNE_S:-125} + 25)) python3 -m bench.fp8_tune --budget-s ${FP8_TUNE_S:-125}
+             step fp8_gemm 75 python3 -m bench.fp8_gemm_bench --write-threshold --out bench/results/fp8_gemm_h100.json
+             step fp8_decode 60 python3 -m bench.fp8_decode_bench --out bench/results/fp8_decode_h100.json ;;
+        handoff) # the pool's rate on one Redis and 1/4-node clusters, then the PD path (issue 8)
+             step pool 90 python3 bench/pool_throughput.py --redis-bin /tmp/redis-root/usr/bin --redis-args "--io-threads 4" \
+                --reps 3 --cluster-sizes 1,4 --markdown bench/results/pool_h100_r2.md --json bench/results/pool_h100_r2.json
+             step gpu_pd 100 python3 -m bench.gpu_pd --tokenizer "$TOK" --prompt-len 2048 --requests 6 \
+                --prefill-chunks 512,2048 --out bench/results/gpu_pd_h100_r2.json ;;
         moe) step moe 240 python3 -m bench.moe_bench --write-thresholds --reps 5 --warmup 2 \
                 --out bench/results/moe_bench_h100.json --markdown bench/results/moe_bench_h100.md ;;
         engine) step engine_tests 240 python3 -m pytest -v -p no:cacheprovider --timeout 120 --durations=15 -k engine \
@@ -57,9 +66,13 @@ for s in "$@"; do
                 step gpu_engine 300 python3 -m bench.gpu_engine ${QUICK:+--quick} --out bench/results/gpu_engine_h100.json
                 step async_scheduling 150 python3 -m bench.async_scheduling --device cuda --reps 2 ${QUICK:+--quick} \
                     --out bench/results/async_scheduling_h100.json ;;
-        *) step custom 300 bash -c "$s" ;;  # any other command, run as given
+        tp) step tp_tests 400 python3 -m pytest -v -p no:cacheprovider --timeout 300 --durations=15 tests/gpu/test_tp_gpu.py ;;
+        tp_bench) step tp_checkpoint 200 python3 -m bench.random_checkpoint qwen2.5-7b /tmp/tidepool-bench/qwen2.5-7b --device cuda
+                  step tp_bench 500 python3 -m bench.tp_bench --checkpoint /tmp/tidepool-bench --out bench/results/tp_bench_h200x2.json ;;
+        *) n=$((${n:-0} + 1)); step "custom$n" "${CUSTOM_S:-300}" bash -c "$s" ;;  # any other command, run as given
     esac
 done
 
-tar czf "$OUT/results.tgz" bench/results kernels/fp8/swap_ab_threshold.json libs/model/moe/hybrid_thresholds.json 2>/dev/null
+tar czf "$OUT/results.tgz" bench/results kernels/fp8/swap_ab_threshold.json kernels/fp8/gemm_configs.json kernels/fp8/gemm_configs.json \
+    libs/model/moe/hybrid_thresholds.json 2>/dev/null
 echo "done" | tee -a "$LOG"

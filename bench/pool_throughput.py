@@ -3,11 +3,11 @@
 One 2048-token prompt of SmolLM2-135M bf16 KV (30 layers, 3 kv heads, head dim 64, block
 size 16): 128 blocks of 368,640 B plus the 24-byte header. What prefill and decode do:
 
-- ``encode + put``: ``BlockCodec.encode_views`` over the staging rows (header and
-  checksum; the payload is not copied), in chunks of ``pipeline_blocks`` on worker
-  threads, each chunk written by ``RedisPool.put_blocks`` as soon as it is encoded
-  (MULTI/SET/EVAL account/EXEC per block on the bulk path), as prefill stores; vs
-  ``redis-benchmark SET``;
+- ``encode + put``: ``BlockCodec.encode_pending`` over the staging rows (the header and
+  views of the payload, which is never copied), written in chunks of ``pipeline_blocks``
+  by ``RedisPool.put_blocks``, all at once (MULTI/SET/EVAL account/EXEC per block on the
+  bulk path), each value checksummed by the bulk thread that sends it, as prefill
+  stores; vs ``redis-benchmark SET``;
 - ``get + decode``: one ``RedisPool.get_blocks_into`` of all 128 blocks straight into the
   staging rows, each verified in place by ``BlockCodec.verify_landed`` (header fields,
   checksum) as soon as it lands, as decode loads; vs ``redis-benchmark GET``;
@@ -66,7 +66,7 @@ import uvloop  # noqa: E402
 from libs.blocks.keys import Namespace, block_keys  # noqa: E402
 from libs.kvpool.codec import BlockCodec  # noqa: E402
 from libs.kvpool.config import BULK_MODELS, PoolConfig  # noqa: E402
-from libs.kvpool.header import HEADER_NBYTES  # noqa: E402
+from libs.kvpool.header import HEADER_NBYTES, PendingValue  # noqa: E402
 from libs.kvpool.layout import KVLayout  # noqa: E402
 from libs.kvpool.redis_pool import RedisPool  # noqa: E402
 from services.launch.processes import Child, free_port  # noqa: E402
@@ -88,25 +88,30 @@ class Prompt:
         self.src = torch.empty(len(self.keys), *LAYOUT.block_shape, dtype=LAYOUT.dtype, pin_memory=pin)
         self.src.copy_(torch.randn(self.src.shape).to(LAYOUT.dtype))
         self.dst = torch.empty_like(self.src, pin_memory=pin)
+        # Slots as the services use them: one numpy view per staging buffer (BlockCodec.byte_rows).
+        self.src_rows, self.dst_rows = self.codec.byte_rows(self.src), self.codec.byte_rows(self.dst)
         self.headers = np.empty((len(self.keys), HEADER_NBYTES), dtype=np.uint8)
-        self.dests = [self.codec.value_views(memoryview(self.headers[i]), self.dst[i], 16) for i in range(len(self.keys))]
+        self.dests = [self.codec.value_views(memoryview(self.headers[i]), self.dst_rows[i], 16) for i in range(len(self.keys))]
         self.nbytes = len(self.keys) * VALUE_NBYTES
         self.codec_s: list[float] = []  # CPU seconds in the codec, appended from any thread
+        self.codec_wall_s: list[float] = []  # the same calls' wall seconds (GIL waits, preemption included)
 
-    def _encode(self, lo: int, hi: int) -> list:
-        t0 = time.thread_time()
-        values = [self.codec.encode_views(self.src[i], 16) for i in range(lo, hi)]
+    def _timed(self, fn: Callable[[], object]) -> None:
+        t0, w0 = time.thread_time(), time.perf_counter()
+        fn()
         self.codec_s.append(time.thread_time() - t0)
-        return values
+        self.codec_wall_s.append(time.perf_counter() - w0)
 
     async def encode_put(self, pool: RedisPool, chunk: int) -> None:
-        """As prefill stores (services/worker/transfer.py): chunks checksummed on worker
-        threads, all at once, each written as soon as it is ready."""
+        """As prefill stores (services/worker/transfer.py): every block a pending value at
+        once (header, views of its row), written in chunks of ``chunk`` blocks, all at once;
+        each value checksummed by the bulk thread that sends it (``_TimedPending.seal``)."""
+        values: list = []
+        self._timed(lambda: values.extend(_TimedPending(self, self.codec.encode_pending(r, 16)) for r in self.src_rows))
 
         async def one(lo: int) -> None:
             hi = min(lo + chunk, len(self.keys))
-            values = await asyncio.to_thread(self._encode, lo, hi)
-            results = await pool.put_blocks(self.ns, list(zip(self.keys[lo:hi], values)))
+            results = await pool.put_blocks(self.ns, list(zip(self.keys[lo:hi], values[lo:hi])))
             assert not any(results), results
 
         await asyncio.gather(*(one(lo) for lo in range(0, len(self.keys), chunk)))
@@ -115,9 +120,7 @@ class Prompt:
         """As decode loads: each value verified in place as soon as it lands (on_landed)."""
 
         def verify(i: int) -> None:
-            t0 = time.thread_time()
-            self.codec.verify_landed(memoryview(self.headers[i]), self.dst[i], 16)
-            self.codec_s.append(time.thread_time() - t0)
+            self._timed(lambda: self.codec.verify_landed(memoryview(self.headers[i]), self.dst_rows[i], 16))
 
         outcomes = await pool.get_blocks_into(self.ns, self.keys, self.dests, on_landed=verify)
         assert not any(outcomes), outcomes
@@ -126,9 +129,56 @@ class Prompt:
         assert torch.equal(self.dst.view(torch.uint8), self.src.view(torch.uint8)), "a block came back different"
 
 
+class _TimedPending(PendingValue):
+    """A pending value whose seal (the checksum, on the sending thread) counts as codec time."""
+
+    __slots__ = ("_prompt",)
+
+    def __init__(self, prompt: Prompt, value: PendingValue) -> None:
+        super().__init__(value.parts[0], value.parts[1:])
+        self._prompt = prompt
+
+    def seal(self) -> list[memoryview]:
+        out: list[memoryview] = []
+        self._prompt._timed(lambda: out.extend(super(_TimedPending, self).seal()))
+        return out
+
+
+def codec_probe(prompt: Prompt) -> str:
+    """One thread's costs on this host, alone, in the prompt's own staging memory (pinned
+    when CUDA is there) beside ordinary memory: tells a slow codec row apart from a slow
+    memory or a slow hash build. Run after a warm-up get, so ``dst`` holds landed values."""
+    import xxhash
+
+    def best(fn: Callable[[], None], reps: int = 3) -> float:
+        out = float("inf")
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            out = min(out, time.perf_counter() - t0)
+        return out
+
+    n = len(prompt.keys)
+    staged = prompt.src.view(torch.uint8).numpy().reshape(n, -1)
+    plain = staged.copy()  # pageable, same bytes
+    rate = lambda rows: rows.nbytes / best(lambda: [xxhash.xxh3_64().update(r) for r in rows]) / 1e9  # noqa: E731
+    codec, headers = prompt.codec, prompt.headers
+    encode = best(lambda: [codec.encode_pending(r, 16).seal() for r in prompt.src_rows]) / n
+    encode_t = best(lambda: [codec.encode_views(prompt.src[i], 16) for i in range(n)]) / n
+    verify = best(lambda: [codec.verify_landed(memoryview(headers[i]), prompt.dst_rows[i], 16) for i in range(n)]) / n
+    verify_t = best(lambda: [codec.verify_landed(memoryview(headers[i]), prompt.dst[i], 16) for i in range(n)]) / n
+    oneshot = "releases" if int(xxhash.VERSION.split(".")[0]) >= 4 else "HOLDS"  # python-xxhash's C source
+    return (f"Codec probe (one thread, alone): xxhash {xxhash.VERSION} (its one-shot xxh3_64_intdigest {oneshot} the GIL; "
+            f"the codec hashes through xxh3_64().update, which releases it); xxh3 over the staging rows {rate(staged):.1f} GB/s"
+            f"{' (pinned)' if prompt.src.is_pinned() else ''}, over ordinary memory {rate(plain):.1f} GB/s; "
+            f"per block, slots as byte rows (torch rows): encode + seal {encode * 1e6:.1f} ({encode_t * 1e6:.1f}) us, "
+            f"verify_landed {verify * 1e6:.1f} ({verify_t * 1e6:.1f}) us.")
+
+
 @dataclass
 class Samples:
     values: dict[str, list[float]] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
 
     def add(self, label: str, value: float) -> None:
         self.values.setdefault(label, []).append(value)
@@ -190,13 +240,21 @@ class Ours:
             p.check()
         return self
 
-    async def row(self, label: str) -> tuple[float, float]:
-        """GB/s of ``label`` (median of rounds) and the codec's share of its time."""
+    async def row(self, label: str) -> tuple[float, float, float, float]:
+        """GB/s of ``label`` (median of rounds); the codec's share of its time: CPU seconds
+        (``thread_time``) and wall seconds inside the codec calls, over the wall; and the
+        bulk path's system calls per block (each one takes the GIL back)."""
         for p in self.prompts:
             p.codec_s.clear()
+            p.codec_wall_s.clear()
+        calls0 = self.pool.bulk.counters["syscalls"]
         start = time.perf_counter()
         gbps = await timed(self.calls[label], self.nbytes, self.args.rounds)
-        return gbps, sum(sum(p.codec_s) for p in self.prompts) / (time.perf_counter() - start)
+        wall = time.perf_counter() - start
+        blocks = self.args.rounds * sum(len(p.keys) for p in self.prompts)
+        return (gbps, sum(sum(p.codec_s) for p in self.prompts) / wall,
+                sum(sum(p.codec_wall_s) for p in self.prompts) / wall,
+                (self.pool.bulk.counters["syscalls"] - calls0) / blocks)
 
     async def close(self) -> None:
         for p in self.prompts:
@@ -211,6 +269,7 @@ async def single_redis(url: str, port: int, args: argparse.Namespace) -> Samples
     samples = Samples()
     prompts = [Prompt(0)]
     ours = {model: await Ours(url, prompts, model, args).start() for model in args.models}
+    samples.notes.append(codec_probe(prompts[0]))
     try:
         for _ in range(args.reps):
             theirs = redis_benchmark(args.redis_benchmark, port, args.max_parallel, args.pipeline_blocks, args.bench_requests, False)
@@ -218,10 +277,12 @@ async def single_redis(url: str, port: int, args: argparse.Namespace) -> Samples
                 samples.add(f"redis-benchmark {test}", gbps)
             for model, rows in ours.items():
                 for label in BASELINE:
-                    gbps, share = await rows.row(label)
+                    gbps, share, wall_share, syscalls = await rows.row(label)
                     samples.add(f"{model} {label}", gbps)
                     samples.add(f"{model} {label} ratio", gbps / theirs[BASELINE[label]])
                     samples.add(f"{model} {label} codec", share)
+                    samples.add(f"{model} {label} codec wall", wall_share)
+                    samples.add(f"{model} {label} syscalls", syscalls)
     finally:
         for rows in ours.values():
             await rows.close()
@@ -239,7 +300,7 @@ async def on_cluster(url: str, port: int, nodes: int, args: argparse.Namespace) 
             for test, gbps in theirs.items():
                 samples.add(f"redis-benchmark {test}", gbps)
             for label in BASELINE:
-                gbps, _ = await ours.row(label)
+                gbps, _, _, _ = await ours.row(label)
                 samples.add(label, gbps)
                 samples.add(f"{label} ratio", gbps / theirs[BASELINE[label]])
     finally:
@@ -299,17 +360,18 @@ def main() -> None:
         redis.kill()
     raw["single"] = single.values
     lines += [
-        "| one Redis | GB/s | ratio to redis-benchmark | codec share |",
-        "|---|---:|---:|---:|",
+        "| one Redis | GB/s | ratio to redis-benchmark | codec share: CPU / wall | syscalls per block |",
+        "|---|---:|---:|---:|---:|",
     ]
     for model in args.models:
         for label, test in BASELINE.items():
             lines.append(
                 f"| {model}: {label} | {single.spread(f'{model} {label}')} | **{single.spread(f'{model} {label} ratio')}** "
-                f"| {100 * single.median(f'{model} {label} codec'):.1f}% |"
+                f"| {100 * single.median(f'{model} {label} codec'):.1f}% / {100 * single.median(f'{model} {label} codec wall'):.1f}% "
+                f"| {single.median(f'{model} {label} syscalls'):.1f} |"
             )
     for test in ("SET", "GET"):
-        lines.append(f"| redis-benchmark {test} | {single.spread('redis-benchmark ' + test)} | | |")
+        lines.append(f"| redis-benchmark {test} | {single.spread('redis-benchmark ' + test)} | | | |")
     sizes = [int(n) for n in args.cluster_sizes.split(",") if n]
     if sizes:
         lines += [
@@ -344,7 +406,8 @@ def main() -> None:
         f"redis-benchmark -c {args.max_parallel} (x nodes) -P {args.pipeline_blocks} -n {args.bench_requests} (x nodes). "
         f"GB/s of value bytes: median (min-max) over {args.reps} interleaved reps, each one redis-benchmark run then "
         f"the median of {args.rounds} calls of ours (after {args.warmup} warm-up calls); ratios within each rep. "
-        "Codec share: CPU time in BlockCodec (header, checksum) / the row's wall time.",
+        "Codec share: CPU time (thread_time) and wall time in BlockCodec calls (header, checksum) / the row's wall time.",
+        *single.notes,
         "",
     ]
     table = "\n".join(header + lines) + "\n"

@@ -49,6 +49,10 @@ def _build_parser() -> argparse.ArgumentParser:
         help="fp8: block-scaled FP8 weights (quantized at load, or an FP8 checkpoint's); none: dense; auto (default): as the checkpoint is",
     )
     g.add_argument(
+        "--tensor-parallel-size", type=int, default=1,
+        help="tensor-parallel ranks: one process each, started by this one (CUDA: GPUs cuda:k..k+N-1; CPU: gloo) (default 1)",
+    )
+    g.add_argument(
         "--async-scheduling", choices=("auto", "on", "off"), default="auto",
         help="launch each step before the previous one's tokens are read back (default auto: on only where measured faster)",
     )
@@ -70,9 +74,17 @@ def _generate(args: argparse.Namespace) -> int:
     engine = LLM(EngineConfig(
         model=args.model, device=args.device, dtype=args.dtype, quantized_weights=args.quantized,
         moe_strategy=args.moe_strategy, moe_fake_balance=args.moe_fake_balance, quantization=args.quantization,
+        tensor_parallel_size=args.tensor_parallel_size,
         async_scheduling=args.async_scheduling,
         speculative_config=args.speculative_config,
     ))
+    try:
+        return _run(engine, args, params)
+    finally:
+        engine.close()  # under TP: stops the other ranks
+
+
+def _run(engine: LLM, args: argparse.Namespace, params: SamplingParams) -> int:
     tok = engine.tokenizer
     if args.chat is not None:
         prompt_ids = tok.encode_chat([{"role": "user", "content": args.chat}])

@@ -5,7 +5,6 @@ parent to compare with EP=1."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
@@ -16,6 +15,7 @@ from libs.model.moe import MoEOptions
 from libs.model.moe.block import SparseMoeBlock
 from libs.model.moe.routing import Routing
 from tests.moe_inputs import make_ids
+from tests.ranks import start_rank
 
 WORLD = 2
 LAYER = ModelConfig(
@@ -63,11 +63,7 @@ def run(
     rank: int, port: int, model_folder: str, prompts: list[list[int]], n_greedy: int, out_dir: str,
     device_type: str = "cpu", strategies: tuple[str, ...] = ("loop", "contiguous", "masked"),
 ) -> None:
-    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
-    torch.set_num_threads(1)
-    device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    device = start_rank(rank, device_type)
     groups = init_parallel(ParallelLayout(world_size=WORLD, ep_size=WORLD), rank=rank, init_method=f"tcp://127.0.0.1:{port}", device=device)
     try:
         results: dict = {"ep_rank": groups.ep.rank, "ep_size": groups.ep.size}

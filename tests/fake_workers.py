@@ -51,6 +51,7 @@ from libs.protocol.messages import (
     PrefillProgress,
     PrefillRequest,
     PrefillResult,
+    PromptLogprobs,
     RegisterInstance,
     SamplingSpec,
     TokenEvent,
@@ -90,6 +91,17 @@ class FakeModel:
             logprob=-0.25,
             top_ids=top,
             top_logprobs=[-0.25 - j for j in range(len(top))],
+        )
+
+    def prompt_logprobs(self, prompt: list[int], k: int) -> PromptLogprobs:
+        """A made-up scored prompt: token i (from 1) has logprob -i/10, alternatives below it."""
+        rest = prompt[1:]
+        tops = [[t, *(a for a in (1, 3, 4) if a != t)][:k] for t in rest]
+        return PromptLogprobs(
+            token_ids=rest,
+            logprobs=[-(i + 1) / 10 for i in range(len(rest))],
+            top_ids=tops,
+            top_logprobs=[[-(i + 1) / 10 - j for j in range(len(top))] for i, top in enumerate(tops)],
         )
 
     def text_from(self, tokenizer: Any, start_index: int, max_tokens: int | None = None) -> str:
@@ -303,6 +315,7 @@ class FakePrefill(FakeInstance):
                 request_id=req.request_id,
                 first_token_ids=firsts,
                 first_logprobs=None if s.logprobs is None else [self.model.logprobs(t, s.logprobs) for t in firsts],
+                prompt_logprobs=None if s.prompt_logprobs is None else self.model.prompt_logprobs(req.prompt_token_ids, s.prompt_logprobs),
                 block_keys=keys,
                 lease_id="lease-" + req.request_id,
                 num_prompt_tokens=len(req.prompt_token_ids),
@@ -436,6 +449,9 @@ class FakeDecode(FakeInstance):
                         logprobs=None if s.logprobs is None else [self.model.logprobs(t, s.logprobs) for t in batch],
                         finish_reason=finish if last else None,
                         num_cached_tokens=len(req.prompt_token_ids) - 1 if hits else 0,
+                        prompt_logprobs=None
+                        if i or s.prompt_logprobs is None
+                        else self.model.prompt_logprobs(req.prompt_token_ids, s.prompt_logprobs),
                         trace={
                             "pool_hit_blocks": hits,
                             "pool_miss_reasons": self.miss_reasons,

@@ -35,12 +35,12 @@ activations are padded to it, and a mismatch is an error, never a silent re-layo
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
-from functools import lru_cache
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from kernels.fp8.plan import GemmPlan
 
 FP8_DTYPE = torch.float8_e4m3fn
 E4M3_MAX = 448.0
@@ -52,9 +52,6 @@ BLOCK = 128  # weight block edge, activation group length, and the GEMM's K tile
 SCALE_EPS = 1e-10  # amax floor (vLLM's): all-zero blocks get a tiny positive scale
 FP32_MAX = torch.finfo(torch.float32).max
 
-THRESHOLD_FILE = Path(__file__).with_name("swap_ab_threshold.json")
-
-
 class Fp8AlignmentError(ValueError):
     """An FP8 GEMM operand has the wrong dtype, shape, padding or alignment."""
 
@@ -62,56 +59,6 @@ class Fp8AlignmentError(ValueError):
 def padded(n: int, multiple: int = BLOCK) -> int:
     """``n`` rounded up to a multiple of ``multiple``."""
     return -(-n // multiple) * multiple
-
-
-@dataclass(frozen=True)
-class GemmPlan:
-    """How one ``[M, K] x [N, K]^T`` GEMM is tiled.
-
-    - ``swap_ab``: compute ``(W X^T)^T``: the weight's rows fill the MMA's M dimension
-      (64+ rows on Hopper) and the few tokens its N dimension (8+), instead of padding a
-      handful of tokens to a 64-row tile.
-    - ``token_tile``: tokens per program (BLOCK_M of the normal variant, the MMA's N tile
-      of the swap-AB one); the activations must be padded to a multiple of it.
-    - ``weight_tile``: weight rows per program; divides 128, so it never straddles blocks.
-    """
-
-    swap_ab: bool
-    token_tile: int
-    weight_tile: int
-    num_warps: int
-    num_stages: int
-
-    @property
-    def row_multiple(self) -> int:
-        """What ``per_token_group_quant(..., row_multiple=)`` must pad the tokens to."""
-        return self.token_tile
-
-
-@lru_cache(maxsize=1)
-def swap_ab_max_m() -> int:
-    """The largest M that takes the swap-AB variant: data, written by
-    ``bench/fp8_gemm_bench.py --write-threshold`` from measured timings."""
-    data = json.loads(THRESHOLD_FILE.read_text())
-    value = data["swap_ab_max_m"]
-    if not isinstance(value, int) or value < 0:
-        raise ValueError(f"{THRESHOLD_FILE}: swap_ab_max_m must be a non-negative int, got {value!r}")
-    return value
-
-
-def plan_gemm(m: int, *, swap_ab: bool | None = None) -> GemmPlan:
-    """The tiling for ``m`` tokens; ``swap_ab=None`` decides by the stored threshold."""
-    if m < 1:
-        raise ValueError(f"m must be >= 1, got {m}")
-    if swap_ab is None:
-        swap_ab = m <= swap_ab_max_m()
-    if swap_ab:
-        # The tokens become the MMA's N: 16 is the smallest tile every FP8 MMA takes.
-        tile = min(max(16, 1 << (m - 1).bit_length()), 64)
-        return GemmPlan(True, token_tile=tile, weight_tile=64, num_warps=4, num_stages=4)
-    if m <= 64:
-        return GemmPlan(False, token_tile=64, weight_tile=128, num_warps=4, num_stages=4)
-    return GemmPlan(False, token_tile=128, weight_tile=128, num_warps=8, num_stages=3)
 
 
 def _fail(what: str) -> None:
@@ -139,10 +86,12 @@ def check_activation(x: torch.Tensor, row_multiple: int) -> None:
 
 
 def check_gemm_operands(
-    x_q: torch.Tensor, x_s: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, m: int, n: int, plan: GemmPlan
+    x_q: torch.Tensor, x_s: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, m: int, n: int, plan: "GemmPlan"
 ) -> None:
-    """Everything the GEMM assumes about its operands, checked on host metadata only."""
+    """Everything the GEMM assumes about its operands, checked on host metadata only. (A
+    plan's ``fuse_quant`` means nothing here: these activations are quantized already.)"""
     check_weight(w_q, w_s)
+    _check_plan_fits_weight(w_q, n, plan)
     if x_q.dtype != FP8_DTYPE or x_q.dim() != 2:
         _fail(f"activation must be a 2-D {FP8_DTYPE} tensor, got {x_q.dtype} of shape {tuple(x_q.shape)}")
     m_pad, k_pad = x_q.shape
@@ -158,11 +107,31 @@ def check_gemm_operands(
         _fail(f"activation scale must be float32 [{m_pad}, {k_pad // BLOCK}] with unit column stride, got {x_s.dtype} {tuple(x_s.shape)} strides {x_s.stride()}")
     if not 1 <= m <= m_pad:
         _fail(f"m ({m}) must be in 1..{m_pad} (the activation's padded rows)")
-    if not 1 <= n <= w_q.shape[0]:
-        _fail(f"n ({n}) must be in 1..{w_q.shape[0]} (the weight's padded rows)")
     _check_rows(x_q, "activation")
     if x_q.device != w_q.device or x_s.device != w_q.device or w_s.device != w_q.device:
         _fail("activation, weight and their scales must be on one device")
+
+
+def check_fused_operands(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, n: int, plan: "GemmPlan") -> None:
+    """What a GEMM that quantizes its own activations assumes: ``x [m, K]`` unquantized,
+    any strides, with ``K`` padding to the weight's ``K_pad``; no padded rows."""
+    check_weight(w_q, w_s)
+    _check_plan_fits_weight(w_q, n, plan)
+    if x.dim() != 2 or not x.is_floating_point() or x.dtype == FP8_DTYPE:
+        _fail(f"activation must be a 2-D unquantized float tensor [M, K], got {x.dtype} of shape {tuple(x.shape)}")
+    if x.shape[0] < 1:
+        _fail("activation has no rows")
+    if padded(x.shape[1]) != w_q.shape[1]:
+        _fail(f"activation K ({x.shape[1]}) does not pad to the weight's K_pad ({w_q.shape[1]})")
+    if x.device != w_q.device or w_s.device != w_q.device:
+        _fail("activation, weight and its scales must be on one device")
+
+
+def _check_plan_fits_weight(w_q: torch.Tensor, n: int, plan: "GemmPlan") -> None:
+    if not 1 <= n <= w_q.shape[0]:
+        _fail(f"n ({n}) must be in 1..{w_q.shape[0]} (the weight's padded rows)")
+    if w_q.shape[0] % plan.weight_tile:
+        _fail(f"the plan's weight tile ({plan.weight_tile}) does not divide the weight's padded rows ({w_q.shape[0]})")
 
 
 def _check_rows(t: torch.Tensor, name: str) -> None:

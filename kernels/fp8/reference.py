@@ -1,7 +1,7 @@
 """Torch reference for the block-scaled FP8 kernels: the CPU path and the tests' oracle.
 
-Same signatures as ``triton_quant.per_token_group_quant`` and
-``triton_gemm.block_scaled_mm``, same padded layouts and checks (kernels/fp8/layout.py).
+Same signatures as ``triton_quant.per_token_group_quant``, ``triton_gemm.block_scaled_mm``
+and ``triton_gemm.fp8_linear``, same padded layouts and checks (kernels/fp8/layout.py).
 The GEMM reference dequantizes both operands to fp32 and multiplies: that is the
 definition the kernel is tested against, and (with the weight dequantized once and
 cached, libs/model/fp8.py) how FP8 weights run where there are no FP8 tensor cores.
@@ -21,18 +21,23 @@ from kernels.fp8.layout import (
     FP32_MAX,
     FP8_DTYPE,
     SCALE_EPS,
-    GemmPlan,
     check_activation,
+    check_fused_operands,
     check_gemm_operands,
     check_weight,
     padded,
-    plan_gemm,
 )
+from kernels.fp8.plan import GemmPlan, plan_gemm
 
 
 def scale_of(amax: torch.Tensor) -> torch.Tensor:
-    """``amax / 448`` with amax kept in ``[SCALE_EPS, fp32 max]``: never 0, never inf."""
-    return amax.float().clamp(SCALE_EPS, FP32_MAX) / E4M3_MAX
+    """``amax / 448`` with amax kept in ``[SCALE_EPS, fp32 max]``: never 0, never inf.
+
+    The divisor is a tensor on amax's device, not a Python number: on CUDA, torch divides
+    by a CPU scalar as a multiplication by its reciprocal ("may lose one bit", says its
+    source), which put the H100's reference scales one ulp off the kernel's IEEE division
+    (tests/gpu's bit-exactness test failed on it). Tensor by tensor is IEEE on both."""
+    return amax.float().clamp(SCALE_EPS, FP32_MAX) / torch.full((), E4M3_MAX, device=amax.device)
 
 
 def to_e4m3(y: torch.Tensor) -> torch.Tensor:
@@ -99,11 +104,31 @@ def block_scaled_mm(
 ) -> torch.Tensor:
     """``Y [m, n] = dequant(X) @ dequant(W)^T``, accumulated in fp32.
 
-    ``plan`` (default: ``plan_gemm(m)``) only decides the check on the activation's row
-    padding and the operand order: swap-AB computes ``(W X^T)^T``, the same numbers."""
+    ``plan`` (default: ``plan_gemm(m)``; its ``fuse_quant`` is moot here) only decides the
+    check on the activation's row padding and the operand order: swap-AB computes
+    ``(W X^T)^T``, the same numbers."""
     plan = plan or plan_gemm(m)
     check_gemm_operands(x_q, x_s, w_q, w_s, m, n, plan)
     x = dequantize_activation(x_q, x_s)[:m]
     w = dequantize_weight(w_q, w_s)[:n]
     y = (w @ x.t()).t() if plan.swap_ab else x @ w.t()
     return y.to(out_dtype)
+
+
+def fp8_linear(
+    x: torch.Tensor,
+    w_q: torch.Tensor,
+    w_s: torch.Tensor,
+    *,
+    n: int,
+    out_dtype: torch.dtype | None = None,
+    plan: GemmPlan | None = None,
+) -> torch.Tensor:
+    """``Y [m, n] = quant(X) @ dequant(W)^T`` from unquantized ``x [m, K]``: the activations
+    quantized per token group (as the fused kernel does in registers), then the GEMM."""
+    m = x.shape[0]
+    plan = plan or plan_gemm(m)
+    if plan.fuse_quant:
+        check_fused_operands(x, w_q, w_s, n, plan)
+    x_q, x_s = per_token_group_quant(x, row_multiple=plan.row_multiple)
+    return block_scaled_mm(x_q, x_s, w_q, w_s, m=m, n=n, out_dtype=out_dtype or x.dtype, plan=plan)

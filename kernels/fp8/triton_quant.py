@@ -52,6 +52,19 @@ def _round_to_e4m3(y):
 
 
 @triton.jit
+def quantize_groups(x, AXIS: tl.constexpr, eps, fp32_max, fp8_max):
+    """A tile of fp32 values (zeros where padding) holding whole groups of 128 along
+    ``AXIS`` -> (values rounded to the e4m3 grid, in fp32; one scale per group). The one
+    definition of the arithmetic: this kernel and the GEMM that fuses the quantization
+    (kernels/fp8/triton_gemm.py) both call it, so their bits are the same."""
+    amax = tl.minimum(tl.maximum(tl.max(tl.abs(x), axis=AXIS), eps), fp32_max)
+    scale = tl.math.div_rn(amax, fp8_max)
+    y = tl.math.div_rn(x, tl.expand_dims(scale, AXIS))
+    y = tl.minimum(tl.maximum(y, -fp8_max), fp8_max)
+    return _round_to_e4m3(y), scale
+
+
+@triton.jit
 def _per_token_group_quant_kernel(
     x_ptr, q_ptr, s_ptr,
     M, K, M_pad,
@@ -65,13 +78,9 @@ def _per_token_group_quant_kernel(
     rows64 = rows.to(tl.int64)  # rows * stride overflows int32 on long prefills
     inside = (rows[:, None] < M) & (cols[None, :] < K)
     x = tl.load(x_ptr + rows64[:, None] * stride_xm + cols[None, :] * stride_xk, mask=inside, other=0.0).to(tl.float32)
-    amax = tl.minimum(tl.maximum(tl.max(tl.abs(x), axis=1), eps), fp32_max)
-    scale = tl.math.div_rn(amax, fp8_max)
-    y = tl.math.div_rn(x, scale[:, None])
-    y = tl.minimum(tl.maximum(y, -fp8_max), fp8_max)
-    q = _round_to_e4m3(y).to(q_ptr.dtype.element_ty)
+    y, scale = quantize_groups(x, 1, eps, fp32_max, fp8_max)
     written = rows < M_pad
-    tl.store(q_ptr + rows64[:, None] * stride_qm + cols[None, :], q, mask=written[:, None])
+    tl.store(q_ptr + rows64[:, None] * stride_qm + cols[None, :], y.to(q_ptr.dtype.element_ty), mask=written[:, None])
     tl.store(s_ptr + rows64 * stride_sm + group, scale, mask=written)
 
 

@@ -10,6 +10,9 @@ Shapes:
   same dtype, row ``j`` holding block ``block_ids[j]``: block-major, which is the pool's
   value payload order.
 
+``gather_heads`` / ``scatter_heads`` move a tensor-parallel rank's heads between its
+cache (``kv_heads`` = its own) and staging rows of whole blocks (kernels/swap/heads.py).
+
 Synchronisation: both functions are stream-ordered like any torch op. On the CPU they are
 done when they return; on a GPU the copies are enqueued on the current stream, and host
 memory in ``out`` is only valid after that stream (or an event recorded on it) has been
@@ -21,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from kernels.swap.checks import BlockIds, check_gather, check_scatter, device_ids
+from kernels.swap.heads import HeadSlice, check_heads
 from kernels.swap.runs import copy_if_one_run
 
 
@@ -43,3 +47,24 @@ def scatter_blocks(src: torch.Tensor, block_ids: BlockIds, cache: torch.Tensor) 
         return
     index = device_ids(ids, cache.device)
     cache.index_copy_(0, index, src.to(cache.device, non_blocking=True))
+
+
+def gather_heads(cache: torch.Tensor, block_ids: BlockIds, out: torch.Tensor, heads: HeadSlice) -> None:
+    """``out[j, ..., a:b, :] = cache[block_ids[j], ..., a - first:b - first, :]`` for the
+    written heads ``[a, b)`` (kernels/swap/heads.py); the rest of ``out`` is untouched."""
+    ids = check_heads(cache, out, block_ids, heads, unique=False, role="out")
+    a, b = heads.written
+    if ids.size == 0 or a == b:
+        return
+    la, lb = heads.written_local
+    rows = cache.index_select(0, device_ids(ids, cache.device))[..., la:lb, :]
+    out[..., a:b, :].copy_(rows, non_blocking=True)
+
+
+def scatter_heads(src: torch.Tensor, block_ids: BlockIds, cache: torch.Tensor, heads: HeadSlice) -> None:
+    """``cache[block_ids[j]] = src[j, ..., first:first + count, :]`` for every j (no repeats)."""
+    ids = check_heads(cache, src, block_ids, heads, unique=True, role="src")
+    if ids.size == 0:
+        return
+    part = src[..., heads.first : heads.first + heads.count, :]
+    cache.index_copy_(0, device_ids(ids, cache.device), part.to(cache.device, non_blocking=True))

@@ -42,6 +42,14 @@ Paths, chosen per swap from the block ids:
   (and the reverse for swap-in), or ``"mapped"``: the kernel reads or writes the pinned
   host buffer directly. bench/swap_bench.py measures both; bench/results/swap.md has the
   numbers behind the default.
+
+Tensor parallelism (``heads``, kernels/swap/heads.py): a rank's cache holds only its KV
+heads, while staging rows hold whole blocks (the pool's values), in memory every rank of
+the instance maps (``host_buffers``, kernels/swap/shared.py). Each rank's swapper then
+moves only its heads' part of each row, with the head-slice kernel (mapped: straight
+between its device and the shared host rows; no run fast path, the part is strided).
+Rank 0 lends the buffers; the other ranks fill or read the same buffer by its index
+(``gather_into`` / ``scatter_from``) when rank 0 tells them to.
 """
 
 from __future__ import annotations
@@ -49,7 +57,7 @@ from __future__ import annotations
 import threading
 from collections import deque
 from types import TracebackType
-from typing import Literal
+from typing import Literal, Sequence
 
 import numpy as np
 import torch
@@ -57,6 +65,7 @@ import torch
 from kernels.swap import reference
 from kernels.swap.checks import BlockIds, as_block_ids, check_cache, check_triton_operands
 from kernels.swap.errors import StagingStateError, SwapShapeError
+from kernels.swap.heads import HeadSlice
 from kernels.swap.runs import Run, block_runs, copy_run, count_runs
 
 Strategy = Literal["staged", "mapped"]
@@ -99,6 +108,11 @@ class StagingBuffer:
     @property
     def n(self) -> int:
         return self._n
+
+    @property
+    def index(self) -> int:
+        """Which of its swapper's buffers this is (tensor-parallel ranks address it so)."""
+        return self._owner._slots.index(self._live_slot())
 
     @property
     def host(self) -> torch.Tensor:
@@ -152,6 +166,11 @@ class BlockSwapper:
     how a swap that is not a few runs moves, ``"staged"`` or ``"mapped"`` (default: staged
     on CUDA, mapped on the CPU where host memory is the cache's own). ``max_direct_runs``:
     up to this many runs of consecutive ids move as one copy per run.
+
+    ``heads``: the cache holds this slice of each block's KV heads, staging rows hold whole
+    blocks (tensor parallelism). ``host_buffers``: ``num_buffers`` host tensors of
+    ``max_blocks`` whole blocks to use as the buffers (shared memory; pinned, on CUDA);
+    the swapper does not own their memory.
     """
 
     def __init__(
@@ -163,6 +182,8 @@ class BlockSwapper:
         backend: Backend | None = None,
         scattered: Strategy | None = None,
         max_direct_runs: int = 1,
+        heads: HeadSlice | None = None,
+        host_buffers: Sequence[torch.Tensor] | None = None,
     ) -> None:
         check_cache(cache)
         if max_blocks < 1:
@@ -189,19 +210,25 @@ class BlockSwapper:
         self._backend: Backend = backend
         self._max_blocks = max_blocks
         self._max_direct_runs = max_direct_runs
-        shape = (max_blocks, *cache.shape[1:])
+        if heads is not None and cache.shape[4] != heads.count:
+            raise SwapShapeError(f"cache has {cache.shape[4]} KV heads, the head slice {heads.count}")
+        self._heads = heads if heads is not None and not heads.is_whole else None
+        block = tuple(cache.shape[1:]) if heads is None else (*cache.shape[1:4], heads.total, cache.shape[5])
+        shape = (max_blocks, *block)
+        if host_buffers is not None:
+            _check_host_buffers(host_buffers, num_buffers, shape, cache.dtype, on_cuda)
         self._slots = [
             _Slot(
-                host=torch.empty(shape, dtype=cache.dtype, pin_memory=on_cuda),
+                host=host_buffers[i] if host_buffers is not None else torch.empty(shape, dtype=cache.dtype, pin_memory=on_cuda),
                 ids=torch.empty(max_blocks, dtype=torch.int64, pin_memory=on_cuda),
                 event=torch.cuda.Event() if on_cuda else None,
             )
-            for _ in range(num_buffers)
+            for i in range(num_buffers)
         ]
         self._num_buffers = num_buffers
         self._free: deque[_Slot] = deque(self._slots)
         self._staging = (
-            torch.empty(shape, dtype=cache.dtype, device=cache.device) if scattered == "staged" else None
+            torch.empty(shape, dtype=cache.dtype, device=cache.device) if scattered == "staged" and self._heads is None else None
         )
         self._device_ids = (
             torch.empty(max_blocks, dtype=torch.int64, device=cache.device)
@@ -309,8 +336,9 @@ class BlockSwapper:
             raise
         return buf
 
-    def swap_in(self, buf: StagingBuffer, block_ids: BlockIds) -> None:
-        """Host→device: write row ``j`` of ``buf`` into cache block ``block_ids[j]``.
+    def swap_in(self, buf: StagingBuffer, block_ids: BlockIds, *, first_row: int | None = None) -> None:
+        """Host→device: write row ``first_row + j`` of ``buf`` into cache block ``block_ids[j]``
+        (every row by default; fewer where the rest was a local cache hit).
 
         Ids must not repeat. Returns once the copy is enqueued on the current stream.
         """
@@ -319,9 +347,41 @@ class BlockSwapper:
             raise StagingStateError("this staging buffer belongs to another swapper")
         with self._lock:
             slot = buf._live_slot()
-            if ids.size != buf.n:
+            if first_row is None and ids.size != buf.n:
                 raise SwapShapeError(f"{ids.size} block ids for a staging buffer of {buf.n} blocks")
-            self._swap(ids, slot, out=False)
+            first_row = first_row or 0
+            if first_row < 0 or first_row + ids.size > buf.n:
+                raise SwapShapeError(f"{ids.size} block ids from row {first_row} for a staging buffer of {buf.n} blocks")
+            self._swap(ids, slot, out=False, first_row=first_row)
+
+    # -- tensor-parallel mirrors: another rank lends the buffer ----------------------
+
+    def gather_into(self, index: int, block_ids: BlockIds) -> None:
+        """Device→host: this cache's written heads of blocks ``block_ids`` into rows
+        ``0..n-1`` of buffer ``index``, which this swapper does not lend (rank 0 of a
+        tensor-parallel instance lent it). Enqueued; ``wait_buffer(index)`` waits for it."""
+        ids = as_block_ids(block_ids, self._cache.shape[0], unique=False)
+        with self._lock:
+            self._check_open()
+            self._swap(ids, self._slot_at(index, ids.size), out=True)
+
+    def scatter_from(self, index: int, block_ids: BlockIds, *, first_row: int = 0) -> None:
+        """Host→device: rows ``first_row + j`` of buffer ``index`` into blocks ``block_ids``."""
+        ids = as_block_ids(block_ids, self._cache.shape[0], unique=True)
+        with self._lock:
+            self._check_open()
+            self._swap(ids, self._slot_at(index, first_row + ids.size), out=False, first_row=first_row)
+
+    def wait_buffer(self, index: int) -> None:
+        """Block until every copy into or out of buffer ``index`` has completed."""
+        self._slot_at(index, 0).wait()
+
+    def _slot_at(self, index: int, rows: int) -> _Slot:
+        if not 0 <= index < len(self._slots):
+            raise StagingStateError(f"no staging buffer {index} (this swapper has {len(self._slots)})")
+        if rows > self._max_blocks:
+            raise SwapShapeError(f"{rows} rows for a staging buffer of {self._max_blocks} blocks")
+        return self._slots[index]
 
     # -- internals --------------------------------------------------------------------
 
@@ -367,8 +427,9 @@ class BlockSwapper:
         else:
             reference.scatter_blocks(src, ids, self._cache)
 
-    def _swap(self, ids: np.ndarray, slot: _Slot, *, out: bool) -> None:
-        """Enqueue one swap: device→host when ``out``, host→device otherwise."""
+    def _swap(self, ids: np.ndarray, slot: _Slot, *, out: bool, first_row: int = 0) -> None:
+        """Enqueue one swap: device→host when ``out``, host→device otherwise (host rows
+        from ``first_row``)."""
         n = ids.size
         if n == 0:
             return
@@ -376,17 +437,20 @@ class BlockSwapper:
         if stream is not None:
             # A copy on another stream may still touch this host buffer: order after it.
             stream.wait_event(slot.event)
-        runs = self._direct_runs(ids)
+        host = slot.host[first_row : first_row + n]
+        runs = self._direct_runs(ids) if self._heads is None else None
         if runs is not None:
             for run in runs:
-                copy_run(self._cache, slot.host, run, out=out)
+                copy_run(self._cache, host, run, out=out)
         else:
             if stream is not None:
                 stream.wait_event(self._shared_event)
-            if out:
+            if self._heads is not None:
+                self._swap_heads(ids, slot, host, out=out)
+            elif out:
                 self._gather_scattered(ids, slot)
             else:
-                self._scatter_scattered(ids, slot)
+                self._scatter_scattered(ids, slot, host)
             if stream is not None:
                 self._shared_event.record(stream)
         if stream is not None:
@@ -400,10 +464,35 @@ class BlockSwapper:
         self._kernel_gather(ids, slot, self._staging[:n])
         slot.host[:n].copy_(self._staging[:n], non_blocking=True)
 
-    def _scatter_scattered(self, ids: np.ndarray, slot: _Slot) -> None:
+    def _scatter_scattered(self, ids: np.ndarray, slot: _Slot, host: torch.Tensor) -> None:
         n = ids.size
         if self._staging is None:
-            self._kernel_scatter(ids, slot, slot.host[:n])
+            self._kernel_scatter(ids, slot, host)
             return
-        self._staging[:n].copy_(slot.host[:n], non_blocking=True)
+        self._staging[:n].copy_(host, non_blocking=True)
         self._kernel_scatter(ids, slot, self._staging[:n])
+
+    def _swap_heads(self, ids: np.ndarray, slot: _Slot, host: torch.Tensor, *, out: bool) -> None:
+        """This cache's heads between the device and whole-block host rows (mapped)."""
+        heads = self._heads
+        assert heads is not None
+        if self._backend == "triton":
+            dev = self._device_ids_for(ids, slot)
+            if out:
+                self._triton.launch_gather_heads(self._cache, dev, host, heads)
+            else:
+                self._triton.launch_scatter_heads(host, dev, self._cache, heads)
+        elif out:
+            reference.gather_heads(self._cache, ids, host, heads)
+        else:
+            reference.scatter_heads(host, ids, self._cache, heads)
+
+
+def _check_host_buffers(buffers: Sequence[torch.Tensor], count: int, shape: tuple[int, ...], dtype: torch.dtype, pinned: bool) -> None:
+    if len(buffers) != count:
+        raise SwapShapeError(f"{len(buffers)} host buffers given for num_buffers={count}")
+    for b in buffers:
+        if tuple(b.shape) != shape or b.dtype != dtype or b.device.type != "cpu" or not b.is_contiguous():
+            raise SwapShapeError(f"a host buffer must be a contiguous CPU {dtype} tensor of shape {shape}, got {b.dtype} {tuple(b.shape)} on {b.device}")
+        if pinned and not b.is_pinned():
+            raise SwapShapeError("host buffers of a CUDA cache must be pinned (registered) memory")

@@ -12,6 +12,12 @@ copy. ``out``/``src`` may be on the cache's device or in pinned host memory, whi
 kernel then reads or writes directly over the bus (mapped memory); the staging pool in
 ``kernels.swap.swapper`` picks between that and staging on the device, by measurement.
 
+A second kernel moves a tensor-parallel rank's head slice (``gather_heads`` /
+``scatter_heads``, kernels/swap/heads.py): a block is ``layers * 2 * block_size`` rows,
+and each row's slice (``heads * head_dim`` elements) is a strided run in the staging row;
+each program copies a tile of rows, again as int32 words (so one kernel per direction
+serves every dtype, and a row slice must be a whole number of words).
+
 Synchronisation is stream-ordered, as in the reference: work is enqueued on the current
 stream and host memory is valid once that stream has been synchronised.
 """
@@ -35,7 +41,8 @@ from kernels.swap.checks import (
     check_triton_operands,
     device_ids,
 )
-from kernels.swap.errors import SwapShapeError
+from kernels.swap.errors import SwapAlignmentError, SwapShapeError
+from kernels.swap.heads import HeadSlice, check_heads
 from kernels.swap.runs import copy_if_one_run
 
 # int32 words one program copies: 16 KiB, 8 16-byte vectors per thread at 4 warps.
@@ -47,18 +54,26 @@ _MAX_CHUNKS = 65535
 
 
 @triton.jit
+def _bases(block, row, src_stride, dst_stride, GATHER: tl.constexpr):
+    """Where a row's block starts in the source and the destination: the cache is
+    addressed by block id, staging by row."""
+    if GATHER:
+        src = block * src_stride
+        dst = row * dst_stride
+    else:
+        src = row * src_stride
+        dst = block * dst_stride
+    return src, dst
+
+
+@triton.jit
 def _copy_blocks_kernel(src_ptr, dst_ptr, ids_ptr, block_vecs, GATHER: tl.constexpr, CHUNK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     block = tl.load(ids_ptr + row).to(tl.int64)
     # Written as vecs * 4 so the compiler knows every block starts on a 16-byte boundary.
     block_words = block_vecs * 4
-    if GATHER:
-        src_base = block * block_words
-        dst_base = row * block_words
-    else:
-        src_base = row * block_words
-        dst_base = block * block_words
+    src_base, dst_base = _bases(block, row, block_words, block_words, GATHER)
     offs = chunk * CHUNK + tl.arange(0, CHUNK)
     mask = offs < block_words
     words = tl.load(src_ptr + src_base + offs, mask=mask)
@@ -125,3 +140,84 @@ def _swap(cache: torch.Tensor, ids: np.ndarray, staging: torch.Tensor, *, out: b
         return
     src, dst = (cache, staging) if out else (staging, cache)
     _launch(src, dst, device_ids(ids, cache.device), cache, gather=out)
+
+
+# -- head slices (tensor parallelism) ---------------------------------------------------------
+
+# int32 words one program of the head-slice kernel copies (rows x row words, padded).
+_HEAD_TILE_WORDS = 4096
+
+
+@triton.jit
+def _copy_rows_kernel(
+    src_ptr, dst_ptr, ids_ptr, rows, row_words, src_block, dst_block, src_row, dst_row, src_off, dst_off,
+    GATHER: tl.constexpr, ROWS: tl.constexpr, WORDS: tl.constexpr,
+):
+    j = tl.program_id(0).to(tl.int64)
+    tile = tl.program_id(1)
+    block = tl.load(ids_ptr + j).to(tl.int64)
+    src_base, dst_base = _bases(block, j, src_block, dst_block, GATHER)
+    r = (tile * ROWS + tl.arange(0, ROWS)).to(tl.int64)
+    w = tl.arange(0, WORDS)
+    mask = (r[:, None] < rows) & (w[None, :] < row_words)
+    words = tl.load(src_ptr + src_base + r[:, None] * src_row + src_off + w[None, :], mask=mask)
+    tl.store(dst_ptr + dst_base + r[:, None] * dst_row + dst_off + w[None, :], words, mask=mask)
+
+
+def _head_words(cache: torch.Tensor, heads: int) -> int:
+    nbytes = heads * cache.shape[5] * cache.element_size()
+    if nbytes % _WORD_BYTES:
+        raise SwapAlignmentError(f"a row of {heads} heads is {nbytes} bytes, not whole {_WORD_BYTES}-byte words (use kernels.swap.reference)")
+    return nbytes // _WORD_BYTES
+
+
+def _launch_rows(src: torch.Tensor, dst: torch.Tensor, ids_on_device: torch.Tensor, cache: torch.Tensor, staging: torch.Tensor,
+                 heads: HeadSlice, cache_first: int, staging_first: int, count: int, gather: bool) -> None:
+    n = ids_on_device.numel()
+    if n == 0 or count == 0:
+        return
+    rows = cache.shape[1] * 2 * cache.shape[3]
+    cache_row, staging_row = _head_words(cache, heads.count), _head_words(cache, heads.total)
+    row_words = _head_words(cache, count)
+    unit = _head_words(cache, 1)
+    cache_block, staging_block = rows * cache_row, rows * staging_row
+    words = triton.next_power_of_2(row_words)
+    tile_rows = max(1, _HEAD_TILE_WORDS // words)
+    grid = (n, triton.cdiv(rows, tile_rows))
+    if gather:
+        args = (cache_block, staging_block, cache_row, staging_row, cache_first * unit, staging_first * unit)
+    else:
+        args = (staging_block, cache_block, staging_row, cache_row, staging_first * unit, cache_first * unit)
+    switch = cache.is_cuda and cache.device.index != torch.cuda.current_device()
+    with torch.cuda.device(cache.device) if switch else contextlib.nullcontext():
+        _copy_rows_kernel[grid](
+            src.view(-1).view(torch.int32), dst.view(-1).view(torch.int32), ids_on_device, rows, row_words, *args,
+            GATHER=gather, ROWS=tile_rows, WORDS=words,
+        )
+
+
+def launch_gather_heads(cache: torch.Tensor, ids_on_device: torch.Tensor, out: torch.Tensor, heads: HeadSlice) -> None:
+    """Unchecked: ``out`` rows (whole blocks, on the device or pinned) get the written heads."""
+    la, lb = heads.written_local
+    _launch_rows(cache, out, ids_on_device, cache, out, heads, la, heads.written[0], lb - la, gather=True)
+
+
+def launch_scatter_heads(src: torch.Tensor, ids_on_device: torch.Tensor, cache: torch.Tensor, heads: HeadSlice) -> None:
+    """Unchecked: every cache head of blocks ``ids_on_device`` from ``src`` rows (whole blocks)."""
+    _launch_rows(src, cache, ids_on_device, cache, src, heads, 0, heads.first, heads.count, gather=False)
+
+
+def gather_heads(cache: torch.Tensor, block_ids: BlockIds, out: torch.Tensor, heads: HeadSlice) -> None:
+    """Same as ``kernels.swap.reference.gather_heads``: one launch for every block."""
+    ids = check_heads(cache, out, block_ids, heads, unique=False, role="out")
+    check_triton_operands(cache, out)
+    check_device(cache)
+    launch_gather_heads(cache, device_ids(ids, cache.device), out, heads)
+
+
+def scatter_heads(src: torch.Tensor, block_ids: BlockIds, cache: torch.Tensor, heads: HeadSlice) -> None:
+    """Same as ``kernels.swap.reference.scatter_heads``: one launch for every block."""
+    ids = check_heads(cache, src, block_ids, heads, unique=True, role="src")
+    check_triton_operands(cache, src)
+    check_device(cache)
+    launch_scatter_heads(src, device_ids(ids, cache.device), cache, heads)

@@ -3,7 +3,8 @@
 A prompt is cut into blocks of ``block_size`` tokens. Block ``i``'s key is
 ``H(key[i-1] || tokens of block i)``; the chain starts from the *namespace*, a hash of
 everything that makes KV bytes incompatible (weights digest, dtype, block size, layout
-version, tensor-parallel layout). Because every key depends on all tokens before it, a
+version, quantization; not the tensor-parallel layout: every layout reads and writes
+whole blocks of all KV heads, libs/kvpool/slices.py). Because every key depends on all tokens before it, a
 key identifies the whole prefix, so "block i exists in the pool" means "the KV of
 tokens [0, (i+1)*block_size) exists".
 
@@ -29,6 +30,7 @@ KEY_BYTES = 16
 _BLOCK_PERSON = b"tidepool.block"
 _NAMESPACE_PERSON = b"tidepool.ns"
 _PARTIAL = ":partial:"
+_LEGACY_TP_FIELD = "tp=tp1"
 
 
 def _token_bytes(tokens: Sequence[int]) -> bytes:
@@ -59,13 +61,15 @@ class Namespace:
 
     Two engines may share blocks only if all these fields agree. ``digest`` is the root
     of every key chain, so a different model or block size changes every key.
+
+    There is no tensor-parallel field: instances of any TP size share blocks, since a
+    block holds all KV heads whatever layout wrote it (issue 15).
     """
 
     model_digest: str
     dtype: str
     block_size: int
     layout_version: int = 1
-    tp_layout: str = "tp1"
     quantization: str = "none"  # how the weights run ("fp8"): different weights, different KV
 
     def __post_init__(self) -> None:
@@ -77,13 +81,17 @@ class Namespace:
     @property
     def digest(self) -> bytes:
         """A field added later enters the hash only when it is not its default, so every
-        namespace that existed before it keeps its digest, and the pool its blocks."""
+        namespace that existed before it keeps its digest, and the pool its blocks.
+
+        ``tp=tp1`` is what the removed tensor-parallel field hashed to for every instance
+        that ever wrote a block (all were TP=1, and a TP=1 block is what every layout
+        writes now): kept as a constant so those blocks keep their keys."""
         fields = [
             f"model={self.model_digest}",
             f"dtype={self.dtype}",
             f"block_size={self.block_size}",
             f"layout={self.layout_version}",
-            f"tp={self.tp_layout}",
+            _LEGACY_TP_FIELD,
         ]
         if self.quantization != "none":
             fields.append(f"quant={self.quantization}")

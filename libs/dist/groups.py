@@ -1,4 +1,4 @@
-"""Process groups for parallel inference: expert parallelism now, tensor parallelism next.
+"""Process groups for parallel inference: tensor parallelism (TP) and expert parallelism (EP).
 
 A ``Group`` is one torch.distributed process group plus this process's place in it, with
 the few collectives the model code calls (so model code never touches torch.distributed
@@ -6,10 +6,24 @@ directly and runs unchanged in a single process, where a group of one does no I/
 
 ``init_parallel(layout, rank=..., init_method=...)`` starts torch.distributed (gloo on the
 CPU, NCCL on CUDA, unless told) and builds every group of the layout. Ranks are laid out
-so that each EP group is a run of consecutive ranks: with ``world_size=4, ep_size=2`` the
-EP groups are ``{0, 1}`` and ``{2, 3}`` (data-parallel replicas of the expert shards).
-Tensor parallelism (issue 15) adds ``tp_size`` to ``ParallelLayout`` and a ``tp`` group to
-``ParallelGroups``, built the same way; nothing here assumes EP is the only kind.
+so that each TP group and each EP group is a run of consecutive ranks: with
+``world_size=4, ep_size=2`` the EP groups are ``{0, 1}`` and ``{2, 3}`` (data-parallel
+replicas of the expert shards); with ``world_size=4, tp_size=2`` the TP groups are the
+same pairs. TP and EP in one layout are refused for now (a MoE model under TP would need
+its experts split over the TP group, which nothing does yet).
+
+A TP group also has a *control* handle: a second, gloo group over the same ranks for
+small host messages (a TP instance's step plans, libs/dist/channel.py). Host messages
+cannot go through NCCL (device memory only), and they need their own timeout: a worker
+rank waits for its next plan as long as its instance is idle, while a collective of the
+forward pass must finish within seconds.
+
+Collectives have a timeout (``timeout_s``): a peer that died or hangs makes them raise
+(gloo) or aborts the process (NCCL's watchdog, ``TORCH_NCCL_ASYNC_ERROR_HANDLING``),
+never a silent hang. The control handle's timeout (``control_timeout_s``) is each
+process's own (gloo keeps it per process): a TP instance gives its receiving ranks a long
+one (a dead peer still ends their wait at once, as gloo sees its connection close) and
+its sending rank the collective timeout (a send a stopped peer never takes fails).
 
 Every process must call ``init_parallel`` with the same layout (building a group is a
 collective), and ``shutdown_parallel`` at the end.
@@ -34,10 +48,15 @@ class Group:
     ranks: tuple[int, ...]
     rank: int
     handle: Any = None
+    control: Any = None  # gloo handle over the same ranks for host messages (TP); None: ``handle``
 
     @property
     def size(self) -> int:
         return len(self.ranks)
+
+    @property
+    def control_handle(self) -> Any:
+        return self.handle if self.control is None else self.control
 
     def all_to_all(self, x: torch.Tensor, send_splits: list[int], recv_splits: list[int]) -> torch.Tensor:
         """Rows ``x`` cut into ``send_splits`` (one count per member, in group order) go to
@@ -59,9 +78,37 @@ class Group:
         return out
 
     def all_reduce_(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum ``x`` over the group, in place (identity for a group of one)."""
         if self.size > 1:
             dist.all_reduce(x, group=self.handle)
         return x
+
+    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """Every member's ``x`` (all of one shape) concatenated along ``dim``, in group order."""
+        if self.size == 1:
+            return x
+        x = x.contiguous()
+        out = x.new_empty((self.size * x.shape[0], *x.shape[1:]))  # members stacked along dim 0
+        _all_gather_single(out, x, group=self.handle)
+        if dim == 0:
+            return out
+        return torch.cat(out.view(self.size, *x.shape).unbind(0), dim=dim)
+
+    def broadcast_(self, x: torch.Tensor, *, control: bool = False) -> torch.Tensor:
+        """Member 0's ``x`` into every member's ``x`` (in place). ``control``: over the gloo
+        control handle (host tensors), else the data handle (the device's backend)."""
+        if self.size > 1:
+            dist.broadcast(x, src=self.ranks[0], group=self.control_handle if control else self.handle)
+        return x
+
+    def barrier(self) -> None:
+        """Wait for every member (over the control handle)."""
+        if self.size > 1:
+            dist.barrier(group=self.control_handle)
+
+
+# torch >= 2.10 names it all_gather_single (all_gather_into_tensor is deprecated there).
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def single_group(name: str) -> Group:
@@ -72,10 +119,15 @@ def single_group(name: str) -> Group:
 class ParallelLayout:
     world_size: int = 1
     ep_size: int = 1
+    tp_size: int = 1
 
     def __post_init__(self) -> None:
-        if self.world_size < 1 or self.ep_size < 1 or self.world_size % self.ep_size:
-            raise ValueError(f"world_size ({self.world_size}) must be a positive multiple of ep_size ({self.ep_size})")
+        for name in ("ep_size", "tp_size"):
+            size = getattr(self, name)
+            if self.world_size < 1 or size < 1 or self.world_size % size:
+                raise ValueError(f"world_size ({self.world_size}) must be a positive multiple of {name} ({size})")
+        if self.ep_size > 1 and self.tp_size > 1:
+            raise ValueError("tensor and expert parallelism in one layout are not supported (tp_size > 1 needs ep_size 1)")
 
 
 @dataclass(frozen=True)
@@ -83,10 +135,11 @@ class ParallelGroups:
     layout: ParallelLayout
     world: Group
     ep: Group
+    tp: Group = single_group("tp")
 
     @classmethod
     def single(cls) -> "ParallelGroups":
-        return cls(ParallelLayout(), single_group("world"), single_group("ep"))
+        return cls(ParallelLayout(), single_group("world"), single_group("ep"), single_group("tp"))
 
 
 def default_backend(device: torch.device | str) -> str:
@@ -101,31 +154,42 @@ def init_parallel(
     device: torch.device | str = "cpu",
     backend: str | None = None,
     timeout_s: float = 300.0,
+    control_timeout_s: float = 7 * 24 * 3600.0,
 ) -> ParallelGroups:
-    """Join the job as ``rank`` (``init_method``: e.g. ``tcp://host:port``) and build the groups."""
+    """Join the job as ``rank`` (``init_method``: e.g. ``tcp://host:port``) and build the groups.
+
+    ``timeout_s`` bounds every collective (and the rendezvous); ``control_timeout_s`` a
+    wait on a TP group's control handle."""
     if layout.world_size == 1:
         return ParallelGroups.single()
     if not 0 <= rank < layout.world_size:
         raise ValueError(f"rank {rank} outside [0, {layout.world_size})")
-    dist.init_process_group(
-        backend or default_backend(device), init_method=init_method, rank=rank,
-        world_size=layout.world_size, timeout=timedelta(seconds=timeout_s),
-    )
+    backend = backend or default_backend(device)
+    timeout = timedelta(seconds=timeout_s)
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=layout.world_size, timeout=timeout)
     world = Group("world", tuple(range(layout.world_size)), rank, dist.group.WORLD)
-    return ParallelGroups(layout, world, _consecutive_groups("ep", layout.ep_size, layout.world_size, rank))
+    return ParallelGroups(
+        layout, world,
+        _consecutive_groups("ep", layout.ep_size, layout.world_size, rank, timeout=timeout),
+        _consecutive_groups("tp", layout.tp_size, layout.world_size, rank, timeout=timeout, control_timeout=timedelta(seconds=control_timeout_s)),
+    )
 
 
-def _consecutive_groups(name: str, size: int, world_size: int, rank: int) -> Group:
-    """This rank's group among ``world_size / size`` groups of consecutive ranks. Every rank
-    creates every group (``dist.new_group`` is collective) and keeps its own."""
+def _consecutive_groups(
+    name: str, size: int, world_size: int, rank: int, *, timeout: timedelta | None = None, control_timeout: timedelta | None = None
+) -> Group:
+    """This rank's group among ``world_size / size`` groups of consecutive ranks (with a
+    gloo control twin when ``control_timeout`` is given). Every rank creates every group
+    (``dist.new_group`` is collective) and keeps its own."""
     if size == 1:
         return Group(name, (rank,), 0, None)
     mine: Group | None = None
     for start in range(0, world_size, size):
         ranks = tuple(range(start, start + size))
-        handle = dist.group.WORLD if size == world_size else dist.new_group(list(ranks))
+        handle = dist.group.WORLD if size == world_size else dist.new_group(list(ranks), timeout=timeout)
+        gloo = dist.new_group(list(ranks), backend="gloo", timeout=control_timeout) if control_timeout is not None else None
         if rank in ranks:
-            mine = Group(name, ranks, ranks.index(rank), handle)
+            mine = Group(name, ranks, ranks.index(rank), handle, gloo)
     assert mine is not None
     return mine
 

@@ -17,6 +17,7 @@ from collections import OrderedDict
 
 from libs.blocks import Namespace, chain_key
 from libs.engine.sequence import Sequence
+from libs.engine.prompt_logprobs import needs_scoring
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -74,6 +75,8 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return []
         self.update_keys(seq)
+        if needs_scoring(seq):  # its prompt logprobs need every position computed
+            return []
         limit = (seq.num_tokens - 1) // self.block_size
         hits = []
         for key in seq.block_keys[:limit]:

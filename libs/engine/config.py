@@ -17,7 +17,14 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bf
 # Where "auto" turns async scheduling on: only where a benchmark showed it faster at every
 # batch size (bench/RESULTS.md, issue 10's section; python -m bench.async_scheduling).
 # CPU: measured, not faster at batch 1 (the worker thread and the engine thread share the
-# GIL and, on small machines, the cores), so off. CUDA: not measured yet, so off until it is.
+# GIL and, on small machines, the cores), so off. CUDA (H100, 2026-11-23): SmolLM2-135M's
+# shape decodes 1.33-1.57x faster at batch 1, 8 and 64 (bench.async_scheduling; 1.45x and
+# 1.55x in bench.gpu_engine), but it stays off there until the H100 re-runs
+# tests/gpu/test_engine_gpu.py: that run found greedy rows that differed between the modes.
+# The cause was a graph replay reading stale inputs when a step's bans overflowed the graph
+# buffers (both modes; fixed in step_inputs.py, reproduced and tested on the CPU with
+# emulated graphs), but the fix has not run on a GPU yet. A 2-layer toy model, whose steps
+# are too short to hide anything behind, runs 0.94-0.98x.
 ASYNC_SCHEDULING_DEFAULTS: dict[str, bool] = {"cuda": False, "cpu": False}
 
 
@@ -75,9 +82,26 @@ class EngineConfig:
     # SpeculativeConfig); None is off. It needs synchronous scheduling: "auto" async
     # scheduling resolves to off with it, "on" is refused.
     speculative_config: "str | dict | SpeculativeConfig | None" = None
+    # Tensor parallelism (libs/engine/tp): this many ranks, one process each, started by
+    # this one. A collective (or a barrier) not done within tp_timeout_s fails the instance;
+    # an idle rank waits for its next step up to tp_idle_timeout_s (a dead rank 0 ends the
+    # wait at once).
+    tensor_parallel_size: int = 1
+    tp_timeout_s: float = 60.0
+    tp_idle_timeout_s: float = 7 * 24 * 3600.0
     # PD handoff staging: buffers of swap_max_blocks blocks each (pinned on CUDA).
     swap_max_blocks: int = 64
     swap_buffers: int = 4
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.tp_timeout_s <= 0 or self.tp_idle_timeout_s <= 0:
+            raise ValueError("tp_timeout_s and tp_idle_timeout_s must be > 0")
+        if self.speculative_config and self.tensor_parallel_size > 1:
+            # The proposers, verify steps and KV rollback (libs/engine/spec) run in rank 0's
+            # process; the TP runner does not mirror them to ranks 1..N-1.
+            raise ValueError("speculative decoding cannot be combined with tensor parallelism: use --tensor-parallel-size 1 with --speculative-config")
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":

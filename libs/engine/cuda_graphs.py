@@ -125,6 +125,12 @@ class ForwardGraphs:
         key = (kind, capacity)
         self.replays[kind] += 1
         if self.emulate:
+            # A captured graph reads the device pack, whatever ``views`` are: so does its
+            # emulation where there is one (tests give the CPU device packs to check that
+            # every graph step's inputs land there).
+            if self.staging.device_packs is not None:
+                layout = self.decode_layout(capacity, self.width) if kind == "decode" else self.prefill_layout(capacity, self.prefill_seqs, self.width)
+                views = self.staging.device_views(layout)
             return self._decode_forward(views, capacity) if kind == "decode" else self._prefill_forward(views, capacity)
         self.graphs[key].replay()
         return self.outputs[key]

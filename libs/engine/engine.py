@@ -33,6 +33,7 @@ positions' KV back.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import deque
 from pathlib import Path
@@ -42,6 +43,7 @@ import numpy as np
 import torch
 
 from kernels.swap import BlockSwapper
+from kernels.swap.heads import HeadSlice
 from libs.engine.block_manager import BlockManager
 from libs.engine.config import EngineConfig
 from libs.engine.device_queue import DeviceQueue, Pending
@@ -52,12 +54,15 @@ from libs.engine.kv_export import ExportQueue
 from libs.engine.model_runner import ModelRunner, StepResult
 from libs.engine.outputs import CompletionOutput, RequestOutput
 from libs.engine.params import SamplingParams
+from libs.engine import prompt_logprobs
 from libs.engine.sampler import logprob_lists
 from libs.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from libs.engine.sequence import KVImport, Sequence, SequenceStatus
 from libs.engine.spec import create_spec_decoder, parse_speculative_config
 from libs.engine.step_inputs import Chunk, Step, StepBuilder
 from libs.engine.step_timer import HostPhases
+from libs.engine.tp.group import JoinInfo, TensorParallelGroup
+from libs.engine.tp.runner import TensorParallelRunner
 from libs.kvpool.layout import KVLayout
 from libs.model import LoadedModel, MoEOptions, load_model, make_backend
 from libs.structured import CompiledGrammar, GrammarCompiler, GrammarMatcher, GrammarSpec
@@ -65,26 +70,42 @@ from libs.structured.bitmask import BitmaskFiller
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig | None = None, *, loaded: LoadedModel | None = None):
+    def __init__(self, config: EngineConfig | None = None, *, loaded: LoadedModel | None = None, join: JoinInfo | None = None):
+        """``join``: this process is rank ``join.rank`` (not 0) of a tensor-parallel
+        instance (libs/engine/tp); without it, ``tensor_parallel_size > 1`` makes this
+        process rank 0, which starts the others."""
         self.config = config = config or EngineConfig()
         config.apply_threads()
         device = config.resolve_device()
         dtype = config.resolve_dtype(device)
-        self.async_scheduling = config.resolve_async_scheduling(device)
         self.spec_config = spec_cfg = parse_speculative_config(config.speculative_config)
+        self.tp: TensorParallelGroup | None = None
+        if config.tensor_parallel_size > 1:
+            if loaded is not None:
+                raise ValueError("a tensor-parallel engine loads its own shard of the model: pass no LoadedModel")
+            self.tp = TensorParallelGroup.join(config, join) if join is not None else TensorParallelGroup.start(config)
+            device = self.tp.device
+        # Ranks 1..N-1 only execute what rank 0 sends (libs/engine/tp/worker.py): no steps of
+        # their own, so no async scheduling; their graphs are captured when rank 0's are.
+        self.async_scheduling = config.resolve_async_scheduling(device) and join is None
         if loaded is None:
             loaded = load_model(
                 config.model, dtype=dtype, device=device, backend=make_backend(config.attention_backend, device),
                 quantized_weights=config.quantized_weights, quantization=config.quantization,
                 moe=MoEOptions(strategy=config.moe_strategy, fake_balance=config.moe_fake_balance),
                 cache_dir=Path(config.weight_cache_dir) if config.weight_cache_dir else None,
+                tp=self.tp.group if self.tp is not None else None,
             )
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
         self.model_config = mc = loaded.config
         self.device, self.dtype = device, dtype
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        # A pool block holds every KV head; this process's cache only the model's own
+        # (all of them, except under tensor parallelism).
         self.layout = KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim, config.block_size, dtype)
+        heads = HeadSlice(loaded.model.kv_heads[0], loaded.model.kv_heads[1] - loaded.model.kv_heads[0], mc.num_kv_heads, loaded.model.kv_written)
+        cache_layout = dataclasses.replace(self.layout, num_kv_heads=heads.count)
         self.namespace = loaded.fingerprint.namespace(config.block_size)
         # Speculative decoding (libs/engine/spec): a draft checkpoint is loaded before the
         # cache is sized, and its own cache (same block ids) is budgeted with the target's.
@@ -94,8 +115,11 @@ class LLMEngine:
 
             draft = load_draft(spec_cfg.model, loaded, make_backend(config.attention_backend, device))
             draft_block_nbytes = draft_layout(draft, config.block_size).block_nbytes
-        num_blocks = self._num_blocks(device, draft_block_nbytes or 0)
-        cache = self.layout.allocate(num_blocks, device)
+        num_blocks = self._num_blocks(device, cache_layout, draft_block_nbytes or 0)
+        if self.tp is not None:  # block ids must mean the same blocks on every rank
+            self.tp.wait_loaded()
+            num_blocks = self.tp.agree_min(num_blocks)
+        cache = cache_layout.allocate(num_blocks, device)
         self.block_manager = BlockManager(num_blocks, config.block_size, self.namespace, enable_prefix_caching=config.enable_prefix_caching)
         budget = config.resolve_batched_tokens(device, self.max_model_len)
         self.scheduler = Scheduler(
@@ -104,11 +128,19 @@ class LLMEngine:
         )
         max_blocks_per_seq = -(-self.max_model_len // config.block_size)
         # Staging for PD handoff: exports (prefill) and imports (decode) move through here.
-        self.swapper = BlockSwapper(cache, max_blocks=config.swap_max_blocks, num_buffers=config.swap_buffers)
-        self.runner = ModelRunner(
-            loaded.model, cache, config.block_size, mc.vocab_size, device, self.swapper,
-            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=budget, max_blocks_per_seq=max_blocks_per_seq,
+        # Under TP its rows are shared by the ranks, each moving its own heads of a block.
+        host_buffers = None
+        if self.tp is not None:
+            host_buffers = self.tp.shared_staging((config.swap_max_blocks, *self.layout.block_shape), dtype, config.swap_buffers)
+        self.swapper = BlockSwapper(
+            cache, max_blocks=config.swap_max_blocks, num_buffers=config.swap_buffers, heads=heads, host_buffers=host_buffers
         )
+        runner_args = (loaded.model, cache, config.block_size, mc.vocab_size, device, self.swapper)
+        runner_kw = dict(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=budget, max_blocks_per_seq=max_blocks_per_seq)
+        if self.tp is not None and self.tp.rank == 0:  # the other ranks run what this one sends
+            self.runner: ModelRunner = TensorParallelRunner(*runner_args, tp=self.tp, **runner_kw)
+        else:
+            self.runner = ModelRunner(*runner_args, **runner_kw)
         self.batch = InputBatch(config.max_num_seqs, max_blocks_per_seq)
         self.builder = StepBuilder(self.batch, self.runner.staging, config.block_size, mc.vocab_size)
         self.exports = ExportQueue(self.block_manager, config.block_size, self.runner.export_blocks)
@@ -117,7 +149,7 @@ class LLMEngine:
             spec_cfg, loaded=loaded, draft=draft, block_manager=self.block_manager, bind_target=self.runner._bind, device=device,
         )
         self._failed: list[RequestOutput] = []  # requests the engine failed alone (speculation)
-        if device.type == "cuda" and config.cuda_graphs and loaded.model.layers[0].self_attn.backend.name == "triton":
+        if device.type == "cuda" and config.cuda_graphs and loaded.model.layers[0].self_attn.backend.name == "triton" and join is None:
             self.enable_graphs()
         self.queue = DeviceQueue(device, asynchronous=self.async_scheduling)
         self._in_flight: deque[tuple[Step, Pending]] = deque()
@@ -157,7 +189,7 @@ class LLMEngine:
             draft_graphs(max_batch=min(cfg.max_num_seqs, cfg.graph_max_batch), width=g.width, emulate=emulate)
             self.runner._bind()
 
-    def _num_blocks(self, device: torch.device, extra_block_nbytes: int = 0) -> int:
+    def _num_blocks(self, device: torch.device, cache_layout: KVLayout, extra_block_nbytes: int = 0) -> int:
         cfg = self.config
         if cfg.num_blocks is not None:
             return cfg.num_blocks
@@ -168,7 +200,7 @@ class LLMEngine:
             budget = free * cfg.gpu_memory_utilization
         else:
             budget = 2**30
-        return max(16, int(budget // (self.layout.block_nbytes + extra_block_nbytes)))
+        return max(16, int(budget // (cache_layout.block_nbytes + extra_block_nbytes)))
 
     # -- requests -----------------------------------------------------------------------
 
@@ -241,6 +273,9 @@ class LLMEngine:
             seq.append_token(t, None)
         seq.new_token_ids.clear()
         seq.pending_forks = params.n - 1
+        if kv_import is not None and prompt_logprobs.needs_scoring(seq):
+            kv_import.release()  # a scored prompt is computed, not loaded
+            kv_import = None
         seq.kv_import = kv_import
         seq.export_kv = export_kv
         seq.grammar = grammar
@@ -476,6 +511,9 @@ class LLMEngine:
             step.spec = self.spec.verification(spec, num_decodes)
         if self._capturing:
             step.captures = [i for i, s in enumerate(step.sample_seqs) if s.capture_logits and s.captured_logits is None]
+        if any(c.seq.params.prompt_logprobs is not None for c in chunks):
+            step.prompt_rows = prompt_logprobs.plan(((c.seq, c.start, c.num_tokens) for c in chunks), first_row=step.num_decodes)
+            step.score_spans = prompt_logprobs.spans(step.prompt_rows)
         if b.num_constrained:
             rows_c = [i for i, s in enumerate(step.sample_seqs) if s.grammar is not None]
             if rows_c:  # masks filled on a host thread while the forward is launched
@@ -552,6 +590,7 @@ class LLMEngine:
     def _process(self, step: Step, res: StepResult, touched: dict[str, None]) -> None:
         """A step's ids are on the host: append them, check stops, commit full blocks."""
         self.timer.account(res.timing)
+        prompt_logprobs.record(step.prompt_rows, res.prompt_scores)
         tokens = res.tokens.tolist()
         lps: dict[int, object] = {}
         if res.logprobs is not None:
@@ -641,6 +680,8 @@ class LLMEngine:
         if self.spec is not None:
             self.spec.close()
         self.swapper.close()
+        if self.tp is not None:
+            self.tp.close()
 
     def _import(self, imports: list) -> None:
         for imp, rows, blocks in imports:
@@ -707,6 +748,7 @@ class LLMEngine:
             head.num_imported_tokens,
             self.exports.result(head) if finished else None,
             metrics,
+            prompt_logprobs=prompt_logprobs.take_complete(head),
         )
 
     def _aborted_output(self, request_id: str) -> RequestOutput:

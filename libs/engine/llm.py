@@ -52,10 +52,13 @@ class LLM(LLMEngine):
             self.add_request(rid, ids, p, grammar=self.start_grammar(compiled) if compiled is not None else None)
             ids_by_req[rid] = i
         collected: dict[str, dict[int, GenerationResult]] = {rid: {} for rid in ids_by_req}
+        scored: dict[str, Any] = {}
         while any(rid in self._requests for rid in ids_by_req):
             for o in self.step():
                 if o.request_id not in collected:
                     continue
+                if o.prompt_logprobs is not None:
+                    scored[o.request_id] = o.prompt_logprobs
                 for c in o.outputs:
                     r = collected[o.request_id].setdefault(
                         c.index, GenerationResult(token_lists[ids_by_req[o.request_id]], [], "", "", [], o.num_cached_tokens, c.index)
@@ -69,6 +72,7 @@ class LLM(LLMEngine):
             for idx in sorted(collected[rid]):
                 r = collected[rid][idx]
                 r.text = self.tokenizer.decode(r.token_ids)
+                r.prompt_logprobs = scored.get(rid)
                 results.append(r)
         return results
 

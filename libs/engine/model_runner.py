@@ -25,8 +25,8 @@ from typing import Callable
 import torch
 
 from kernels.swap import BlockSwapper, StagingBuffer, StagingStateError
-from kernels.swap import reference as swap_reference
 from libs.engine.cuda_graphs import ForwardGraphs, graph_batch_sizes, prefill_token_buckets
+from libs.engine.prompt_logprobs import PromptLogprobs, score
 from libs.engine.sampler import Sampler, SamplingTensors
 from libs.engine.sequence import KVImport
 from libs.engine.step_inputs import Layout, PackViews, Step, StepStaging
@@ -52,6 +52,7 @@ class StepResult:
     forward_s: float = 0.0  # host time in the forward (launches on CUDA, compute on the CPU)
     timing: tuple = (None, None)  # the step's CUDA events (StepTimer)
     spec_error: BaseException | None = None  # the verification's inputs failed (libs/engine/spec)
+    prompt_scores: list[PromptLogprobs] | None = None  # of ``Step.prompt_rows``, on the host
 
 
 class SlotState:
@@ -139,6 +140,11 @@ class ModelRunner:
         W = self.max_blocks_per_seq
         decode = graph_batch_sizes(max_batch) if max_batch > 0 else []
         prefill = prefill_token_buckets(prefill_max_tokens) if prefill_max_tokens > 0 else []
+        if emulate and self.staging.device_packs is None:
+            # An emulated graph must read what a captured one reads, the device packs, so
+            # the CPU gets them too (a copy per step): a step whose inputs do not land
+            # there then shows up on the CPU as it would on the GPU.
+            self.staging.set_device_packs(tuple(torch.zeros(1, dtype=dt, device=self.device) for dt in (torch.int64, torch.int32, torch.float32)))
         if self.staging.device_packs is not None:
             layouts = [ForwardGraphs.decode_layout(b, W) for b in decode] + [ForwardGraphs.prefill_layout(t, prefill_seqs, W) for t in prefill]
             # Room for the sampling part behind the forward inputs of any graph layout (a
@@ -171,14 +177,13 @@ class ModelRunner:
         for buf in imp.buffers:
             lo, hi = max(rows[0], offset), min(rows[-1] + 1, offset + buf.n)
             if lo < hi:
-                ids = block_ids[lo - rows[0] : hi - rows[0]]
-                if hi - lo == buf.n:
-                    self.swapper.swap_in(buf, ids)
-                else:  # only part of this buffer is needed (the rest was a local cache hit)
-                    swap_reference.scatter_blocks(buf.host[lo - offset : hi - offset], ids, self.cache)
-                    if self.device.type == "cuda":
-                        torch.cuda.current_stream().synchronize()  # before the buffer is reused
+                # Only part of a buffer may be needed (the rest was a local cache hit); the
+                # buffer's event orders its reuse after this copy.
+                self._swap_in(buf, block_ids[lo - rows[0] : hi - rows[0]], lo - offset)
             offset += buf.n
+
+    def _swap_in(self, buf: StagingBuffer, block_ids: list[int], first_row: int) -> None:
+        self.swapper.swap_in(buf, block_ids, first_row=first_row)
 
     def export_blocks(self, block_ids: list[int]) -> list[StagingBuffer] | None:
         """Gather blocks into staging buffers of the swapper, or None if not enough are
@@ -187,12 +192,15 @@ class ModelRunner:
         bufs: list[StagingBuffer] = []
         try:
             for i in range(0, len(block_ids), step):
-                bufs.append(self.swapper.swap_out(block_ids[i : i + step]))
+                bufs.append(self._swap_out(block_ids[i : i + step]))
         except StagingStateError:
             for b in bufs:
                 b.release()
             return None
         return bufs
+
+    def _swap_out(self, block_ids: list[int]) -> StagingBuffer:
+        return self.swapper.swap_out(block_ids)
 
     # -- the step -----------------------------------------------------------------------
 
@@ -207,7 +215,8 @@ class ModelRunner:
         started = self.timer.start()
         v = self.staging.upload(step.pack, step.layout, params=step.params)
         t = time.perf_counter()
-        logits = self._forward(step, v)
+        scores: list[PromptLogprobs] | None = [] if step.prompt_rows else None
+        logits = self._forward(step, v, scores)
         forward_s = time.perf_counter() - t
         st = self._sampling_tensors(step, v)
         spec_error = None
@@ -221,13 +230,23 @@ class ModelRunner:
         result.forward_s = forward_s
         result.spec_error = spec_error
         result.timing = (started, self.timer.stop())
+        result.prompt_scores = scores
         return result
 
-    def _forward(self, step: Step, v: PackViews) -> torch.Tensor:
+    def _forward(self, step: Step, v: PackViews, scores: list[PromptLogprobs] | None = None) -> torch.Tensor:
         """fp32 logits of the sampled rows, ``[S, vocab]``."""
         nd = step.num_decodes
         if nd:  # decode rows feed what the last step sampled for them
             torch.index_select(self.state.last_sampled, 0, v.decode_slots[:nd], out=v.input_ids[:nd])
+        return self.forward_pass(step, v, scores)
+
+    def forward_pass(self, step: Step, v: PackViews, scores: list[PromptLogprobs] | None = None) -> torch.Tensor:
+        """The forward on inputs in place (``v``, input ids included): the logits of the
+        sampled rows. Under tensor parallelism every rank runs this on the same inputs
+        (libs/engine/tp: ``step`` is then a ``ForwardPlan``, the fields read here). The
+        step's ``score_spans`` (prompt logprobs) go through the LM head on every rank;
+        ``scores`` (rank 0's) receives their results."""
+        nd = step.num_decodes
         if step.path == "decode_graph":
             return self.graphs.replay("decode", step.layout.seqs, v)[:nd]  # type: ignore[union-attr]
         if step.path == "prefill_graph":
@@ -238,6 +257,10 @@ class ModelRunner:
             hidden = self.model(v.input_ids, v.positions, meta)
             if step.num_samples == step.num_tokens == nd:  # decode only: every row is sampled
                 return self.model.compute_logits(hidden)
+        if step.score_spans:
+            out = score(hidden, step.score_spans, self.model.compute_logits, self.sampler.vocab_size, step.prompt_rows)
+            if scores is not None:
+                scores.extend(out)
         return self.model.compute_logits(hidden.index_select(0, v.logits_indices))
 
     def _sampling_tensors(self, step: Step, v: PackViews) -> SamplingTensors:

@@ -9,6 +9,7 @@ from libs.engine.sequence import TokenLogprob
 
 if TYPE_CHECKING:
     from libs.engine.kv_export import ExportedKV
+    from libs.engine.prompt_logprobs import PromptLogprobs
 
 
 @dataclass(slots=True)
@@ -29,7 +30,8 @@ class RequestOutput:
     ``exported_kv`` is set on the final output of a prefill-only (``export_kv``) request,
     and, with ``stream_export``, on unfinished outputs carrying the blocks a chunk completed
     (libs/engine/kv_export.py); ``metrics`` (``queue_s``, ``ttft_s``) on the final output
-    of every request."""
+    of every request. ``prompt_logprobs`` (asked by ``SamplingParams``) comes once, on the
+    output of the step that finished the prompt, the first token's step."""
 
     request_id: str
     outputs: list[CompletionOutput]
@@ -39,6 +41,7 @@ class RequestOutput:
     num_imported_tokens: int = 0
     exported_kv: "ExportedKV | None" = None
     metrics: dict[str, float] = field(default_factory=dict)
+    prompt_logprobs: "PromptLogprobs | None" = None
     error: str | None = None  # the request failed in the engine (finish reason "error")
 
 
@@ -53,3 +56,4 @@ class GenerationResult:
     logprobs: list[TokenLogprob]
     num_cached_tokens: int
     index: int = 0
+    prompt_logprobs: "PromptLogprobs | None" = None  # when SamplingParams.prompt_logprobs asked

@@ -22,7 +22,9 @@ class SamplingParams:
     ``temperature == 0`` (or below 1e-5) is greedy. ``top_k <= 0`` disables top-k. ``logprobs``: ``None``
     returns none; ``k`` in 0..20 returns the chosen token's logprob and the top ``k``.
     Logprobs are the model's raw distribution (before temperature, penalties and filters),
-    as vLLM and OpenAI report them.
+    as vLLM and OpenAI report them. ``prompt_logprobs``: ``k`` in 0..20 also scores the
+    prompt (each token after the first, with the top ``k``; libs/engine/prompt_logprobs.py),
+    computing all of it (no prefix-cache hit, no KV import).
     """
 
     n: int = 1
@@ -40,6 +42,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         _check(isinstance(self.stop_token_ids, (list, tuple)), "stop_token_ids", "must be a list of token ids", self.stop_token_ids)
@@ -71,6 +74,10 @@ class SamplingParams:
             "logit_bias", "must map non-negative token ids to biases in [-100, 100]", self.logit_bias,
         )
         _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS), "logprobs", f"must be an integer in [0, {MAX_LOGPROBS}]", self.logprobs)
+        _check(
+            self.prompt_logprobs is None or (_is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
+            "prompt_logprobs", f"must be an integer in [0, {MAX_LOGPROBS}]", self.prompt_logprobs,
+        )
 
     @property
     def greedy(self) -> bool:

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     import torch
 
     from kernels.swap import StagingBuffer
+    from libs.engine.prompt_logprobs import PromptLogprobs
     from libs.structured import GrammarMatcher
     from libs.engine.input_batch import InputBatch
 
@@ -120,6 +121,8 @@ class Sequence:
         self.grammar: "GrammarMatcher | None" = None  # structured output: what may come next
         self.capture_logits = False  # keep the first sampled row's logits (tests, debugging)
         self.captured_logits: "torch.Tensor | None" = None
+        self.prompt_scores: "PromptLogprobs | None" = None  # prompt_logprobs, chunk by chunk
+        self.prompt_scores_reported = False
         # Stop tests, precomputed: a sampled token is checked against these two only.
         self.stop_ids = frozenset(self.params.stop_token_ids) | (frozenset() if self.params.ignore_eos else frozenset(self.eos_token_ids))
         self.max_len = self.num_prompt_tokens + self.params.max_tokens if self.params.max_tokens is not None else 1 << 62

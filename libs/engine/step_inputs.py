@@ -17,7 +17,9 @@ and attends to nothing (length 0).
 
 Staging is double-buffered: the pack of step N is only rewritten for step N + 2, after
 step N's results have been read (so its copy and its kernels are done). On the CPU the
-"device" pack is the staging itself: no copy.
+"device" pack is the staging itself: no copy (unless graphs are emulated, which read
+device packs as captured graphs do). A graph reads only the device packs, so a step whose
+pack does not fit them runs eagerly (``StepStaging.fits_device``).
 """
 
 from __future__ import annotations
@@ -190,13 +192,19 @@ class StepStaging:
         pack = self._slots[k]
         return pack, pack.array_views.get(layout)
 
+    def fits_device(self, layout: Layout) -> bool:
+        """Whether a step of ``layout`` lands in the device packs, the only memory a
+        captured graph reads (always, where there are none: the host pack is read then).
+        A layout that does not fit gets temporary device buffers, so it must run eagerly."""
+        return self.device_packs is None or all(n <= p.numel() for n, p in zip(layout.sizes(), self.device_packs))
+
     def upload(self, pack: HostPack, layout: Layout, *, params: bool = True) -> PackViews:
         """Device views of ``pack`` (call on the device queue, in step order). ``params``:
         whether the float32 sampling parameters are read (no copy for them otherwise)."""
         if self.device_packs is None:
             return pack.tensor_views.get(layout)
         sizes = layout.sizes()
-        fits = all(n <= p.numel() for n, p in zip(sizes, self.device_packs))
+        fits = self.fits_device(layout)
         dev = self.device_packs if fits else tuple(torch.empty(n, dtype=p.dtype, device=self.device) for n, p in zip(sizes, self.device_packs))
         for i, (n, host, target) in enumerate(zip(sizes, pack.tensors, dev)):
             if n and (params or i < 2):
@@ -266,6 +274,8 @@ class Step:
     bitmask: tuple | None = None  # (constrained sample rows, future of their grammar masks)
     num_verify_tokens: int = 0  # tokens of verify chunks (sample rows nd .. nd + this)
     spec: object | None = None  # the verification's sampling (libs/engine/spec/verify.py)
+    prompt_rows: list | None = None  # prompt logprobs scored from this step's hidden states (libs/engine/prompt_logprobs.py)
+    score_spans: tuple = ()  # their (first row, rows): every tensor-parallel rank runs the LM head on them
     # for the engine's bookkeeping after launch
     decode_rows: "slice | np.ndarray | None" = None
     new_decodes: list["Sequence"] | None = None
@@ -328,16 +338,6 @@ class StepBuilder:
         max_seq_len = max(int(seq_lens_d.max()) if nd else 0, int((starts + n_p).max()) if len(chunks) else 0)
         max_blocks = max(int(b.num_blocks[decode_rows].max()) if nd else 0, int(b.num_blocks[rows_p].max()) if len(chunks) else 0, 1)
 
-        # Path and capacities.
-        path, tokens, seqs, width = "eager", T, B, max_blocks
-        if not chunks and self.decode_graph_sizes and nd <= self.decode_graph_sizes[-1]:
-            path = "decode_graph"
-            tokens = seqs = next(s for s in self.decode_graph_sizes if s >= nd)
-            width = self.graph_width
-        elif chunks and self.prefill_graph_tokens and T <= self.prefill_graph_tokens[-1] and B <= self.graph_seqs:
-            path = "prefill_graph"
-            tokens, seqs, width = next(t for t in self.prefill_graph_tokens if t >= T), self.graph_seqs, self.graph_width
-
         # Optional sampling inputs.
         seqs_all = b.seqs
         sample_seqs = seqs_all[:nd] if isinstance(decode_rows, slice) else [seqs_all[r] for r in decode_rows.tolist()]
@@ -358,7 +358,20 @@ class StepBuilder:
         lp_samples: list[int] = []
         if b.num_logprobs:
             lp_samples = np.flatnonzero(b.logprobs[sample_rows] >= 0).tolist()
-        layout = Layout(tokens, seqs, width, S, len(bans), len(adds), len(lp_samples))
+        # Path and capacities. A graph reads its inputs from the device packs only: a step
+        # whose pack does not fit them (e.g. min_tokens banning thousands of stop ids) runs
+        # eagerly, or the graph would replay the inputs of whatever step fitted last.
+        extra = (S, len(bans), len(adds), len(lp_samples))
+        path, layout = "eager", Layout(T, B, max_blocks, *extra)
+        if not chunks and self.decode_graph_sizes and nd <= self.decode_graph_sizes[-1]:
+            size = next(s for s in self.decode_graph_sizes if s >= nd)
+            path, layout = "decode_graph", Layout(size, size, self.graph_width, *extra)
+        elif chunks and self.prefill_graph_tokens and T <= self.prefill_graph_tokens[-1] and B <= self.graph_seqs:
+            size = next(t for t in self.prefill_graph_tokens if t >= T)
+            path, layout = "prefill_graph", Layout(size, self.graph_seqs, self.graph_width, *extra)
+        if path != "eager" and not self.staging.fits_device(layout):
+            path, layout = "eager", Layout(T, B, max_blocks, *extra)
+        tokens, seqs, width = layout.tokens, layout.seqs, layout.width
         pack, v = self.staging.host(layout)
 
         # Decode rows.

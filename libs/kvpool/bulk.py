@@ -12,7 +12,15 @@ Concurrency models (``PoolConfig.bulk_model``), over ``max_parallel`` pooled soc
 
 - ``"threads"``: blocking sockets driven from a thread pool. ``recv_into`` and ``sendmsg``
   release the GIL, so several pipelines (on several nodes, or several sockets of one)
-  move bytes truly in parallel while the event loop stays free.
+  move bytes truly in parallel while the event loop stays free. Every return from a
+  system call must take the GIL back, which in a busy process (the engine's thread
+  launching kernels, other bulk threads) is where the time goes, so a plain TCP or Unix
+  socket is truly blocking and the kernel does the waiting: one ``sendmsg`` sends a whole
+  pipeline (up to ``IOV_MAX`` buffers), and a payload is received with ``MSG_WAITALL``
+  straight into its staging row in one call, instead of one call per segment that
+  happened to be there. The inactivity timeout is the kernel's (``SO_RCVTIMEO`` /
+  ``SO_SNDTIMEO``: a call that moves no byte for ``socket_timeout_s`` fails with EAGAIN).
+  TLS sockets keep Python's timeout mode (no ``MSG_WAITALL`` through OpenSSL).
 - ``"asyncio"``: one ``asyncio.BufferedProtocol`` per socket on the event loop:
   ``get_buffer`` is the parser's, so the loop's reads land in staging memory too. Sends
   use ``transport.writelines``; uvloop (which the services run) sends the buffers it is
@@ -43,6 +51,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import ssl
+import struct
 import threading
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -118,6 +127,8 @@ class _BlockingConnection:
         self.parser = ReplyParser()
         self.sock: socket.socket | None = None
         self.broken = False
+        self._waitall = 0  # MSG_WAITALL on a kernel-blocking socket, 0 on a TLS one
+        self.syscalls = 0  # sends and receives, for the client's counters
         self._lock = threading.Lock()
 
     def _connect(self) -> None:
@@ -133,7 +144,14 @@ class _BlockingConnection:
         try:
             if ep.tls is not None:
                 sock = ep.tls.wrap_socket(sock, server_hostname=node.host or None)
-            sock.settimeout(ep.socket_timeout_s)
+                sock.settimeout(ep.socket_timeout_s)
+            else:
+                sock.settimeout(None)  # blocking: the kernel waits, with its own timeouts
+                secs = int(ep.socket_timeout_s)
+                timeval = struct.pack("ll", secs, int((ep.socket_timeout_s - secs) * 1e6))
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
+                self._waitall = socket.MSG_WAITALL
         except BaseException:
             sock.close()
             raise
@@ -145,8 +163,11 @@ class _BlockingConnection:
         self._send([ep.hello])
         ep.check_hello(self._receive())
 
-    def exchange(self, iov: Sequence[Buffer], sinks: Sequence[Sink | None]) -> list[Any]:
-        """Send ``iov``, then read one reply per sink. Raises TransportError (and closes) on any failure."""
+    def exchange(self, iov: Sequence[Buffer], sinks: Sequence[Sink | None], seals: Sequence[Callable[[], object]] = ()) -> list[Any]:
+        """Seal the pending values (checksums, here on this thread), send ``iov``, then read
+        one reply per sink. Raises TransportError (and closes) on any failure."""
+        for seal in seals:
+            seal()
         try:
             if self.sock is None:
                 try:
@@ -173,11 +194,13 @@ class _BlockingConnection:
         if isinstance(sock, ssl.SSLSocket):
             for buf in iov:
                 sock.sendall(buf)
+                self.syscalls += 1
             return
         views = deque(memoryview(b).cast("B") if memoryview(b).format != "B" else memoryview(b) for b in iov)
         while views:
             batch = [views[i] for i in range(min(IOV_MAX, len(views)))]
-            sent = sock.sendmsg(batch)
+            sent = sock.sendmsg(batch)  # blocking: all of the batch, unless cut by SO_SNDTIMEO
+            self.syscalls += 1
             while sent:
                 head = views[0]
                 if sent >= head.nbytes:
@@ -188,10 +211,14 @@ class _BlockingConnection:
                     sent = 0
 
     def _receive(self) -> list[Any]:
-        sock, parser = self.sock, self.parser
+        sock, parser, waitall = self.sock, self.parser, self._waitall
         assert sock is not None
         while parser.pending:
-            parser.feed(sock.recv_into(parser.get_buffer()))
+            buf = parser.get_buffer()
+            # A payload's memory is waited for whole (one call, one GIL round trip); other
+            # reads take what is there (a reply's length decides what follows).
+            parser.feed(sock.recv_into(buf, 0, waitall if parser.direct else 0))
+            self.syscalls += 1
         return parser.take()
 
     def abort(self) -> None:
@@ -228,6 +255,7 @@ class _ProtocolConnection(asyncio.BufferedProtocol):
         self.transport: asyncio.Transport | None = None
         self.broken = False
         self.progress = 0
+        self.syscalls = 0  # reads (buffer_updated) and writes, for the client's counters
         self._waiter: asyncio.Future[None] | None = None
         self._error: BaseException | None = None
 
@@ -241,6 +269,7 @@ class _ProtocolConnection(asyncio.BufferedProtocol):
 
     def buffer_updated(self, nbytes: int) -> None:
         self.progress += nbytes
+        self.syscalls += 1
         try:
             self.parser.feed(nbytes)
         except BaseException as exc:  # noqa: BLE001 - the waiter re-raises it
@@ -290,6 +319,7 @@ class _ProtocolConnection(asyncio.BufferedProtocol):
         self._waiter = waiter
         self.parser.expect_many(sinks)
         self.transport.writelines(iov)
+        self.syscalls += 1
         try:
             while not waiter.done():
                 before = self.progress
@@ -331,16 +361,21 @@ class _ProtocolConnection(asyncio.BufferedProtocol):
         self.parser.reset()
 
 
+def _timed_out(exc: BaseException) -> bool:
+    # BlockingIOError: EAGAIN from a blocking socket's SO_RCVTIMEO / SO_SNDTIMEO.
+    return isinstance(exc, (TimeoutError, socket.timeout, BlockingIOError))
+
+
 def _connect_error(exc: BaseException, node: Node) -> TransportError:
     """A failed connect or handshake: ``timeout`` if the server went silent, else ``connect``."""
-    reason = "timeout" if isinstance(exc, (TimeoutError, socket.timeout)) else "connect"
+    reason = "timeout" if _timed_out(exc) else "connect"
     return TransportError(reason, f"{node}: connecting: {type(exc).__name__}: {exc}")
 
 
 def _classify(exc: BaseException, node: Node, replies: list[Any]) -> TransportError:
     if isinstance(exc, TransportError):
         return exc
-    if isinstance(exc, (TimeoutError, socket.timeout)):
+    if _timed_out(exc):
         reason = "timeout"
     elif isinstance(exc, ProtocolError):
         reason = "protocol"
@@ -415,7 +450,9 @@ class BulkClient:
         self._nodes: dict[Node, _NodeSockets] = {}
         self._executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvpool-bulk") if model == "threads" else None
         self._closed = False
-        self.counters = {"pipelines": 0, "failures": 0, "bytes_sent": 0}
+        # syscalls: sends and receives (asyncio: reads and writelines), how often a transfer
+        # goes back for the GIL; bench/pool_throughput.py reports them per MB.
+        self.counters = {"pipelines": 0, "failures": 0, "bytes_sent": 0, "syscalls": 0}
 
     def _sockets(self, node: Node) -> _NodeSockets:
         pool = self._nodes.get(node)
@@ -442,13 +479,17 @@ class BulkClient:
         self.counters["bytes_sent"] += frames.nbytes
         try:
             if self._executor is None:
+                for seal in frames.seals:  # on the loop: hashing a pipeline's values (~15 us a block)
+                    seal()
                 return await conn.exchange(iov, sinks)
-            return await _in_thread(self._executor, conn, lambda: conn.exchange(iov, sinks))
+            return await _in_thread(self._executor, conn, lambda: conn.exchange(iov, sinks, frames.seals))
         except TransportError:
             self.counters["failures"] += 1
             pool.drop_idle()
             raise
         finally:
+            self.counters["syscalls"] += conn.syscalls
+            conn.syscalls = 0
             pool.release(conn)
 
     async def close(self) -> None:

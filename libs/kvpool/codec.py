@@ -19,13 +19,21 @@ Two ways to use it:
   first ``m`` token rows of each layer's K and V), so even the tail block is received
   and sent scatter-gather, with no copy. The checksum is xxh3 over the runs in order
   (streamed for a partial block), the same digest as over the payload in one piece.
+  ``encode_pending`` is ``encode_views`` without the checksum yet: a
+  :class:`~libs.kvpool.header.PendingValue` that the bulk path seals on the thread that
+  sends it, so a write needs no hop of its own for hashing.
+
+A *slot* is where one block lies in staging: a contiguous CPU tensor of the layout's
+block shape, or the same bytes as a numpy row of ``byte_rows(buffer)``, which the hot
+paths (prefill's writes, decode's reads) use so that no torch call is made per block.
 """
 
 from __future__ import annotations
 
+from typing import Union
+
 import numpy as np
 import torch
-import xxhash
 
 from libs.kvpool.header import (
     DTYPE_CODES,
@@ -36,10 +44,17 @@ from libs.kvpool.header import (
     BlockDecodeError,
     BlockHeader,
     Buffer,
+    PendingValue,
     check_body,
+    checksum,
     unpack_header,
 )
 from libs.kvpool.layout import LAYOUT_VERSION, KVLayout
+
+
+# Where a block's bytes lie: a contiguous CPU tensor of the layout's block shape (a staging
+# row), or that row's bytes as numpy (BlockCodec.byte_rows: no torch call per block).
+Slot = Union[torch.Tensor, np.ndarray]
 
 
 def dtype_code(dtype: torch.dtype) -> int:
@@ -81,23 +96,39 @@ class BlockCodec:
         if not 1 <= num_tokens <= self.layout.block_size:
             raise ValueError(f"num_tokens must be in [1, {self.layout.block_size}], got {num_tokens}")
 
-    def _runs(self, block: torch.Tensor, num_tokens: int) -> list[memoryview]:
-        """The payload of ``num_tokens`` tokens as views of a contiguous CPU block tensor."""
+    def byte_rows(self, buffer: torch.Tensor) -> np.ndarray:
+        """A staging buffer ``[n, *layout.block_shape]`` (a contiguous CPU tensor) as its
+        bytes, ``[n, block_nbytes]`` uint8, without a copy. Row ``i`` is a *slot* that the
+        methods below take in place of the tensor ``buffer[i]``: the torch view is made once
+        per buffer, not once per block (a few torch calls per block are most of the
+        codec's cost besides the hash, and they hold the GIL)."""
         lay = self.layout
-        rows = block.detach().view(torch.uint8).numpy().reshape(lay.num_layers * 2, lay.block_size * self._token_nbytes)
-        if num_tokens == lay.block_size:
+        if tuple(buffer.shape[1:]) != lay.block_shape or buffer.dtype != lay.dtype:
+            raise ValueError(f"buffer is {tuple(buffer.shape)} {buffer.dtype}, layout says [n, {lay.block_shape}] {lay.dtype}")
+        if buffer.device.type != "cpu" or not buffer.is_contiguous():
+            raise ValueError("a staging buffer is a contiguous CPU tensor")
+        return buffer.detach().view(torch.uint8).numpy().reshape(buffer.shape[0], lay.block_nbytes)
+
+    def _slot_rows(self, slot: Slot, what: str) -> np.ndarray:
+        """``slot`` as ``[2 * layers, block_size * token bytes]`` uint8, without a copy:
+        a contiguous CPU tensor of the layout's block shape, or a row of :meth:`byte_rows`."""
+        lay = self.layout
+        shape = (lay.num_layers * 2, lay.block_size * self._token_nbytes)
+        if isinstance(slot, np.ndarray):
+            if slot.dtype != np.uint8 or slot.shape != (lay.block_nbytes,) or not slot.flags.c_contiguous:
+                raise ValueError(f"{what} must be one block's bytes ({lay.block_nbytes} contiguous uint8), got {slot.dtype} {slot.shape}")
+            return slot.reshape(shape)
+        self._check_tensor(slot, what)
+        if slot.device.type != "cpu" or not slot.is_contiguous():
+            raise ValueError(f"{what} must be a contiguous CPU tensor (a staging slot)")
+        return slot.detach().view(torch.uint8).numpy().reshape(shape)
+
+    def _runs(self, rows: np.ndarray, num_tokens: int) -> list[memoryview]:
+        """The payload of ``num_tokens`` tokens as views of a slot's rows."""
+        if num_tokens == self.layout.block_size:
             return [memoryview(rows.reshape(-1))]
         cut = num_tokens * self._token_nbytes
         return [memoryview(rows[i, :cut]) for i in range(rows.shape[0])]
-
-    @staticmethod
-    def _checksum(runs: list[memoryview]) -> int:
-        if len(runs) == 1:
-            return xxhash.xxh3_64_intdigest(runs[0])
-        h = xxhash.xxh3_64()
-        for run in runs:
-            h.update(run)
-        return h.intdigest()
 
     def _header(self, num_tokens: int, checksum: int) -> memoryview:
         lay = self.layout
@@ -107,35 +138,44 @@ class BlockCodec:
         )
         return head
 
-    def encode_views(self, block: torch.Tensor, num_tokens: int) -> list[memoryview]:
+    def encode_pending(self, block: Slot, num_tokens: int) -> PendingValue:
+        """The value of ``block`` (a slot) as a :class:`PendingValue`: the header and views
+        of the payload, checksummed later by whoever sends it (``seal``), on its own thread.
+
+        The runs are views of ``block``, so it must not change until the value is written.
+        """
+        self._check_tokens(num_tokens)
+        runs = self._runs(self._slot_rows(block, "block"), num_tokens)
+        return PendingValue(self._header(num_tokens, 0), runs)
+
+    def encode_views(self, block: Slot, num_tokens: int) -> list[memoryview]:
         """The value of ``block`` as parts ``[header, payload runs...]`` without copying the payload.
 
-        The runs are views of ``block`` (a contiguous CPU tensor: a pinned staging row), so
-        it must not change until the value is written. Any other tensor is encoded with
-        :meth:`encode` (one copy) and returned as one part.
+        The runs are views of ``block`` (a slot: a contiguous CPU tensor such as a pinned
+        staging row, or a row of :meth:`byte_rows`), so it must not change until the value
+        is written. Any other tensor is encoded with :meth:`encode` (one copy) and returned
+        as one part.
         """
-        self._check_tensor(block, "block")
-        self._check_tokens(num_tokens)
-        if block.device.type != "cpu" or not block.is_contiguous():
-            return [self.encode(block, num_tokens)]
-        runs = self._runs(block, num_tokens)
-        return [self._header(num_tokens, self._checksum(runs)), *runs]
+        if isinstance(block, torch.Tensor):
+            self._check_tensor(block, "block")
+            if block.device.type != "cpu" or not block.is_contiguous():
+                self._check_tokens(num_tokens)
+                return [self.encode(block, num_tokens)]
+        return self.encode_pending(block, num_tokens).seal()
 
-    def value_views(self, header: memoryview, out: torch.Tensor, num_tokens: int) -> list[memoryview]:
+    def value_views(self, header: memoryview, out: Slot, num_tokens: int) -> list[memoryview]:
         """Where a value of ``num_tokens`` lands: ``header`` (24 bytes), then payload runs of ``out``.
 
-        ``out`` is a contiguous CPU tensor of ``layout.block_shape`` (a staging slot). The
-        views add up to ``value_nbytes(num_tokens)``.
+        ``out`` is a slot (a contiguous CPU tensor of ``layout.block_shape``, or a row of
+        :meth:`byte_rows`). The views add up to ``value_nbytes(num_tokens)``.
         """
-        self._check_tensor(out, "out")
         self._check_tokens(num_tokens)
-        if out.device.type != "cpu" or not out.is_contiguous():
-            raise ValueError("out must be a contiguous CPU tensor (a staging slot)")
+        rows = self._slot_rows(out, "out")
         if header.nbytes != HEADER_NBYTES:
             raise ValueError(f"header buffer has {header.nbytes} bytes, the header is {HEADER_NBYTES}")
-        return [header, *self._runs(out, num_tokens)]
+        return [header, *self._runs(rows, num_tokens)]
 
-    def verify_landed(self, header: Buffer, out: torch.Tensor, num_tokens: int) -> int:
+    def verify_landed(self, header: Buffer, out: Slot, num_tokens: int) -> int:
         """Check a value that landed through ``value_views(header, out, num_tokens)``; its token count.
 
         The transport guaranteed the value's length (header + payload of ``num_tokens``);
@@ -144,7 +184,7 @@ class BlockCodec:
         """
         h = unpack_header(header)
         self._check_header(h, num_tokens)
-        actual = self._checksum(self._runs(out, num_tokens))
+        actual = checksum(self._runs(self._slot_rows(out, "out"), num_tokens))
         if actual != h.checksum:
             raise BlockDecodeError("checksum", f"payload checksum {actual:016x}, header says {h.checksum:016x}")
         return num_tokens
@@ -192,10 +232,9 @@ class BlockCodec:
                 lay.num_layers, 2, num_tokens, lay.num_kv_heads, lay.head_dim
             ).copy_(block[:, :, :num_tokens])
         out = memoryview(buf)
-        checksum = xxhash.xxh3_64_intdigest(out[HEADER_NBYTES:])
         HEADER.pack_into(
             out, 0, MAGIC, LAYOUT_VERSION, self._code,
-            lay.num_layers, lay.num_kv_heads, lay.head_dim, num_tokens, checksum,
+            lay.num_layers, lay.num_kv_heads, lay.head_dim, num_tokens, checksum([out[HEADER_NBYTES:]]),
         )
         return out
 

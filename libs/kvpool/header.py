@@ -53,9 +53,46 @@ DECODE_REASONS: Final[tuple[str, ...]] = get_args(DecodeReason)
 
 # Anything the buffer protocol can hand to a socket or to xxhash without a copy.
 Buffer = Union[bytes, bytearray, memoryview]
-# What a pool write takes: one buffer, or a list/tuple of parts that make the value back
-# to back (a header and views of staging memory: scatter-gather, never concatenated).
-Value = Union[Buffer, Sequence[Buffer]]
+CHECKSUM_OFFSET: Final = 16  # where the checksum sits in the header (the table above)
+_CHECKSUM = struct.Struct("<Q")
+
+
+class PendingValue:
+    """A block value whose checksum is not computed yet: ``parts`` are the 24-byte header
+    (checksum field still 0) and the payload runs, views of staging memory.
+
+    ``seal()`` hashes the runs and writes the checksum into the header; it is idempotent
+    and returns the parts. Whoever sends the value seals it, where it sends it: the bulk
+    path on the thread that is about to ``sendmsg`` it (libs/kvpool/resp.py,
+    ``Frames.seals``), so hashing costs no hop of its own and overlaps with the other
+    sockets' transfers; anything else that reads the parts (``value_parts``) seals first.
+    """
+
+    __slots__ = ("parts", "_runs", "_header", "_sealed")
+
+    def __init__(self, header: memoryview, runs: list[memoryview]) -> None:
+        if header.nbytes != HEADER_NBYTES:
+            raise ValueError(f"header has {header.nbytes} bytes, the header is {HEADER_NBYTES}")
+        self._header = header
+        self._runs = runs
+        self.parts: list[memoryview] = [header, *runs]
+        self._sealed = False
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def seal(self) -> list[memoryview]:
+        if not self._sealed:
+            _CHECKSUM.pack_into(self._header, CHECKSUM_OFFSET, checksum(self._runs))
+            self._sealed = True
+        return self.parts
+
+
+# What a pool write takes: one buffer, a list/tuple of parts that make the value back
+# to back (a header and views of staging memory: scatter-gather, never concatenated), or
+# a PendingValue (the same, checksummed by whoever sends it).
+Value = Union[Buffer, Sequence[Buffer], PendingValue]
 
 
 def _flat(buf: Buffer) -> memoryview:
@@ -66,14 +103,19 @@ def _flat(buf: Buffer) -> memoryview:
 
 
 def value_parts(value: Value) -> list[memoryview]:
-    """A value as flat byte views: a list or tuple is parts sent back to back, anything
-    else one buffer (bytes, bytearray, memoryview, a numpy array...)."""
+    """A value as flat byte views: a list or tuple is parts sent back to back, a
+    PendingValue its parts once sealed, anything else one buffer (bytes, bytearray,
+    memoryview, a numpy array...)."""
+    if isinstance(value, PendingValue):
+        return value.seal()
     if isinstance(value, (list, tuple)):
         return [_flat(part) for part in value]
     return [_flat(value)]  # type: ignore[arg-type]
 
 
 def value_nbytes(value: Value) -> int:
+    if isinstance(value, PendingValue):
+        return value.nbytes
     if isinstance(value, (list, tuple)):
         return sum(memoryview(part).nbytes for part in value)
     return memoryview(value).nbytes  # type: ignore[arg-type]
@@ -125,6 +167,22 @@ def unpack_header(value: Buffer) -> BlockHeader:
     return BlockHeader(*fields)
 
 
+def checksum(runs: Sequence[Buffer]) -> int:
+    """xxh3_64 of ``runs`` back to back (the same digest as over them joined), with the GIL
+    released while a large run is hashed.
+
+    Through the streaming object on purpose: python-xxhash's one-shot ``xxh3_64_intdigest``
+    holds the GIL in every 3.x release (4.x releases it), and a held GIL serialises the
+    checksums of a transfer with everything else the process runs: the other bulk threads,
+    the event loop, the engine's thread launching kernels. ``update`` releases it for a large
+    buffer in 3.x and 4.x alike; the object costs about a microsecond.
+    """
+    h = xxhash.xxh3_64()
+    for run in runs:
+        h.update(run)
+    return h.intdigest()
+
+
 def check_body(value: Buffer, header: BlockHeader) -> None:
     """The value is exactly header + the payload the header describes, and the checksum matches."""
     expected = HEADER_NBYTES + header.payload_nbytes
@@ -132,7 +190,7 @@ def check_body(value: Buffer, header: BlockHeader) -> None:
         raise BlockDecodeError("truncated", f"value has {len(value)} bytes, header says {expected}")
     if len(value) > expected:
         raise BlockDecodeError("length", f"value has {len(value)} bytes, header says {expected}")
-    actual = xxhash.xxh3_64_intdigest(memoryview(value)[HEADER_NBYTES:])
+    actual = checksum([memoryview(value)[HEADER_NBYTES:]])
     if actual != header.checksum:
         raise BlockDecodeError("checksum", f"payload checksum {actual:016x}, header says {header.checksum:016x}")
 

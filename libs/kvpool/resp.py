@@ -9,7 +9,9 @@ needs just two things redis-py does not offer:
 - :class:`Frames` packs pipelined commands into an iovec list. Small arguments (command
   names, keys, scripts) are packed together into one ``bytes``; a large argument (a block
   value, itself a buffer or a list of buffers) is appended to the list as it is, so a
-  socket's ``sendmsg`` sends it straight from staging memory.
+  socket's ``sendmsg`` sends it straight from staging memory. A
+  :class:`~libs.kvpool.header.PendingValue` goes in unsealed and its ``seal`` into
+  ``Frames.seals``, which the sender runs before sending.
 - :class:`ReplyParser` is a state machine fed from a socket by whoever owns it: a blocking
   thread (``recv_into(parser.get_buffer())`` then ``parser.feed(n)``) or an asyncio
   ``BufferedProtocol`` (the same two calls are its ``get_buffer`` / ``buffer_updated``).
@@ -38,7 +40,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Any, Callable, Iterable, Sequence, Union
 
-from libs.kvpool.header import Buffer, Value, value_parts
+from libs.kvpool.header import Buffer, PendingValue, Value, value_parts
 
 CRLF = b"\r\n"
 # A bulk argument at least this large goes out as its own iovec instead of being packed.
@@ -100,6 +102,9 @@ class Frames:
         self.iov: list[Buffer] = []
         self.commands = 0
         self.nbytes = 0
+        # PendingValue.seal of each pending value referenced by the iovecs: the sender
+        # calls them before the bytes go out (on its own thread: hashing releases the GIL).
+        self.seals: list[Callable[[], object]] = []
         self._small = bytearray()
 
     def command(self, *args: Arg) -> "Frames":
@@ -120,8 +125,12 @@ class Frames:
                 small += b"$%d\r\n" % len(data)
                 small += data
                 small += CRLF
-            else:  # a value: one buffer, or a list/tuple of parts
-                parts = value_parts(arg)
+            else:  # a value: one buffer, a list/tuple of parts, or a PendingValue
+                if isinstance(arg, PendingValue) and arg.nbytes >= INLINE_MAX:
+                    parts = arg.parts  # sealed by the sender, just before it goes out
+                    self.seals.append(arg.seal)
+                else:
+                    parts = value_parts(arg)
                 size = sum(p.nbytes for p in parts)
                 small += b"$%d\r\n" % size
                 if size < INLINE_MAX:
@@ -194,6 +203,12 @@ class ReplyParser:
     @property
     def pending(self) -> int:
         return len(self._expect)
+
+    @property
+    def direct(self) -> bool:
+        """Whether the last ``get_buffer()`` was a sink's memory: all of it belongs to one
+        payload, so a blocking reader may wait until it is full (``MSG_WAITALL``)."""
+        return self._direct
 
     def take(self) -> list[Any]:
         results, self._results = self._results, []

@@ -22,6 +22,9 @@ batches. Rules, each from a bug in the system this is modelled on (seeds/000):
   room wakes with :class:`WriterClosed` when the writer stops.
 - Sessions are independent: each keeps its own pending count and report; a failure of
   one session's block is not charged to another's.
+- Progress is visible per block: a session's ``on_written(key)`` hears of each block as
+  soon as its batch is acknowledged, long before ``wait_all_done`` (the streamed handoff
+  announces durable blocks from there, so decode reads them while the rest is written).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import asyncio
 import logging
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import Any, Callable, Generic, TypeVar
 
 from libs.kvpool.bulk import settle
 from libs.kvpool.header import Value
@@ -161,9 +164,10 @@ class _Item:
 class WriteSession:
     """One producer's writes (typically one prefill request). Create with :meth:`AsyncWriter.begin`."""
 
-    def __init__(self, writer: "AsyncWriter", lease_id: str | None) -> None:
+    def __init__(self, writer: "AsyncWriter", lease_id: str | None, on_written: Callable[[str], None] | None = None) -> None:
         self._writer = writer
         self.lease_id = lease_id
+        self._on_written = on_written
         self._pending = 0
         self._idle = asyncio.Event()
         self._idle.set()
@@ -216,6 +220,11 @@ class WriteSession:
         item.value = b""  # drop the buffer as soon as it is written
         if error is None:
             self._written.append(item.key)
+            if self._on_written is not None:
+                try:
+                    self._on_written(item.key)
+                except Exception:  # noqa: BLE001 - a caller's bug must not lose the outcome
+                    log.exception("on_written(%s) raised", item.key)
         else:
             self._failed[item.key] = error
             if self._first_error is None:
@@ -273,12 +282,13 @@ class AsyncWriter:
 
     # -- public ---------------------------------------------------------------------------
 
-    def begin(self, *, lease_id: str | None = None) -> WriteSession:
-        """A new session; its blocks are pinned by ``lease_id`` when given."""
+    def begin(self, *, lease_id: str | None = None, on_written: Callable[[str], None] | None = None) -> WriteSession:
+        """A new session; its blocks are pinned by ``lease_id`` when given. ``on_written(key)``
+        (``str(BlockKey)``) is called on the event loop for each block once it is written."""
         if lease_id is not None and not LEASE_ID_RE.match(lease_id):
             raise ValueError(f"malformed lease id {lease_id!r}")
         self._check_running()
-        return WriteSession(self, lease_id)
+        return WriteSession(self, lease_id, on_written)
 
     @property
     def queue_depth(self) -> int:

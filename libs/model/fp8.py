@@ -6,9 +6,10 @@ multiples of 128 (the format and why padding: kernels/fp8/layout.py). ``Fp8Linea
 it two ways, with the same weights:
 
 - FP8 tensor cores (CUDA, SM 8.9+, ``kernels.fp8.fp8_gemm_supported``): the activations
-  are quantized per token and group of 128 by one Triton kernel that also pads them to
-  the GEMM's token tile, then the block-scaled Triton GEMM (swap-AB for few tokens)
-  writes the output in the model's dtype. Only the e4m3 bytes stay in device memory.
+  are quantized per token and group of 128 (by one Triton kernel that also pads them to
+  the GEMM's token tile, or inside the GEMM itself), then the block-scaled Triton GEMM
+  (swap-AB for few tokens) writes the output in the model's dtype. Only the e4m3 bytes
+  stay in device memory.
 - Everywhere else, the CPU included: the torch references. The activations are quantized
   and dequantized exactly as on the GPU, and multiplied by the dequantized weight, which
   is computed once and cached in the compute dtype (the "dequantize-then-matmul" path).
@@ -25,6 +26,12 @@ the fused matrix is quantized as one. From a checkpoint, each part arrives with 
 block grid: parts whose N is a multiple of 128 (every real FP8 checkpoint's) concatenate
 as they are; otherwise each part keeps its padding and ``out_index`` picks the real output
 columns after the GEMM (an extra gather only for such unusual shapes).
+
+On FP8 tensor cores a layer is one call of ``kernels.fp8.triton_gemm.fp8_linear`` with
+the plan ``plan_gemm`` picks for its token count, padded weight shape and GPU (tuned
+tiles where ``bench/fp8_tune.py`` measured them): for decode-sized batches the plan
+fuses the activation quantization into the GEMM, one launch per layer like a bf16
+matmul, instead of a quantization kernel and a GEMM.
 """
 
 from __future__ import annotations
@@ -89,6 +96,22 @@ class Fp8Weight:
         rows = dense[: self.shape[0]] if self.out_index is None else dense[self.out_index]
         return rows[:, : self.shape[1]]
 
+    def narrow(self, dim: int, start: int, stop: int, name: str = "weight") -> "Fp8Weight":
+        """Rows (``dim`` 0) or columns (1) ``[start, stop)`` along whole 128-blocks, with
+        their own scales: a tensor-parallel shard of the very weight TP=1 runs. A cut
+        inside a block would need new scales (other weights, other KV), so it is refused."""
+        full = self.shape[dim]
+        if self.out_index is not None or start % BLOCK or (stop % BLOCK and stop != full) or not 0 <= start < stop <= full:
+            raise ValueError(
+                f"{name}: an FP8 weight splits for tensor parallelism only along its {BLOCK}-blocks, "
+                f"not at [{start}, {stop}) of {full} (use a tensor_parallel_size that cuts heads and the MLP at multiples of {BLOCK})"
+            )
+        q_stop = self.q.shape[dim] if stop == full else stop
+        q = self.q.narrow(dim, start, q_stop - start).contiguous()
+        scale = self.scale.narrow(dim, start // BLOCK, -(-q_stop // BLOCK) - start // BLOCK).contiguous()
+        shape = (stop - start, self.shape[1]) if dim == 0 else (self.shape[0], stop - start)
+        return Fp8Weight(q, scale, shape)
+
     @staticmethod
     def cat(parts: list["Fp8Weight"]) -> "Fp8Weight":
         """Fuse parts along N (q/k/v, gate/up); each keeps its own blocks."""
@@ -150,11 +173,11 @@ class Fp8Linear(nn.Module):
         return y.reshape(*lead, self.out_features)
 
     def _fp8_gemm(self, x: torch.Tensor, n: int) -> torch.Tensor:
-        from kernels.fp8 import triton_gemm, triton_quant
+        from kernels.fp8 import triton_gemm
 
-        plan = plan_gemm(x.shape[0])
-        q, s = triton_quant.per_token_group_quant(x, row_multiple=plan.row_multiple)
-        return triton_gemm.block_scaled_mm(q, s, self.weight_q, self.weight_scale, m=x.shape[0], n=n, out_dtype=x.dtype, plan=plan)
+        n_pad, k_pad = self.weight_q.shape
+        plan = plan_gemm(x.shape[0], n=n_pad, k=k_pad, device=x.device)
+        return triton_gemm.fp8_linear(x, self.weight_q, self.weight_scale, n=n, out_dtype=x.dtype, plan=plan)
 
     def _dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         """``[n, K]`` in ``dtype``, computed once (the weights never change)."""

@@ -9,6 +9,11 @@ per-sequence (which cache blocks, which positions attend to which) is in the
 
 Projections are fused where the math allows (q/k/v into one matmul, gate/up into one):
 fewer, larger matmuls are faster on every device, and the result is identical.
+
+Under tensor parallelism (``tp``, libs/model/parallel.py) each rank builds the same model
+with its shard's sizes (its heads, its MLP slice, its vocabulary rows); ``qkv_proj`` and
+``gate_up_proj`` are column-parallel, ``o_proj`` and ``down_proj`` row-parallel (their
+outputs are all-reduced here), the embedding and LM head vocab-parallel.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from libs.model.config import ModelConfig
 from libs.model.fp8 import Fp8Linear, Fp8Weight
 from libs.model.moe import MoEOptions
 from libs.model.moe.block import SparseMoeBlock
+from libs.model.parallel import TensorParallel, VocabParallelEmbedding
 from libs.model.quantized import Int4Linear, Int4Weight, Int8Linear
 
 # Weights kept in a compact format, and the linear layer that runs each.
@@ -106,10 +112,12 @@ class _RowsCache:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: PagedAttention):
+    def __init__(self, cfg: ModelConfig, backend: PagedAttention, tp: TensorParallel | None = None):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
+        self.tp = tp
+        self.num_heads, self.num_kv_heads = (tp.shard.num_heads, tp.shard.num_kv_heads) if tp else (cfg.num_heads, cfg.num_kv_heads)
+        self.head_dim = cfg.head_dim
+        self.q_size, self.kv_size = self.num_heads * cfg.head_dim, self.num_kv_heads * cfg.head_dim
         self.scale = cfg.head_dim**-0.5
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
@@ -137,7 +145,8 @@ class Attention(nn.Module):
             q, k = rotary(positions, q, k)
         v = v.view(T, self.num_kv_heads, self.head_dim)
         o = self.backend(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
-        return self.o_proj(o.reshape(T, self.q_size))
+        out = self.o_proj(o.reshape(T, self.q_size))
+        return self.tp.reduce(out) if self.tp is not None else out
 
     def norm_heads(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Qwen3's q/k norm: RMSNorm over each head (``[T, heads, head_dim]``)."""
@@ -146,32 +155,36 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None):
+    def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None, tp: TensorParallel | None = None):
         super().__init__()
-        intermediate_size = intermediate_size or cfg.intermediate_size
+        self.tp = tp
+        intermediate_size = tp.shard.intermediate_size if tp else (intermediate_size or cfg.intermediate_size)
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(ops_for(x.device).silu_and_mul(self.gate_up_proj(x)))
+        out = self.down_proj(ops_for(x.device).silu_and_mul(self.gate_up_proj(x)))
+        return self.tp.reduce(out) if self.tp is not None else out
 
 
-def feed_forward(cfg: ModelConfig, layer: int, moe: MoEOptions) -> nn.Module:
+def feed_forward(cfg: ModelConfig, layer: int, moe: MoEOptions, tp: TensorParallel | None = None) -> nn.Module:
     """Layer ``layer``'s MLP: a sparse MoE block where the config makes the layer sparse
     (with Qwen2-MoE's shared expert, a dense MLP of its own size), else the dense MLP."""
     if cfg.moe is None or not cfg.moe.is_sparse(layer):
-        return MLP(cfg)
+        return MLP(cfg, tp=tp)
     shared = cfg.moe.shared_expert_intermediate_size
     return SparseMoeBlock(cfg, moe, shared_expert=MLP(cfg, shared) if shared else None)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: PagedAttention, layer: int = 0, moe: MoEOptions = MoEOptions()):
+    def __init__(
+        self, cfg: ModelConfig, backend: PagedAttention, layer: int = 0, moe: MoEOptions = MoEOptions(), tp: TensorParallel | None = None
+    ):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, backend)
+        self.self_attn = Attention(cfg, backend, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = feed_forward(cfg, layer, moe)
+        self.mlp = feed_forward(cfg, layer, moe, tp)
 
     def forward(
         self, h: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor, rotary: RotaryEmbedding, meta: AttentionMetadata
@@ -188,14 +201,21 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: PagedAttention, moe: MoEOptions = MoEOptions()):
+    def __init__(self, cfg: ModelConfig, backend: PagedAttention, moe: MoEOptions = MoEOptions(), tp: TensorParallel | None = None):
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.tp = tp if tp is not None and tp.size > 1 else None
+        tp = self.tp
+        # The KV heads this rank's cache holds, in the model's numbering.
+        self.kv_heads: tuple[int, int] = tp.shard.kv_heads if tp else (0, cfg.num_kv_heads)
+        # Of those, the ones this rank writes into pool blocks (a replicated head: one rank).
+        self.kv_written: tuple[int, int] = tp.shard.kv_written if tp else self.kv_heads
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         self.rotary = RotaryEmbedding(cfg)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, i, moe) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, i, moe, tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        vocab_rows = tp.shard.vocab_size if tp else cfg.vocab_size
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, vocab_rows, bias=False)
         self.quantized_head: Int8Linear | None = None  # quantized-weights mode (CPU)
         self._quantized: list[nn.Module] | None = None
 
@@ -204,6 +224,8 @@ class LlamaModel(nn.Module):
         ``[num_blocks, layers, 2, block_size, kv_heads, head_dim]`` (libs/kvpool/layout.py)."""
         if cache.shape[1] != len(self.layers):
             raise ValueError(f"cache has {cache.shape[1]} layers, model has {len(self.layers)}")
+        if cache.shape[4] != self.kv_heads[1] - self.kv_heads[0]:
+            raise ValueError(f"cache has {cache.shape[4]} KV heads, this model (shard) has {self.kv_heads[1] - self.kv_heads[0]}")
         for i, layer in enumerate(self.layers):
             layer.self_attn.k_cache = cache[:, i, 0]
             layer.self_attn.v_cache = cache[:, i, 1]
@@ -225,7 +247,8 @@ class LlamaModel(nn.Module):
         if self.quantized_head is not None:
             return self.quantized_head(hidden).float()
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        logits = F.linear(hidden, weight)
+        return (self.tp.gather_vocab(logits) if self.tp is not None else logits).float()
 
     @torch.no_grad()
     def quantize_head(self) -> None:

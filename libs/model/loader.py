@@ -18,6 +18,8 @@ from libs.model.config import ModelConfig
 from libs.model.fp8 import Fp8Weight, quantize_projections
 from libs.model.llama import LlamaModel
 from libs.model.moe import MoEOptions
+from libs.dist.groups import Group
+from libs.model.parallel import TensorParallel, TPLayoutError, TPShard
 from libs.model.tokenizer import Tokenizer
 from libs.model.source import model_name, resolve_model_path, weights_digest
 from libs.model.weight_cache import WeightCache
@@ -36,8 +38,10 @@ class ModelFingerprint:
     layout_version: int = LAYOUT_VERSION
     quantization: str = "none"  # "fp8": the projections run block-scaled FP8 (other KV bytes)
 
-    def namespace(self, block_size: int, tp_layout: str = "tp1") -> Namespace:
-        return Namespace(self.weights_digest, self.dtype, block_size, self.layout_version, tp_layout, self.quantization)
+    def namespace(self, block_size: int) -> Namespace:
+        """No tensor-parallel layout in it: a pool block holds every KV head whatever layout
+        wrote it (libs/kvpool/slices.py), so all layouts share blocks."""
+        return Namespace(self.weights_digest, self.dtype, block_size, self.layout_version, self.quantization)
 
 
 @dataclass
@@ -62,6 +66,7 @@ def load_model(
     moe: MoEOptions = MoEOptions(),
     quantization: str = "auto",
     cache_dir: Path | None = None,
+    tp: Group | None = None,
 ) -> LoadedModel:
     """Read weights and tokenizer from the same source, build the model on ``device``.
 
@@ -74,29 +79,42 @@ def load_model(
     any other at load; ``none`` runs them dense (an FP8 checkpoint is dequantized);
     ``auto`` follows the checkpoint.
     ``cache_dir``: keep a GGUF's converted tensors there and map them on the next load
-    instead of converting again (libs/model/weight_cache.py); None: always convert."""
+    instead of converting again (libs/model/weight_cache.py); None: always convert.
+
+    ``tp``: this process is one rank of this tensor-parallel group (libs/model/parallel.py);
+    it reads and keeps only its shard of the weights (GGUF files, which cannot be read in
+    slices, are read whole and cut)."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"unknown quantization {quantization!r}; use one of {', '.join(QUANTIZATIONS)}")
     if quantized_weights and quantization == "fp8":
         raise ValueError("quantized_weights (GGUF 4-bit) and fp8 quantization cannot be combined")
     if quantized_weights and device.type != "cpu":
         raise ValueError("quantized_weights needs a GGUF model on the CPU (the int4 kernels are CPU kernels)")
+    tp = tp if tp is not None and tp.size > 1 else None
+    if tp is not None and quantized_weights:
+        raise TPLayoutError("quantized_weights (GGUF 4-bit, CPU) runs with tensor_parallel_size 1 only")
     p = resolve_model_path(path)
     if quantized_weights and not p.is_file():
         raise ValueError("quantized_weights needs a GGUF model on the CPU (a Hugging Face folder has no 4-bit weights)")
     digest = weights_digest(p)
+    plan = (lambda c: TPShard.plan(c, tp.size, tp.rank)) if tp is not None else None
     if p.is_file():
         cfg, state, meta = _read_gguf_cached(p, digest, quantized_weights, cache_dir)
         tokenizer = Tokenizer.from_gguf_fields(meta)
+        if plan is not None:
+            state = plan(cfg).shard_state(state)
     else:
-        cfg, state = read_hf_folder(p)
+        cfg, state = read_hf_folder(p, shard=plan)
         tokenizer = Tokenizer.from_hf_folder(p)
+    parallel = TensorParallel(tp, plan(cfg)) if plan is not None else None
     checkpoint_fp8 = any(isinstance(v, Fp8Weight) for v in state.values())
     fp8 = quantization == "fp8" or (quantization == "auto" and checkpoint_fp8)
     if checkpoint_fp8 and not fp8:
         state = {k: v.dequantize() if isinstance(v, Fp8Weight) else v for k, v in state.items()}
+    if fp8 and parallel is not None:
+        _check_fp8_split(cfg, parallel.shard)
     with _skip_random_init(), torch.device("cpu"):
-        model = LlamaModel(cfg, backend, moe).float()
+        model = LlamaModel(cfg, backend, moe, parallel).float()
     model.load_hf_state(state)
     del state
     if fp8 and not checkpoint_fp8:  # an FP8 checkpoint's dense layers stay dense (ignored_layers)
@@ -143,3 +161,15 @@ def _read_gguf_cached(path: Path, digest: str, keep_q4: bool, cache_dir: Path | 
     if cache.store(digest, variant, cfg, state, meta) is not None:
         log.info("converted weights of %s cached in %s", path.name, cache_dir)
     return cfg, state, meta
+
+
+def _check_fp8_split(cfg: ModelConfig, shard: TPShard) -> None:
+    """FP8 under TP: each shard's blocks must be blocks of the TP=1 weight (same scales,
+    same KV bytes), so every cut falls on a multiple of 128."""
+    from libs.model.fp8 import BLOCK
+
+    if cfg.head_dim % BLOCK or any(c % BLOCK for c in shard.intermediate):
+        raise TPLayoutError(
+            f"fp8 with tensor_parallel_size {shard.size} needs head_dim and the MLP split at multiples of {BLOCK} "
+            f"(head_dim {cfg.head_dim}, intermediate slice {shard.intermediate}); run it with TP=1 or without fp8"
+        )

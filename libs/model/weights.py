@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -97,11 +97,16 @@ def _gguf_to_hf_name(name: str) -> str | None:
     raise ValueError(f"unexpected tensor {name!r} in GGUF file")
 
 
-def read_hf_folder(folder: Path) -> tuple[ModelConfig, dict[str, Any]]:
+def read_hf_folder(folder: Path, shard: Callable[[ModelConfig], Any] | None = None) -> tuple[ModelConfig, dict[str, Any]]:
     """Config and float32 state dict of a Hugging Face checkpoint folder (*.safetensors).
 
     A block-scaled FP8 checkpoint (libs/model/fp8_checkpoint.py) gives its projections as
-    ``Fp8Weight`` (e4m3 values and their scales) instead of float32 tensors."""
+    ``Fp8Weight`` (e4m3 values and their scales) instead of float32 tensors.
+
+    ``shard``: a tensor-parallel rank's ``TPShard`` for the config (libs/model/parallel.py);
+    each tensor is then read only as far as that rank holds it (safetensors slices), so a
+    rank never has the whole model in memory. FP8 checkpoints are cut after their scales
+    are attached (``Fp8Weight.narrow``)."""
     from safetensors import safe_open
 
     from libs.model.fp8_checkpoint import check_quantization_config, collect_fp8_weights
@@ -112,19 +117,30 @@ def read_hf_folder(folder: Path) -> tuple[ModelConfig, dict[str, Any]]:
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {folder}")
+    plan = shard(cfg) if shard is not None else None
+    lazy = plan is not None and not fp8
     state: dict[str, torch.Tensor] = {}
     for f in files:
         with safe_open(str(f), framework="pt") as sf:
             for key in sf.keys():
                 if key.endswith("rotary_emb.inv_freq"):
                     continue
-                tensor = sf.get_tensor(key)
+                spec = plan.slice(key) if lazy else None
+                if spec is None:
+                    tensor = sf.get_tensor(key)
+                else:
+                    dim, start, stop = spec
+                    tensor = sf.get_slice(key)[(slice(None),) * dim + (slice(start, stop),)]
                 if tensor.dtype == torch.float8_e4m3fn and not fp8:
                     raise ValueError(f"{key} is float8_e4m3fn but config.json has no fp8 quantization_config (its scales would be ignored)")
                 state[key] = tensor if fp8 else tensor.to(torch.float32)
     if "lm_head.weight" not in state and not cfg.tie_word_embeddings:
         cfg = _replace(cfg, tie_word_embeddings=True)
-    return cfg, (collect_fp8_weights(state) if fp8 else state)
+    if fp8:
+        state = collect_fp8_weights(state)
+        if plan is not None:
+            state = plan.shard_state(state)
+    return cfg, state
 
 
 def _replace(cfg: ModelConfig, **changes: Any) -> ModelConfig:

@@ -6,7 +6,8 @@ Router -> decode: :class:`DecodeRequest`, answered by a stream of :class:`TokenE
 ``await_handoff`` the router then posts :class:`HandoffUpdate` messages as prefill
 progresses (the streamed handoff, docs/HANDOFF.md).
 Router -> prefill/decode: :class:`AbortRequest`.
-Prefill/decode -> router: :class:`RegisterInstance` once, then :class:`Heartbeat`; the router
+Prefill/decode -> router: :class:`RegisterInstance` once, then :class:`Heartbeat` (and
+:class:`DeregisterInstance` when going down); the router
 answers both with :class:`InstanceAck`.
 Anyone: :class:`ErrorMessage` where a msgpack peer needs an error it can decode.
 
@@ -80,6 +81,10 @@ class SamplingSpec(Message, version=1):
         logit_bias_values: their biases, one per id, in [-100, 100]; -100 bans the token.
         structured: constrain the output to a grammar; None leaves it free. Prefill
             constrains the first token with it, decode everything after.
+        prompt_logprobs: also score the prompt (``echo`` with ``logprobs``): the logprob of
+            each prompt token after the first, with this many top alternatives, 0..20;
+            None scores nothing. The instance that computes the prompt answers it
+            (:class:`PromptLogprobs`), computing every prompt token (no cache hit).
     """
 
     temperature: float = 1.0
@@ -99,6 +104,7 @@ class SamplingSpec(Message, version=1):
     logit_bias_ids: list[int] = field(default_factory=list)
     logit_bias_values: list[float] = field(default_factory=list)
     structured: StructuredSpec | None = None
+    prompt_logprobs: int | None = None
 
     def validate(self) -> None:
         check(self.temperature >= 0 and math.isfinite(self.temperature), "temperature", "must be finite and >= 0")
@@ -121,6 +127,11 @@ class SamplingSpec(Message, version=1):
         check(len(self.logit_bias_ids) <= MAX_LOGIT_BIAS, "logit_bias_ids", f"at most {MAX_LOGIT_BIAS} entries")
         check(len(self.logit_bias_values) == len(self.logit_bias_ids), "logit_bias_values", "must have one entry per logit_bias_ids entry")
         check(all(math.isfinite(b) and -100 <= b <= 100 for b in self.logit_bias_values), "logit_bias_values", "must be in [-100, 100]")
+        check(
+            self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
+            "prompt_logprobs",
+            f"must be in 0..{MAX_LOGPROBS}",
+        )
 
 
 @dataclass(kw_only=True)
@@ -144,6 +155,37 @@ class TokenLogprobs(Message, version=1):
         check(len(self.top_logprobs) == len(self.top_ids), "top_logprobs", "must have one entry per top_ids entry")
         check(len(self.top_ids) <= MAX_LOGPROBS, "top_ids", f"at most {MAX_LOGPROBS} alternatives")
         _check_token_ids(self.top_ids, "top_ids")
+
+
+@dataclass(kw_only=True)
+class PromptLogprobs(Message, version=1):
+    """The log-probability of each prompt token given the tokens before it (vLLM's
+    ``prompt_logprobs``), position by position from the second token (the first has none).
+
+    Columns rather than one :class:`TokenLogprobs` per token: a long prompt is one compact
+    message.
+
+    Attributes:
+        token_ids: the scored prompt tokens, ``prompt[1:]``.
+        logprobs: ``log p(prompt[i] | prompt[:i])``, one per entry of ``token_ids``.
+        top_ids: per position, the most likely tokens (``SamplingSpec.prompt_logprobs`` of
+            them), most likely first.
+        top_logprobs: their log-probabilities, shaped as ``top_ids``.
+    """
+
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_ids: list[list[int]] = field(default_factory=list)
+    top_logprobs: list[list[float]] = field(default_factory=list)
+
+    def validate(self) -> None:
+        _check_token_ids(self.token_ids, "token_ids")
+        n = len(self.token_ids)
+        for name in ("logprobs", "top_ids", "top_logprobs"):
+            check(len(getattr(self, name)) == n, name, "must have one entry per token")
+        for i, (ids, lps) in enumerate(zip(self.top_ids, self.top_logprobs)):
+            check(len(ids) == len(lps) and len(ids) <= MAX_LOGPROBS, f"top_ids[{i}]", f"at most {MAX_LOGPROBS}, one logprob each")
+            _check_token_ids(ids, f"top_ids[{i}]")
 
 
 @dataclass(kw_only=True)
@@ -185,6 +227,7 @@ class PrefillResult(Message, version=1):
         request_id: as in the request.
         first_token_ids: the first sampled token of each of the ``n`` completions.
         first_logprobs: their logprobs, one per first token, when the request asked for them.
+        prompt_logprobs: the prompt's, when ``sampling.prompt_logprobs`` asked for them.
         block_keys: the pool keys of the prompt's blocks in order (the last may be partial).
         lease_id: the handoff lease pinning the blocks, for decode to release; None when
             nothing was written under a lease.
@@ -201,6 +244,7 @@ class PrefillResult(Message, version=1):
     request_id: str
     first_token_ids: list[int]
     first_logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: PromptLogprobs | None = None
     block_keys: list[str] = field(default_factory=list)
     lease_id: str | None = None
     num_prompt_tokens: int
@@ -359,6 +403,8 @@ class TokenEvent(Message, version=1):
         finish_reason: None while generating; on the final event ``stop`` (EOS or a stop
             token), ``length`` (max_tokens or context), ``abort`` or ``error``.
         num_cached_tokens: prompt tokens decode loaded instead of computing.
+        prompt_logprobs: the prompt's, when ``sampling.prompt_logprobs`` asked for them:
+            on the first event, which carries the first token too (or ends the request).
         error: what went wrong, on a final event with ``finish_reason="error"``.
         trace: the handoff trace, on the final event when ``want_trace`` was set.
     """
@@ -368,6 +414,7 @@ class TokenEvent(Message, version=1):
     logprobs: list[TokenLogprobs] | None = None
     finish_reason: FinishReason | None = None
     num_cached_tokens: int = 0
+    prompt_logprobs: PromptLogprobs | None = None
     error: str | None = None
     trace: dict[str, Any] | None = None
 
@@ -433,6 +480,27 @@ class RegisterInstance(Message, version=1):
         if self.quantization == "none":
             del out["quantization"]
         return out
+
+
+@dataclass(kw_only=True)
+class DeregisterInstance(Message, version=1):
+    """Prefill/decode -> router when it goes down (a stop, or a tensor-parallel rank that
+    died): stop sending it work now, not after missed heartbeats. Its open streams end;
+    the router resumes them elsewhere.
+
+    Attributes:
+        instance_id: as registered.
+        role: as registered.
+        reason: why it leaves (logged by the router).
+    """
+
+    instance_id: str
+    role: Role
+    reason: str = ""
+
+    def validate(self) -> None:
+        check(len(self.instance_id) > 0, "instance_id", "must not be empty")
+        check(len(self.reason) <= 1000, "reason", "must be at most 1000 characters")
 
 
 @dataclass(kw_only=True)

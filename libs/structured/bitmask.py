@@ -43,11 +43,12 @@ class BitmaskFiller:
             matchers[0].fill(bitmask, 0)
         elif matchers:
             import llguidance as llg
-            import llguidance.torch as llt
 
             if self._executor is None:
                 self._executor = llg.LLExecutor(num_threads=self._threads)
-            llt.fill_next_token_bitmask_par(self._executor, [(m.raw, i) for i, m in enumerate(matchers)], bitmask)
+            # As llguidance.torch.fill_next_token_bitmask_par, without importing that module
+            # (it torch.compiles a kernel at import: a multi-second stall; matcher.py).
+            self._executor.unsafe_compute_mask_ptr([(m.raw, i) for i, m in enumerate(matchers)], bitmask.data_ptr(), self.words * 4, len(matchers))
         self.rows_filled += len(matchers)
         self.steps += 1
         return bitmask

@@ -48,10 +48,15 @@ class GrammarMatcher:
                 raise GrammarMismatchError(f"token {i} of {len(token_ids)} to replay (id {t}) does not follow the grammar")
 
     def fill(self, bitmask: "torch.Tensor", row: int) -> None:
-        """Write the allowed next tokens into ``bitmask[row]`` (a CPU int32 tensor)."""
-        import llguidance.torch as llt
+        """Write the allowed next tokens into ``bitmask[row]`` (a CPU int32 tensor).
 
-        llt.fill_next_token_bitmask(self._m, bitmask, row)
+        llguidance's own pointer API, as ``llguidance.torch.fill_next_token_bitmask`` calls
+        it: importing that module ``torch.compile``s its bitmask kernel, which loads
+        dynamo and inductor (4-5 s of a loaded CPU), a stall of the first constrained step."""
+        v = bitmask[row]
+        if str(bitmask.dtype) != "torch.int32" or not bitmask.is_cpu or not v.is_contiguous():
+            raise ValueError("the bitmask must be a contiguous int32 CPU tensor")
+        self._m.unsafe_compute_mask_ptr(v.data_ptr(), v.numel() * 4)
 
     @property
     def is_terminated(self) -> bool:

@@ -32,11 +32,11 @@ from libs.kvpool.pool import PoolError
 from libs.protocol import MessageStreamResponse, read_message
 from libs.protocol.messages import DecodeRequest, TokenEvent
 from services.worker.app import RUNTIME, full, rejected
-from services.worker.convert import sampling_params, wire_logprob
+from services.worker.convert import sampling_params, wire_logprob, wire_prompt_logprobs
 from services.worker.grammar import start_grammar
 from services.worker.runtime import WorkerRuntime
 from services.decode.handoff import HandoffAborted, HandoffStats, HandoffWait, handle_handoff, load_streamed
-from services.worker.transfer import load_blocks
+from services.worker.transfer import LoadResult, load_blocks
 
 log = logging.getLogger(__name__)
 
@@ -91,8 +91,12 @@ async def handle_decode(request: web.Request) -> web.StreamResponse:
                 prefix = [wait.first_token_id]
         else:
             # With a first token the whole prompt may come from the pool; without one the
-            # engine must compute the last prompt token itself to sample.
-            load = await load_blocks(rt, keys, local, max_tokens=len(prompt) if prefix else len(prompt) - 1)
+            # engine must compute the last prompt token itself to sample. A prompt to score
+            # (prompt_logprobs) is computed whole: nothing is loaded.
+            if msg.sampling.prompt_logprobs is not None:
+                load = LoadResult(None)
+            else:
+                load = await load_blocks(rt, keys, local, max_tokens=len(prompt) if prefix else len(prompt) - 1)
         if lease_id:
             asyncio.create_task(_release_lease(rt, lease_id))
         try:
@@ -171,6 +175,7 @@ def _event(msg: DecodeRequest, out, load, rt: WorkerRuntime) -> TokenEvent:
         logprobs=lps if msg.sampling.logprobs is not None else None,
         finish_reason=reason if out.finished else None,
         num_cached_tokens=out.num_cached_tokens + out.num_imported_tokens,
+        prompt_logprobs=wire_prompt_logprobs(out.prompt_logprobs),
     )
 
 

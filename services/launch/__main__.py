@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import threading
@@ -37,6 +38,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--redis-cluster", type=int, default=0, metavar="N",
                    help="start a local Redis Cluster of N nodes instead of one Redis (the pool shards over it)")
     p.add_argument("--pool-gb", type=float, default=1.0, help="memory for the KV pool (Redis maxmemory, split between cluster nodes), GiB")
+    p.add_argument("--redis-args", default=os.environ.get("TIDEPOOL_REDIS_ARGS", ""),
+                   help="more redis-server flags for the Redis (or each cluster node) started here, e.g. "
+                   "'--io-threads 4 --io-threads-do-reads yes' on a host with cores to spare (env TIDEPOOL_REDIS_ARGS)")
     p.add_argument("--log-dir", default=".run/logs", help="where service logs go (default .run/logs)")
     p.add_argument("--api-key", default=None, help="require this API key (Authorization: Bearer ...)")
     p.add_argument("--no-supervise", dest="supervise", action="store_false",
@@ -49,7 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = ClusterConfig(
         host=args.host, router_port=args.port, model=args.model, device=args.device, dtype=args.dtype,
         num_prefill=args.prefill, num_decode=args.decode, threads=args.threads, redis_url=args.redis_url, redis_cluster=args.redis_cluster,
-        pool_gb=args.pool_gb, log_dir=Path(args.log_dir), api_key=args.api_key, supervise=args.supervise,
+        pool_gb=args.pool_gb, redis_args=args.redis_args.split(), log_dir=Path(args.log_dir), api_key=args.api_key,
+        supervise=args.supervise,
     )
     cluster = LocalCluster(cfg)
     stop = threading.Event()

@@ -49,6 +49,7 @@ class ClusterConfig:
     redis_port: int | None = None  # the port of the Redis started here; default: a free one
     pool_url: str | None = None  # where services reach Redis (e.g. a proxy in front of it); default: Redis itself
     pool_gb: float = 1.0  # Redis maxmemory; cache_store's budget is 80% of it
+    redis_args: list[str] = field(default_factory=list)  # more flags for the Redis (or each cluster node) started here
     api_key: str | None = None  # the router requires it when set
     # the services' shared secret; default: TIDEPOOL_INTERNAL_TOKEN, else a random one
     internal_token: str = field(default_factory=lambda: os.environ.get("TIDEPOOL_INTERNAL_TOKEN") or secrets.token_urlsafe(32))
@@ -60,6 +61,7 @@ class ClusterConfig:
     worker_args: list[str] = field(default_factory=list)
     prefill_args: list[str] = field(default_factory=list)
     decode_args: list[str] = field(default_factory=list)
+    instance_args: dict[str, list[str]] = field(default_factory=dict)  # one instance's own, by name ("decode-1")
     cache_store_args: list[str] = field(default_factory=list)
     echo: IO[str] | None = None  # copy every service's stdout here (make run)
 
@@ -126,7 +128,7 @@ class LocalCluster:
         if self.redis is None:
             self.redis = redis_child(
                 "redis", self._redis_port, maxmemory_bytes=int(self.config.pool_gb * 2**30),
-                log_dir=self.config.log_dir, echo=self.config.echo,
+                log_dir=self.config.log_dir, echo=self.config.echo, extra_args=self.config.redis_args,
             )
         self.redis.start()
         self.redis_url = self.redis.wait_ready(10)
@@ -141,7 +143,8 @@ class LocalCluster:
     def start_redis_cluster(self, nodes: int) -> None:
         """A local Redis Cluster (services/launch/redis_cluster.py); ``pool_gb`` is split between its nodes."""
         self.redis_nodes = LocalRedisCluster(
-            nodes, maxmemory=int(self.config.pool_gb * 2**30 / nodes), log_dir=self.config.log_dir
+            nodes, maxmemory=int(self.config.pool_gb * 2**30 / nodes), log_dir=self.config.log_dir,
+            extra_args=self.config.redis_args,
         ).start()
         self.redis_url = self.redis_nodes.url
 
@@ -180,7 +183,7 @@ class LocalCluster:
             "--port", "0", "--router-url", router_url,
             "--device", cfg.device, "--dtype", cfg.dtype, "--threads", str(cfg.worker_threads()),
             "--instance-id", f"{role}-{index}",
-            *(["--model", cfg.model] if cfg.model else []), *cfg.worker_args, *extra,
+            *(["--model", cfg.model] if cfg.model else []), *cfg.worker_args, *extra, *cfg.instance_args.get(f"{role}-{index}", []),
         ]
         return self._child(f"{role}-{index}", f"services.{role}", args, threads=cfg.worker_threads())
 

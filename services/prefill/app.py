@@ -6,7 +6,8 @@
    already exist cannot be evicted between here and decode, and every block written
    later is pinned from its first byte.
 2. Leading blocks already in the pool (and not in our own prefix cache) are loaded
-   instead of computed.
+   instead of computed, unless the prompt is to be scored (``prompt_logprobs``: every
+   position computed; the result carries the scores).
 3. The engine computes the rest (batched with other prompts, in chunks), samples the
    first token of each of the ``n`` completions, and gathers the prompt's blocks into
    staging.
@@ -42,9 +43,9 @@ from libs.structured import GrammarMatcher
 from libs.engine.async_engine import EngineStepError
 from libs.kvpool.pool import PoolError
 from libs.protocol import MessageStreamResponse, msgpack_response, read_message
-from libs.protocol.messages import PrefillProgress, PrefillRequest, PrefillResult
+from libs.protocol.messages import PrefillProgress, PrefillRequest, PrefillResult, PromptLogprobs
 from services.worker.app import RUNTIME, full, rejected
-from services.worker.convert import sampling_params, wire_logprob
+from services.worker.convert import sampling_params, wire_logprob, wire_prompt_logprobs
 from services.worker.grammar import start_grammar
 from services.worker.runtime import WorkerRuntime
 from services.worker.transfer import LoadResult, StoreResult, load_blocks, store_blocks
@@ -122,25 +123,28 @@ class PrefillJob:
     keys: list[BlockKey] = field(init=False)
     lease_id: str | None = None
     durable: list[bool] = field(init=False)  # per block: in the pool under the lease
+    _index: dict[str, int] = field(init=False, repr=False)  # str(key) -> block index
     watermark: int = 0  # leading durable blocks
     computed_tokens: int = 0
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     progress_done: bool = False
     streamed_blocks: int = 0  # blocks durable before compute finished
     compute_done_at: float = 0.0  # wall clock when compute ended (decode's ``load_done_at`` is comparable on one host)
+    prompt_scores: PromptLogprobs | None = None  # the prompt's logprobs, when asked (echo with logprobs)
+    engine_time: dict[str, float] = field(default_factory=dict)  # _engine_clock's advance while this prompt computed
 
     def __post_init__(self) -> None:
         self.keys = self.rt.keys(self.msg.prompt_token_ids)
         self.durable = [False] * len(self.keys)
+        self._index = {str(k): i for i, k in enumerate(self.keys)}
 
     @property
     def streamed(self) -> bool:
         return self.msg.stream_progress
 
-    def _mark_durable(self, first: int, end: int, written: set[str] | None = None) -> None:
+    def _mark_durable(self, first: int, end: int) -> None:
         for i in range(first, end):
-            if written is None or str(self.keys[i]) in written:
-                self.durable[i] = True
+            self.durable[i] = True
         w = self.watermark
         while w < len(self.durable) and self.durable[w]:
             w += 1
@@ -184,10 +188,11 @@ class PrefillJob:
         self.changed.set()  # the first progress: the lease exists
         local = rt.cached_prefix_blocks(prompt)
         load = LoadResult(None)
-        if pool_run > local:
+        if pool_run > local and self.params.prompt_logprobs is None:  # a prompt to score is computed whole
             load = await load_blocks(rt, keys[:pool_run], local, max_tokens=len(prompt) - 1)
 
         t_engine = time.perf_counter()
+        engine0 = _engine_clock(rt)
         stream = rt.engine.add_request(
             msg.request_id, prompt, self.params, kv_import=load.kv_import, export_kv=True, stream_export=self.streamed,
             grammar=self.grammar,
@@ -199,6 +204,8 @@ class PrefillJob:
         writes: list[asyncio.Task[StoreResult]] = []
         try:
             async for out in stream:
+                if out.prompt_logprobs is not None:
+                    self.prompt_scores = wire_prompt_logprobs(out.prompt_logprobs)
                 for c in out.outputs:
                     if c.new_token_ids and c.index not in first:
                         first[c.index] = c.new_token_ids[0]
@@ -215,6 +222,7 @@ class PrefillJob:
                 stream.abort()  # the handler was cancelled (client gone) or the engine failed
         t_computed = time.perf_counter()
         self.compute_done_at = time.time()
+        self.engine_time = {k: round(v - engine0[k], 6) for k, v in _engine_clock(rt).items()}
         self.streamed_blocks = self.watermark
         if final is not None and final.exported_kv is not None:
             self.computed_tokens = len(prompt)
@@ -232,10 +240,14 @@ class PrefillJob:
         return self._result(final, first, first_lp, load, store, skip, t_engine, t_computed)
 
     async def _store(self, piece, skip: int) -> StoreResult:
-        first, end = piece.first_block, piece.end_block
-        result = await store_blocks(self.rt, piece, self.keys, skip, self.lease_id)
-        self._mark_durable(max(first, skip), end, result.written)
-        return result
+        # Each block is announced as soon as its write is acknowledged (not when the whole
+        # piece is): decode reads the first blocks of a piece while the rest is written.
+        return await store_blocks(self.rt, piece, self.keys, skip, self.lease_id, on_written=self._written)
+
+    def _written(self, key: str) -> None:
+        i = self._index.get(key)
+        if i is not None:
+            self._mark_durable(i, i + 1)
 
     def _result(self, final, first, first_lp, load: LoadResult, store: StoreResult, skip: int, t_engine: float, t_computed: float) -> PrefillResult:
         rt, msg, prompt = self.rt, self.msg, self.msg.prompt_token_ids
@@ -263,6 +275,7 @@ class PrefillJob:
             "streamed_blocks": self.streamed_blocks,
             "durable_blocks": self.watermark,
             "compute_done_at": self.compute_done_at,
+            **self.engine_time,
             **timings,
         }
         rt.metrics.requests.labels("ok").inc()
@@ -279,6 +292,7 @@ class PrefillJob:
             request_id=msg.request_id,
             first_token_ids=[first[i] for i in range(n)],
             first_logprobs=[first_lp[i] for i in range(n)] if self.params.logprobs is not None and len(first_lp) == n else None,
+            prompt_logprobs=self.prompt_scores,
             block_keys=[str(k) for k in self.keys],
             lease_id=self.lease_id,
             num_prompt_tokens=len(prompt),
@@ -290,6 +304,15 @@ class PrefillJob:
             timings=timings,
             trace=trace if msg.want_trace else None,
         )
+
+
+def _engine_clock(rt: WorkerRuntime) -> dict[str, float]:
+    """The engine's running totals: steps, wall seconds inside its steps (host work, launches
+    and waits for the GIL included) and device-busy seconds (CUDA events; 0 off CUDA). Their
+    advance over one prompt's compute, in its trace, tells the device's share of
+    ``compute_s`` from the host's (exact when the prompt ran alone, as in bench/gpu_pd.py)."""
+    snap = rt.engine.snapshot
+    return {"engine_steps": float(snap.steps), "engine_step_s": snap.busy_s, "device_busy_s": rt.llm.timer.busy_s}
 
 
 def add_routes(app: web.Application, runtime: WorkerRuntime) -> None:

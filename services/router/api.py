@@ -13,9 +13,15 @@ Rules worth knowing:
 - Every field is honoured or refused with a 400 naming it. A field no endpoint knows is
   ``unknown_parameter`` (as OpenAI answers "Unrecognized request argument supplied");
   known fields the router does not implement are ``unsupported_parameter`` when they
-  would change the result (``suffix``, ``store``, non-text ``modalities``, ``best_of`` !=
-  ``n``, ``echo`` with ``logprobs``) and accepted at their no-op value. The OpenAPI
-  document (openapi.py) lists the same fields.
+  would change the result (``suffix``, ``store``, non-text ``modalities``) and accepted at
+  their no-op value. The OpenAPI document (openapi.py)
+  lists the same fields.
+- ``best_of`` (completions): ``best_of`` candidates are generated per prompt and the ``n``
+  with the highest cumulative logprob are returned (best_of.py); ``best_of < n`` is a
+  400, and so is ``best_of > n`` with ``stream`` (as OpenAI: the best are known only at
+  the end).
+- ``echo`` with ``logprobs`` (completions) scores the prompt too: the instance that
+  computes it returns prompt logprobs (``GenerateRequest.prompt_logprobs``, handoff.py).
 - Output constraints (``response_format``, vLLM's ``structured_outputs`` and ``guided_*``,
   llama.cpp's ``grammar`` and ``json_schema``; both endpoints) are read by constraints.py,
   tools (``tools``, ``tool_choice``, ``parallel_tool_calls``, legacy ``functions`` /
@@ -95,10 +101,30 @@ class GenerateRequest:
     tools: ToolRequest | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()
     stream_handoff: bool | None = None  # None: the router's setting
+    best_of: int = 0  # candidates per prompt (completions); 0: ``n``
 
     @property
     def num_prompts(self) -> int:
         return 1 if self.kind == "chat" else len(self.prompts)
+
+    @property
+    def candidates(self) -> int:
+        """Completions generated per prompt: ``best_of`` (the ``n`` best are returned)."""
+        return max(self.best_of, self.n)
+
+    @property
+    def prompt_logprobs(self) -> int | None:
+        """Top alternatives per prompt token when the prompt is scored (``echo`` with
+        ``logprobs``), else None."""
+        return self.logprobs if self.echo else None
+
+    @property
+    def wire_logprobs(self) -> int | None:
+        """Logprobs asked of the instances: the client's, or the sampled token's alone when
+        ``best_of`` ranks candidates by cumulative logprob without the client asking."""
+        if self.logprobs is None and self.candidates > self.n:
+            return 0
+        return self.logprobs
 
     @property
     def grammar(self) -> GrammarSpec | None:
@@ -106,8 +132,9 @@ class GenerateRequest:
         forced = self.tools.constraint() if self.tools is not None else None
         return forced if forced is not None else (self.constraint.spec if self.constraint else None)
 
-    def sampling(self, *, max_tokens: int, n: int, seed: int | None) -> SamplingSpec:
-        """The wire sampling spec of one prefill (``n`` first tokens) or one decode stream."""
+    def sampling(self, *, max_tokens: int, n: int, seed: int | None, score_prompt: bool = False) -> SamplingSpec:
+        """The wire sampling spec of one prefill (``n`` first tokens) or one decode stream;
+        ``score_prompt``: this instance computes the prompt logprobs."""
         return SamplingSpec(
             temperature=self.temperature,
             top_p=self.top_p,
@@ -121,11 +148,12 @@ class GenerateRequest:
             min_tokens=min(self.min_tokens, max_tokens),
             stop_token_ids=list(self.stop_token_ids),
             ignore_eos=self.ignore_eos,
-            logprobs=self.logprobs,
+            logprobs=self.wire_logprobs,
             n=n,
             logit_bias_ids=[t for t, _ in self.logit_bias],
             logit_bias_values=[b for _, b in self.logit_bias],
             structured=_wire(self.grammar),
+            prompt_logprobs=self.prompt_logprobs if score_prompt else None,
         )
 
 
@@ -189,6 +217,7 @@ def parse_request(body: Any, kind: Kind, *, served_model: str, vocab_size: int) 
     want_trace = ext.boolean("trace", False)
     stream_handoff = ext.boolean("stream_handoff", None)
 
+    best_of = 0
     if kind == "chat":
         messages = parse_messages(f.raw("messages"))
         prompts: tuple[str | tuple[int, ...], ...] = ()
@@ -206,18 +235,10 @@ def parse_request(body: Any, kind: Kind, *, served_model: str, vocab_size: int) 
         max_tokens = f.integer("max_tokens", None, 1)
         logprobs = f.integer("logprobs", None, 0, MAX_LOGPROBS)
         echo = f.boolean("echo", False)
-        if echo and logprobs is not None:
-            raise bad_request(
-                "'echo' with 'logprobs' needs prompt logprobs, which this server does not compute",
-                "echo",
-                "unsupported_parameter",
-            )
         suffix = f.string("suffix", None)
         if suffix:
             raise bad_request("'suffix' is not supported", "suffix", "unsupported_parameter")
-        best_of = f.integer("best_of", None, 1)
-        if best_of is not None and best_of != n:
-            raise bad_request("'best_of' must equal 'n' (server-side best-of is not supported)", "best_of", "unsupported_parameter")
+        best_of = _best_of(f, n, stream)
     constraint = parse_constraint(body)
     if constraint is not None and tools is not None and tools.constraint() is not None:
         raise conflict(
@@ -226,8 +247,9 @@ def parse_request(body: Any, kind: Kind, *, served_model: str, vocab_size: int) 
         )
 
     num_prompts = 1 if kind == "chat" else len(prompts)
-    if num_prompts * n > MAX_CHOICES:
-        raise bad_request(f"{num_prompts} prompts x n={n} exceeds {MAX_CHOICES} choices per request", "n")
+    if num_prompts * max(n, best_of) > MAX_CHOICES:
+        what, param = (f"best_of={best_of}", "best_of") if best_of > n else (f"n={n}", "n")
+        raise bad_request(f"{num_prompts} prompts x {what} exceeds {MAX_CHOICES} choices per request", param)
 
     top_k = f.integer("top_k", -1, -1, TOP_K_MAX)
     assert top_k is not None
@@ -264,7 +286,21 @@ def parse_request(body: Any, kind: Kind, *, served_model: str, vocab_size: int) 
         tools=tools,
         logit_bias=_logit_bias(f, vocab_size),
         stream_handoff=stream_handoff,
+        best_of=best_of,
     )
+
+
+def _best_of(f: Fields, n: int, stream: bool) -> int:
+    """``best_of``: at least ``n``; above it, not with ``stream`` (the best are known only
+    once every candidate finished), as OpenAI refuses it."""
+    best_of = f.integer("best_of", None, 1, MAX_N)
+    if best_of is None:
+        return 0
+    if best_of < n:
+        raise bad_request(f"'best_of' ({best_of}) must be greater than or equal to 'n' ({n})", "best_of")
+    if best_of > n and stream:
+        raise bad_request(f"'best_of' ({best_of}) greater than 'n' ({n}) cannot be streamed", "best_of")
+    return best_of
 
 
 def _chat_logprobs(f: Fields) -> int | None:

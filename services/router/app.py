@@ -9,6 +9,7 @@
 ``GET /openapi.json``              the OpenAPI document of the public API (openapi.py)
 ``POST /internal/v1/register``     ``RegisterInstance`` -> ``InstanceAck`` (msgpack)
 ``POST /internal/v1/heartbeat``    ``Heartbeat`` -> ``InstanceAck``; 404 from an unknown instance
+``POST /internal/v1/deregister``   ``DeregisterInstance`` -> ``InstanceAck``; 404 from an unknown instance
 ``GET /ready``                      readiness: 200 once a decode instance is registered, else 503
 ``GET /health /metrics /stats``    services/common (``/health`` is liveness only)
 =================================  =============================================================
@@ -36,7 +37,7 @@ from prometheus_client import CollectorRegistry
 from libs.model.tokenizer import Tokenizer
 from libs.structured import GrammarCompiler
 from libs.protocol import msgpack_response, read_message
-from libs.protocol.messages import Heartbeat, InstanceAck, RegisterInstance
+from libs.protocol.messages import DeregisterInstance, Heartbeat, InstanceAck, RegisterInstance
 from services.common import create_app
 from services.router.detok import TokenRenderer
 from services.router.errors import ApiError
@@ -150,6 +151,14 @@ async def _heartbeat(request: web.Request) -> web.Response:
     return msgpack_response(InstanceAck(instance_id=msg.instance_id, heartbeat_timeout_s=state.settings.heartbeat_timeout_s))
 
 
+async def _deregister(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    msg = await read_message(request, DeregisterInstance)
+    if state.registry.deregister(msg.instance_id, msg.role, msg.reason) is None:
+        return ApiError(404, f"unknown {msg.role} instance {msg.instance_id!r}", code="unknown_instance").response()
+    return msgpack_response(InstanceAck(instance_id=msg.instance_id, heartbeat_timeout_s=state.settings.heartbeat_timeout_s))
+
+
 async def _reap(state: RouterState) -> None:
     """Drop instances whose heartbeats stopped, a few times per timeout."""
     interval = min(1.0, max(0.05, state.settings.heartbeat_timeout_s / 4))
@@ -259,4 +268,5 @@ def create_router_app(settings: RouterSettings, tokenizer: Tokenizer | None = No
     app.router.add_get("/openapi.json", openapi)
     app.router.add_post("/internal/v1/register", _register)
     app.router.add_post("/internal/v1/heartbeat", _heartbeat)
+    app.router.add_post("/internal/v1/deregister", _deregister)
     return app

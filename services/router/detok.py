@@ -15,7 +15,7 @@ from functools import lru_cache
 from typing import Sequence
 
 from libs.model.tokenizer import IncrementalDetokenizer, Tokenizer
-from libs.protocol.messages import TokenLogprobs
+from libs.protocol.messages import PromptLogprobs, TokenLogprobs
 from services.router.stop import StopScanner
 
 # JSON has no -inf; vLLM reports impossible tokens with this floor too.
@@ -79,10 +79,23 @@ class TokenRenderer:
 
 @dataclass(frozen=True)
 class TokenLogprob:
-    """One sampled token with its top alternatives, ready for either API's format."""
+    """One token with its top alternatives, ready for either API's format; ``top`` is None
+    for a prompt's first token, which has no logprob (OpenAI shows null for both)."""
 
     token: RenderedToken
-    top: tuple[RenderedToken, ...]
+    top: tuple[RenderedToken, ...] | None
+
+
+def render_prompt_logprobs(renderer: TokenRenderer, prompt_ids: Sequence[int], wire: PromptLogprobs) -> list[TokenLogprob]:
+    """A scored prompt as logprob entries: its first token without a logprob, then each
+    later token with its logprob and alternatives; a ``ValueError`` if ``wire`` does not
+    score exactly this prompt."""
+    if list(wire.token_ids) != list(prompt_ids[1:]):
+        raise ValueError(f"prompt logprobs for {len(wire.token_ids)} tokens that are not this prompt's {len(prompt_ids) - 1}")
+    out = [TokenLogprob(renderer.render(prompt_ids[0], None), None)]
+    for token_id, lp, ids, lps in zip(wire.token_ids, wire.logprobs, wire.top_ids, wire.top_logprobs):
+        out.append(TokenLogprob(renderer.render(token_id, lp), tuple(renderer.render(t, v) for t, v in zip(ids, lps))))
+    return out
 
 
 @dataclass
@@ -92,6 +105,7 @@ class Piece:
     text: str = ""
     logprobs: list[TokenLogprob] = field(default_factory=list)
     num_tokens: int = 0
+    logprob_sum: float = 0.0  # the tokens' sampled logprobs, whether or not they are rendered
 
 
 class TextAssembler:
@@ -116,8 +130,11 @@ class TextAssembler:
         for i, token_id in enumerate(token_ids):
             piece.num_tokens += 1
             piece.text += self.scanner.feed(self.detok.add([token_id]))
+            lp = logprobs[i] if logprobs else None
+            if lp is not None and lp.token_id == token_id:
+                piece.logprob_sum += lp.logprob if math.isfinite(lp.logprob) else LOGPROB_FLOOR
             if self.want_logprobs:
-                piece.logprobs.append(self._logprob(token_id, logprobs[i] if logprobs else None))
+                piece.logprobs.append(self._logprob(token_id, lp))
             if self.stopped:
                 break
         return piece

@@ -86,7 +86,7 @@ class RequestRun:
     async def updates(self) -> AsyncIterator[ChoiceUpdate]:
         """Every choice's updates as they come; raises the first :class:`ApiError`."""
         tasks = [asyncio.create_task(self._guard(job), name=f"prompt {job.id}") for job in self.jobs]
-        remaining = self.req.num_prompts * self.req.n
+        remaining = self.req.num_prompts * self.req.candidates
         try:
             while remaining:
                 item = await self.outbox.get()
@@ -233,7 +233,7 @@ async def _stream(request: web.Request, run: RequestRun, formatter: Formatter) -
     """SSE; the response starts with the first update, so an error before it is a plain
     JSON error with its status, and one after it is an error event before ``[DONE]``."""
     response: web.StreamResponse | None = None
-    pending = run.req.num_prompts * run.req.n
+    pending = run.req.num_prompts * run.req.candidates
     include_usage = run.req.include_usage
 
     async def send(payload: bytes) -> None:

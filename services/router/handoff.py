@@ -38,6 +38,15 @@ as a last update without a first token: decode loads what is durable and compute
 tail and the first token itself (the choice's stream then carries every token). A prefill
 that answers without progress events (an older instance) takes the classic path.
 
+Prompt logprobs (``echo`` with ``logprobs``): the instance that computes the prompt scores
+it, so the prompt must be computed, never loaded: prefill is asked for them (and the pool
+is not consulted for a skip), with the classic handoff (the choices need them before their
+first token, and a streamed handoff whose prefill fails would leave decode a prompt it
+partly loads). When prefill does not answer them (no prefill, a short prompt, a failed
+call), decode is asked instead and sends them on its first event; the engine computes the
+whole prompt for such a request (no prefix-cache hit, no import). They reach the client on
+each choice's first update, before its first token.
+
 Contract with decode (as libs/engine's ``output_prefix``): when ``first_token_id`` is set,
 decode's stream carries only the tokens *after* it, since the router already has it from
 ``PrefillResult`` (and streams it to the client at once). ``max_tokens`` counts it.
@@ -56,10 +65,18 @@ import time
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
-from libs.protocol.messages import DecodeRequest, HandoffUpdate, PrefillProgress, PrefillRequest, PrefillResult, TokenLogprobs
+from libs.protocol.messages import (
+    DecodeRequest,
+    HandoffUpdate,
+    PrefillProgress,
+    PrefillRequest,
+    PrefillResult,
+    PromptLogprobs,
+    TokenLogprobs,
+)
 from services.router import placement
 from services.router.api import GenerateRequest, choice_seed
-from services.router.detok import Piece, TextAssembler, TokenLogprob
+from services.router.detok import Piece, TextAssembler, TokenLogprob, render_prompt_logprobs
 from services.router.errors import ApiError, no_decode_instance, overloaded
 from services.router.progress import HandoffProgress
 from services.router.registry import Instance
@@ -81,6 +98,8 @@ class ChoiceUpdate:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     num_tokens: int = 0
     finish_reason: str | None = None
+    logprob_sum: float = 0.0  # of these tokens' sampled logprobs (best_of ranks by the total)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # on a choice's first update
 
 
 Outbox = asyncio.Queue  # of ChoiceUpdate | ApiError
@@ -139,7 +158,8 @@ class PromptJob:
         self.max_tokens = max_tokens
         self.trace = trace
         self.outbox = outbox
-        self.choices = [ChoiceJob(self, i) for i in range(req.n)]
+        self.choices = [ChoiceJob(self, i) for i in range(req.candidates)]
+        self.prompt_logprobs: list[TokenLogprob] | None = None  # scored prompt, once an instance sent it
         self._prefill_task: asyncio.Task[None] | None = None
 
     @property
@@ -182,7 +202,7 @@ class PromptJob:
         if prefill is None or target is None:
             self._decide(placement.NO_PREFILL_INSTANCE)
             return handoff
-        if s.cache_store_url:
+        if s.cache_store_url and self.req.prompt_logprobs is None:  # a scored prompt must be computed
             complete, keys, note = await self.state.client.pool_has_all(target.root, self.prompt_ids)
             self.trace.prefill.pool_query = note
             if complete:
@@ -190,7 +210,7 @@ class PromptJob:
                 self._decide(placement.SKIP_IN_POOL, f"all {len(keys)} blocks in the pool")
                 return handoff
         stream = self.req.stream_handoff if self.req.stream_handoff is not None else s.stream_handoff
-        if not stream:
+        if not stream or self.req.prompt_logprobs is not None:
             result = await self._call_prefill(prefill, None)
             if result is not None:
                 handoff.take_result(result)
@@ -219,7 +239,7 @@ class PromptJob:
         req = PrefillRequest(
             request_id=self.id,
             prompt_token_ids=self.prompt_ids,
-            sampling=self.req.sampling(max_tokens=self.max_tokens, n=self.req.n, seed=self.req.seed),
+            sampling=self.req.sampling(max_tokens=self.max_tokens, n=self.req.candidates, seed=self.req.seed, score_prompt=True),
             lease_ttl_s=state.settings.lease_ttl_s,
             want_trace=True,
             stream_progress=progress is not None,
@@ -272,12 +292,25 @@ class PromptJob:
 
     def _check(self, result: PrefillResult) -> None:
         vocab = self.state.tokenizer.vocab_size
-        if result.request_id != self.id or len(result.first_token_ids) != self.req.n:
+        if result.request_id != self.id or len(result.first_token_ids) != self.req.candidates:
             raise WorkerError(
                 "protocol", f"PrefillResult for {result.request_id} with {len(result.first_token_ids)} first tokens"
             )
         if max(result.first_token_ids) >= vocab:
             raise WorkerError("protocol", f"first token id {max(result.first_token_ids)} outside the vocabulary")
+        if self.req.prompt_logprobs is not None:
+            self.take_prompt_logprobs(result.prompt_logprobs, "prefill")
+
+    def take_prompt_logprobs(self, wire: PromptLogprobs | None, who: str) -> None:
+        """Keep an instance's scored prompt (the first one; later ones are the same)."""
+        if wire is None:
+            raise WorkerError("protocol", f"{who} sent no prompt logprobs")
+        try:
+            rendered = render_prompt_logprobs(self.state.renderer, self.prompt_ids, wire)
+        except ValueError as exc:
+            raise WorkerError("protocol", f"{who}: {exc}") from None
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs = rendered
 
 
 class ChoiceJob:
@@ -288,8 +321,8 @@ class ChoiceJob:
         self.job = job
         self.state = job.state
         self.i = i
-        self.index = job.index * job.req.n + i
-        self.id = job.id if job.req.n == 1 else f"{job.id}-{i}"
+        self.index = job.index * job.req.candidates + i  # among candidates (best_of.py picks)
+        self.id = job.id if job.req.candidates == 1 else f"{job.id}-{i}"
         self.seed = choice_seed(job.req.seed, i)
         self.generated: list[int] = []
         self.text = TextAssembler(
@@ -299,6 +332,7 @@ class ChoiceJob:
         self.first_token_at: float | None = None
         self.last_token_at: float | None = None
         self._first_taken = False  # prefill's first token (if any) is in ``generated``
+        self._prompt_sent = False  # the scored prompt went out on this choice's first update
         self._final_sent = False  # this attempt forwarded the handoff's last update
 
     async def run(self, handoff: Handoff) -> None:
@@ -413,6 +447,11 @@ class ChoiceJob:
                 raise no_decode_instance(f"no usable decode instance for a {need}-token request")
             await registry.wait_for_change(left)
 
+    @property
+    def _score_prompt(self) -> bool:
+        """Decode must score the prompt: asked for, and no instance has sent it yet."""
+        return self.job.req.prompt_logprobs is not None and self.job.prompt_logprobs is None
+
     def _decode_request(self, handoff: Handoff, attempt: int) -> DecodeRequest:
         job, g = self.job, self.generated
         request_id = self.id if attempt == 0 else f"{self.id}.r{attempt}"
@@ -420,7 +459,7 @@ class ChoiceJob:
             return DecodeRequest(
                 request_id=request_id,
                 prompt_token_ids=job.prompt_ids,
-                sampling=job.req.sampling(max_tokens=job.max_tokens, n=1, seed=self.seed),
+                sampling=job.req.sampling(max_tokens=job.max_tokens, n=1, seed=self.seed, score_prompt=self._score_prompt),
                 block_keys=handoff.block_keys,
                 lease_id=handoff.lease_id if attempt == 0 else None,
                 want_trace=True,
@@ -497,6 +536,10 @@ class ChoiceJob:
             if streamed and ev.token_ids and not self._final_sent:
                 raise WorkerError("protocol", "decode generated before the handoff's last update")
             a.num_cached_tokens = max(a.num_cached_tokens, ev.num_cached_tokens)
+            if ev.prompt_logprobs is not None and self.job.req.prompt_logprobs is not None:
+                self.job.take_prompt_logprobs(ev.prompt_logprobs, "decode")
+            elif ev.token_ids and self._score_prompt:
+                raise WorkerError("protocol", "decode sent tokens before the prompt logprobs it was asked for")
             piece = self.text.add(ev.token_ids, ev.logprobs)
             self.generated.extend(ev.token_ids[: piece.num_tokens])
             a.tokens += piece.num_tokens
@@ -574,9 +617,12 @@ class ChoiceJob:
             if self.first_token_at is None:
                 self.first_token_at = now
             self.last_token_at = now
-        if piece.text or piece.logprobs or piece.num_tokens or finish_reason:
+        prompt: list[TokenLogprob] = []
+        if not self._prompt_sent and self.job.prompt_logprobs is not None:
+            prompt, self._prompt_sent = self.job.prompt_logprobs, True
+        if piece.text or piece.logprobs or piece.num_tokens or finish_reason or prompt:
             self.job.outbox.put_nowait(
-                ChoiceUpdate(self.index, piece.text, piece.logprobs, piece.num_tokens, finish_reason)
+                ChoiceUpdate(self.index, piece.text, piece.logprobs, piece.num_tokens, finish_reason, piece.logprob_sum, prompt)
             )
 
     @property

@@ -11,7 +11,7 @@ fuzzer can trust it:
   (``"store": false``, ``"suffix": ""``, ``"modalities": ["text"]``);
 - ``null`` is allowed wherever the router reads it as "not given";
 - what a schema cannot express is a documented 400: rules between fields (``best_of``
-  must equal ``n``, ``stream_options`` needs ``stream``, one output constraint a request,
+  at least ``n``, and equal to it when streaming, ``stream_options`` needs ``stream``, one output constraint a request,
   ``tool_choice`` naming one of ``tools``, a ``tool`` message answering a call before it),
   prompt + ``max_tokens`` within the context, and whether a JSON schema, regex or grammar
   compiles (``invalid_grammar``: the grammar engine decides); so are 413 (the body size),

@@ -1,8 +1,8 @@
 """The live prefill and decode instances: registration, heartbeats, expiry.
 
 An instance announces itself with ``RegisterInstance`` and then sends a ``Heartbeat`` about
-every second carrying its load. One without a heartbeat for ``heartbeat_timeout_s`` is
-dropped: it is never picked again, even before the reaper gets to it, and a heartbeat from
+every second carrying its load, and ``DeregisterInstance`` when it goes down (dropped at
+once). One without a heartbeat for ``heartbeat_timeout_s`` is dropped: it is never picked again, even before the reaper gets to it, and a heartbeat from
 it is answered 404 so it registers again. Registering again under the same id (a restart)
 replaces the old entry.
 
@@ -149,6 +149,16 @@ class Registry:
             log.info("registered %s %s at %s (max_model_len %d)", msg.role, msg.instance_id, msg.url, msg.max_model_len)
         else:
             log.info("re-registered %s %s at %s", msg.role, msg.instance_id, msg.url)
+        self._notify()
+        return inst
+
+    def deregister(self, instance_id: str, role: str, reason: str = "") -> Instance | None:
+        """Forget an instance that announced it is going down; None if it was unknown."""
+        inst = self.instances.get(instance_id)
+        if inst is None or inst.role != role:
+            return None
+        del self.instances[instance_id]
+        log.warning("%s %s at %s deregistered: %s", role, instance_id, inst.url, reason or "stopping")
         self._notify()
         return inst
 

@@ -4,7 +4,9 @@ Completions (``text_completion``): ``choices[].text``, ``choices[].logprobs`` =
 ``{tokens, token_logprobs, top_logprobs: [{token: logprob}], text_offset}``; the sampled
 token is always in its ``top_logprobs`` map, as OpenAI documents (so a map may hold
 ``logprobs + 1`` entries); ``text_offset`` counts characters of the choice's text, echo
-included. Chat (``chat.completion``): ``choices[].message = {role, content}``,
+included. With ``echo`` and ``logprobs`` the prompt's tokens come first, the first of them
+with null ``token_logprobs`` and ``top_logprobs`` entries (it has no context), offsets from
+0. Chat (``chat.completion``): ``choices[].message = {role, content}``,
 ``choices[].logprobs = {content: [{token, logprob, bytes, top_logprobs: [...]}]}``.
 
 Streaming: each chunk carries one choice's delta (chat: a first chunk with the role alone
@@ -16,10 +18,16 @@ extension (``{"trace": ...}``) rides on the last chunk (the usage chunk when the
 Tool calls (a chat request with active tools): each choice's text goes through a
 :class:`~services.router.tool_parser.HermesToolParser`; calls become ``message.tool_calls``
 (``content`` null when there is no other text) or, streamed, ``delta.tool_calls`` in
-OpenAI's two-part form; a choice that called tools and stopped finishes ``tool_calls``.
+OpenAI's form: a call's first delta has its ``index``, ``id``, ``type``, ``function.name``
+and empty ``arguments``, the next ones append the arguments as they are generated; a
+choice that called tools and stopped finishes ``tool_calls``.
+
+``best_of > n`` (completions): the formatter holds every candidate and the whole response
+returns each prompt's ``n`` best (best_of.py).
 
 ``usage`` counts prompt tokens once per prompt (not per choice), completion tokens over all
-choices, and ``prompt_tokens_details.cached_tokens``: prompt tokens served from a cache.
+choices (every ``best_of`` candidate included), and ``prompt_tokens_details.cached_tokens``:
+prompt tokens served from a cache.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from services.router import best_of
 from services.router.api import GenerateRequest
 from services.router.detok import RenderedToken, TokenLogprob
 from services.router.handoff import ChoiceUpdate
@@ -58,9 +67,12 @@ class ChoiceState:
     offset: int = 0  # text_offset of the next token
     started: bool = False  # a chunk of this choice has been sent
     parser: HermesToolParser | None = None  # tools are active: parse calls out of the text
+    cumulative_logprob: float = 0.0  # of the sampled tokens (best_of ranks by it)
+
+    scored_prompt: bool = False  # echo with logprobs: the prompt's tokens have entries (offsets from 0)
 
     def __post_init__(self) -> None:
-        self.offset = len(self.prefix)
+        self.offset = 0 if self.scored_prompt else len(self.prefix)
 
     def finish_reason_out(self, calls: list[ToolCall]) -> str | None:
         """OpenAI's reason: ``tool_calls`` for a choice that called tools and stopped."""
@@ -68,7 +80,9 @@ class ChoiceState:
 
     def add(self, u: ChoiceUpdate) -> None:
         self.parts.append(u.text)
+        self.logprobs.extend(u.prompt_logprobs)
         self.logprobs.extend(u.logprobs)
+        self.cumulative_logprob += u.logprob_sum
         if u.finish_reason is not None:
             self.finish_reason = u.finish_reason
 
@@ -86,14 +100,15 @@ class Formatter:
         self.id = response_id
         self.created = created
         names = [t.name for t in req.tools.tools] if req.tools is not None and req.tools.active else None
-        self.choices = [
+        self.choices = [  # every candidate: p * candidates + i
             ChoiceState(
-                p * req.n + i,
+                p * req.candidates + i,
                 prefix=echo[p] if req.echo else "",
-                parser=HermesToolParser(names) if names is not None else None,
+                scored_prompt=req.prompt_logprobs is not None,
+                parser=HermesToolParser(names, stream=req.stream) if names is not None else None,
             )
             for p in range(req.num_prompts)
-            for i in range(req.n)
+            for i in range(req.candidates)
         ]
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
@@ -105,7 +120,7 @@ class Formatter:
         if self.chat:
             return {
                 "content": [
-                    {**_chat_token(e.token), "top_logprobs": [_chat_token(t) for t in e.top]} for e in entries
+                    {**_chat_token(e.token), "top_logprobs": [_chat_token(t) for t in e.top or ()]} for e in entries
                 ],
                 "refusal": None,
             }
@@ -113,8 +128,10 @@ class Formatter:
         for e in entries:
             tokens.append(e.token.text)
             token_logprobs.append(e.token.logprob)
-            alternatives = {t.text: t.logprob for t in e.top}
-            alternatives.setdefault(e.token.text, e.token.logprob)
+            alternatives = None
+            if e.top is not None:
+                alternatives = {t.text: t.logprob for t in e.top}
+                alternatives.setdefault(e.token.text, e.token.logprob)
             top.append(alternatives)
             offsets.append(state.offset)
             state.offset += len(e.token.text)
@@ -122,9 +139,17 @@ class Formatter:
 
     # -- whole response ---------------------------------------------------------------------
 
+    def _returned(self) -> list[tuple[int, ChoiceState]]:
+        """The choices the response shows, with their index: all of them, or with ``best_of
+        > n`` each prompt's ``n`` best."""
+        req = self.req
+        if req.candidates == req.n:
+            return [(c.index, c) for c in self.choices]
+        return list(enumerate(best_of.select(self.choices, req.num_prompts, req.candidates, req.n)))
+
     def response(self, usage_: dict[str, Any], extension: dict[str, Any] | None) -> dict[str, Any]:
         choices = []
-        for c in self.choices:
+        for index, c in self._returned():
             logprobs = self._logprobs(c, c.logprobs)
             if self.chat:
                 message: dict[str, Any] = {"role": "assistant", "content": c.text}
@@ -139,9 +164,9 @@ class Formatter:
                         "tool_calls": [call.message() for call in calls],
                     }
                     reason = c.finish_reason_out(calls)
-                choices.append({"index": c.index, "message": message, "logprobs": logprobs, "finish_reason": reason})
+                choices.append({"index": index, "message": message, "logprobs": logprobs, "finish_reason": reason})
             else:
-                choices.append({"index": c.index, "text": c.text, "logprobs": logprobs, "finish_reason": c.finish_reason})
+                choices.append({"index": index, "text": c.text, "logprobs": logprobs, "finish_reason": c.finish_reason})
         body = self._envelope("chat.completion" if self.chat else "text_completion", choices)
         body["usage"] = usage_
         if extension is not None:
@@ -158,7 +183,8 @@ class Formatter:
         state.started = True
         if first:
             text = state.prefix + text
-        logprobs = self._logprobs(state, u.logprobs) if u.logprobs else None
+        entries = u.prompt_logprobs + u.logprobs
+        logprobs = self._logprobs(state, entries) if entries else None
         if not self.chat:
             return [self._chunk({"index": u.index, "text": text, "logprobs": logprobs, "finish_reason": u.finish_reason})]
         out = []
@@ -175,10 +201,9 @@ class Formatter:
                 state.finish_reason = u.finish_reason
                 parsed.append(state.parser.finish())
                 reason = state.finish_reason_out(state.parser.calls)
-            for p in parsed:
-                if p.content and not (state.parser.calls and not p.content.strip()):
-                    deltas.append({"content": p.content})
-                deltas += [{"tool_calls": [d]} for call in p.calls for d in call.deltas()]
+            called = state.parser.called
+            for p in parsed:  # whitespace around calls is not content
+                deltas += [d for d in p.deltas if not (called and "content" in d and not d["content"].strip())]
         if not deltas and (logprobs or reason is not None):
             deltas.append({})
         for k, delta in enumerate(deltas):

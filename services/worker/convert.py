@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from libs.engine import SamplingParams, TokenLogprob
+from libs.engine.prompt_logprobs import PromptLogprobs as EnginePromptLogprobs
 from libs.structured import GrammarSpec
-from libs.protocol.messages import SamplingSpec, StructuredSpec, TokenLogprobs
+from libs.protocol.messages import PromptLogprobs, SamplingSpec, StructuredSpec, TokenLogprobs
 
 
 def sampling_params(spec: SamplingSpec, *, max_tokens: int | None = None, n: int | None = None) -> SamplingParams:
@@ -25,6 +26,7 @@ def sampling_params(spec: SamplingSpec, *, max_tokens: int | None = None, n: int
         ignore_eos=spec.ignore_eos,
         logprobs=spec.logprobs,
         logit_bias=tuple(zip(spec.logit_bias_ids, spec.logit_bias_values)),
+        prompt_logprobs=spec.prompt_logprobs,
     )
 
 
@@ -37,6 +39,12 @@ def grammar_spec(spec: StructuredSpec | None) -> GrammarSpec | None:
 
 def wire_logprob(lp: TokenLogprob) -> TokenLogprobs:
     return TokenLogprobs(token_id=lp.token_id, logprob=lp.logprob, top_ids=list(lp.top_ids), top_logprobs=list(lp.top_logprobs))
+
+
+def wire_prompt_logprobs(scores: EnginePromptLogprobs | None) -> PromptLogprobs | None:
+    if scores is None:
+        return None
+    return PromptLogprobs(token_ids=scores.token_ids, logprobs=scores.logprobs, top_ids=scores.top_ids, top_logprobs=scores.top_logprobs)
 
 
 def engine_logprob(lp: TokenLogprobs) -> TokenLogprob:

@@ -4,13 +4,21 @@
 client and writer, the block codec, the Prometheus metrics, and the registration and
 heartbeat loop with the router. The pool is optional at run time: while Redis is away
 every transfer is a miss and the instance keeps serving by recomputing.
+
+Going down, the instance deregisters first (``DeregisterInstance``), so the router stops
+sending it work at once. Under tensor parallelism (``--tensor-parallel-size``) a rank
+that dies takes the whole instance down that way: the engine's watcher reports it, the
+instance deregisters and stops itself (SIGTERM: the usual graceful shutdown, whose open
+streams end with an error the router resumes elsewhere).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import secrets
+import signal
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -26,7 +34,7 @@ from libs.kvpool.redis_pool import RedisPool
 from libs.kvpool.writer import AsyncWriter
 from libs.model.weight_cache import resolve_cache_dir
 from libs.protocol import encode, internal_headers
-from libs.protocol.messages import Heartbeat, RegisterInstance
+from libs.protocol.messages import DeregisterInstance, Heartbeat, RegisterInstance
 from services.common import configure_torch_threads
 from services.worker.pool_health import PoolHealth
 from services.worker.settings import WorkerSettings
@@ -158,6 +166,8 @@ class WorkerRuntime:
             swap_max_blocks=settings.swap_max_blocks,
             # Decode speculates; prefill computes prompts and samples one token: unchanged.
             speculative_config=settings.speculative_config if role == "decode" else None,
+            tensor_parallel_size=settings.tensor_parallel_size,
+            tp_timeout_s=settings.tp_timeout_s,
         )
         llm = LLMEngine(cfg)
         self.llm = llm
@@ -181,6 +191,11 @@ class WorkerRuntime:
         self._http: aiohttp.ClientSession | None = None
         self.url: str | None = settings.advertise_url
         self.registered = False
+        self.failure: str | None = None  # why the instance cannot serve (a dead TP rank)
+        self._leaving = False  # deregistered or deregistering: no more heartbeats
+        self._loop: asyncio.AbstractEventLoop | None = None
+        if llm.tp is not None:
+            llm.tp.on_failure(self._rank_failed)
 
     def _on_step(self, seconds: float, running: int) -> None:
         self.metrics.step_seconds.observe(seconds)
@@ -201,7 +216,37 @@ class WorkerRuntime:
 
     # -- lifecycle ----------------------------------------------------------------------
 
+    def _rank_failed(self, reason: str) -> None:
+        """A tensor-parallel rank died (on the watcher thread): deregister, then stop."""
+        self.failure = reason
+        loop = self._loop
+        if loop is not None and loop.is_running():
+            asyncio.run_coroutine_threadsafe(self._go_down(reason), loop)
+        else:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    async def _go_down(self, reason: str) -> None:
+        log.error("taking the instance down: %s", reason)
+        await self.deregister(reason)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    async def deregister(self, reason: str) -> None:
+        """Tell the router we are gone (best effort) and stop heartbeating."""
+        if self._leaving:
+            return
+        self._leaving = True
+        if self._http is None or not self.registered:
+            return
+        try:
+            msg = DeregisterInstance(instance_id=self.instance_id, role=self.role, reason=reason)
+            status, _ = await self._post("/internal/v1/deregister", encode(msg))
+            log.info("deregistered from router %s (%d): %s", self.settings.router_url, status, reason)
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            log.warning("could not deregister (%s); the router drops us after missed heartbeats", e)
+        self.registered = False
+
     async def start(self, app_url: str | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
         self.engine.start()
         self.writer = AsyncWriter(self.pool, workers=self.settings.pool_workers)
         if self.url is None and app_url is not None:
@@ -214,6 +259,7 @@ class WorkerRuntime:
             self._tasks.append(asyncio.create_task(self._heartbeat_loop(), name="heartbeat"))
 
     async def stop(self) -> None:
+        await self.deregister(self.failure or "stopping")
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -223,7 +269,7 @@ class WorkerRuntime:
         if self._http is not None:
             await self._http.close()
         await self.pool.close()
-        self.llm.swapper.close()
+        self.llm.close()  # staging, and under TP the other ranks
 
     def stats(self) -> dict[str, Any]:
         s = self.engine.snapshot
@@ -238,10 +284,17 @@ class WorkerRuntime:
             "staging_in_use": self.llm.swapper.in_use,
             "writer": self.writer.stats() if self.writer is not None else None,
             "pool": self.pool_health.stats(),
+            "tensor_parallel": self._tp_stats(),
         }
 
+    def _tp_stats(self) -> dict[str, Any]:
+        tp = self.llm.tp
+        if tp is None:
+            return {"size": 1}
+        return {"size": tp.size, "rank_pids": [os.getpid(), *tp.ranks.pids], "failure": tp.failure, "messages": tp.channel.messages}
+
     def healthy(self) -> bool:
-        return self.engine.alive
+        return self.engine.alive and self.failure is None
 
     # -- router registration --------------------------------------------------------------
 
@@ -280,7 +333,7 @@ class WorkerRuntime:
         restarts. A router that is down is retried quietly: the instance keeps serving."""
         while not self.url:  # known once the socket is bound (port 0 picks one)
             await asyncio.sleep(0.05)
-        while True:
+        while not self._leaving:
             try:
                 if not self.registered:
                     status, answer = await self._post("/internal/v1/register", encode(self.registration()))

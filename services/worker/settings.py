@@ -36,6 +36,12 @@ class WorkerSettings(BaseSettings):
     quantization: Literal["auto", "none", "fp8"] = setting(
         "auto", help="fp8: block-scaled FP8 weights (quantized at load, or an FP8 checkpoint's); none: dense; auto: as the checkpoint is. Prefill and decode must agree"
     )
+    tensor_parallel_size: int = setting(
+        1, help="tensor-parallel ranks of this instance: one process each, started and watched by this one (CUDA: GPUs cuda:k..k+N-1)"
+    )
+    tp_timeout_s: float = setting(
+        60.0, help="a tensor-parallel collective not done in this time fails the instance, which deregisters and exits"
+    )
     async_scheduling: Literal["auto", "on", "off"] = setting(
         "auto", help="launch step N+1 before step N's tokens are read back (auto: on only where measured faster; see README)"
     )
@@ -77,6 +83,8 @@ class WorkerSettings(BaseSettings):
         super().__post_init__()
         if self.threads < 1:
             raise ValueError("threads must be >= 1")
+        if self.tensor_parallel_size < 1 or self.tp_timeout_s <= 0:
+            raise ValueError("tensor_parallel_size must be >= 1 and tp_timeout_s > 0")
         if self.max_queue_depth < 1 or self.retry_after_s < 1:
             raise ValueError("max_queue_depth and retry_after_s must be >= 1")
         if min(self.heartbeat_s, self.load_timeout_s, self.pool_check_s, self.handoff_timeout_s) <= 0:

@@ -20,10 +20,10 @@ streamed handoff, services/decode/handoff.py). What is loaded when is the caller
 :meth:`StagedRun.fetch` is where the bytes move from the pool into staging.
 
 Storing (prefill): the exported blocks go to the pool as they lie in the export's staging
-(``BlockCodec.encode_views``: a fresh 24-byte header, then views of the staging rows,
-checksummed in place, in chunks on worker threads that overlap with the writes), under
-the handoff lease, through the async writer; nothing copies the payload before the
-socket does. The staging therefore goes back to the engine only
+(``BlockCodec.encode_pending``: a fresh 24-byte header, then views of the staging rows),
+under the handoff lease, through the async writer; each value is checksummed in place by
+the bulk thread that sends it, right before its ``sendmsg`` (no hop of its own, the GIL
+released), and nothing copies the payload before the socket does. The staging therefore goes back to the engine only
 once every write is done or given up, also when the request is cancelled meanwhile. A
 block the pool refuses is an error for that block only; the request goes on. A streamed
 prefill stores each exported piece as the engine hands it out (``ExportedKV.first_block``
@@ -37,15 +37,14 @@ import logging
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
-import torch
 
 from kernels.swap import StagingBuffer, StagingStateError
 from libs.blocks import BlockKey
 from libs.engine import ExportedKV, KVImport
-from libs.kvpool.bulk import settle
-from libs.kvpool.header import HEADER_NBYTES, BlockDecodeError, value_nbytes
+from libs.kvpool.header import HEADER_NBYTES, BlockDecodeError
 from libs.kvpool.pool import PoolError
 from libs.kvpool.writer import WriteFailed
 from services.worker.runtime import WorkerRuntime
@@ -105,7 +104,7 @@ class StagedRun:
         self.first_block = first_block
         self.capacity = capacity
         self.buffers: list[StagingBuffer] = []
-        self._hosts: list[torch.Tensor] = []  # each buffer's rows (taken once: .host waits for copies)
+        self._hosts: list[np.ndarray] = []  # each buffer's byte rows (BlockCodec.byte_rows; taken once: .host waits for copies)
         self.filled = 0
         self.end_tokens = 0  # prompt tokens covered by the filled rows
         self.bytes_read = 0
@@ -169,7 +168,7 @@ class StagedRun:
         finally:
             self.fetch_s += time.perf_counter() - t0
 
-    async def _rows(self, n: int) -> list[torch.Tensor]:
+    async def _rows(self, n: int) -> list[np.ndarray]:
         """Host rows for the next ``n`` blocks, acquiring staging as needed (waiting up to
         ``load_timeout_s`` for a free buffer; past that the rest counts ``staging_busy``:
         the engine recomputes them)."""
@@ -188,7 +187,7 @@ class StagedRun:
                     await asyncio.sleep(0.005)
                     continue
                 self.buffers.append(buf)
-                self._hosts.append(buf.host)
+                self._hosts.append(self.rt.codec.byte_rows(buf.host))
             rows.append(self._hosts[i // m][i % m])
         return rows
 
@@ -270,15 +269,19 @@ async def _record(rt: WorkerRuntime, reasons: dict[str, int]) -> None:
             pass
 
 
-async def store_blocks(rt: WorkerRuntime, exported: ExportedKV, keys: list[BlockKey], skip: int, lease_id: str | None) -> StoreResult:
+async def store_blocks(
+    rt: WorkerRuntime, exported: ExportedKV, keys: list[BlockKey], skip: int, lease_id: str | None,
+    on_written: Callable[[str], None] | None = None,
+) -> StoreResult:
     """Write the exported blocks (``keys[exported.first_block:]`` on) that are not among the
     first ``skip`` (those already in the pool) under ``lease_id``; releases the staging
-    once every write settled.
+    once every write settled. ``on_written(str(key))`` hears of each block as soon as it is
+    written (the streamed handoff announces it durable from there).
 
-    The blocks are encoded (checksummed in place) in chunks on worker threads, all chunks
-    at once, and each chunk is handed to the writer as soon as it is ready: the
-    checksums of later blocks overlap with the writes of earlier ones. Counts what it
-    wrote in the metrics; the request's store time is the caller's to observe.
+    Each block goes to the writer at once as a pending value (header and views of its
+    staging row); the bulk thread that sends it checksums it first, so the checksums of
+    later blocks overlap with the writes of earlier ones and cost the event loop nothing.
+    Counts what it wrote in the metrics; the request's store time is the caller's to observe.
     """
     t0 = time.perf_counter()
     result = StoreResult()
@@ -290,21 +293,17 @@ async def store_blocks(rt: WorkerRuntime, exported: ExportedKV, keys: list[Block
         result.blocks_failed = n
         result.fail_reasons = {"unavailable": n} if n else {}
         return _stored(rt, result, t0)
-    encodes: list[asyncio.Future[list[list[memoryview]]]] = []
     sizes: dict[str, int] = {}
     try:
-        blocks = await asyncio.to_thread(lambda: list(exported.blocks())[first - exported.first_block :])  # waits for device copies
-        encodes = [
-            asyncio.ensure_future(asyncio.to_thread(_encode, rt.codec, blocks[i : i + _ENCODE_CHUNK]))
-            for i in range(0, len(blocks), _ENCODE_CHUNK)
-        ]
+        # Waits for the device copies; then one numpy view per staging buffer (no torch call per block).
+        blocks = (await asyncio.to_thread(_slots, rt.codec, exported))[first - exported.first_block :]
         assert rt.writer is not None
-        session = rt.writer.begin(lease_id=lease_id)
+        session = rt.writer.begin(lease_id=lease_id, on_written=on_written)
         try:
-            for c, encoded in enumerate(encodes):
-                for key, value in zip(keys[first + c * _ENCODE_CHUNK :], await encoded):
-                    sizes[str(key)] = value_nbytes(value)
-                    await session.submit(rt.namespace, key, value)
+            for key, (slot, n) in zip(keys[first:], blocks):
+                value = rt.codec.encode_pending(slot, n)  # sealed by the bulk thread that sends it
+                sizes[str(key)] = value.nbytes
+                await session.submit(rt.namespace, key, value)
             report = await session.wait_all_done()
         except WriteFailed as e:
             report = e.report
@@ -318,13 +317,11 @@ async def store_blocks(rt: WorkerRuntime, exported: ExportedKV, keys: list[Block
             return _stored(rt, result, t0)
         except BaseException:
             # Cancelled: the values are views of the export's staging, so no write may
-            # still be reading them when it goes back to the engine.
+            # still be reading (or checksumming) them when it goes back to the engine.
             session.cancel()
             await session.settled()
             raise
     finally:
-        for encoded in encodes:  # a thread may still be checksumming staging
-            await settle(encoded)
         exported.release()
     result.written = set(report.written)
     result.blocks_written = len(report.written)
@@ -344,8 +341,8 @@ def _stored(rt: WorkerRuntime, result: StoreResult, t0: float) -> StoreResult:
     return result
 
 
-_ENCODE_CHUNK = 8  # blocks checksummed per worker-thread task
-
-
-def _encode(codec, blocks) -> list[list[memoryview]]:
-    return [codec.encode_views(block, n) for block, n in blocks]
+def _slots(codec, exported: ExportedKV) -> list[tuple[np.ndarray, int]]:
+    """``(slot, tokens)`` of every block of ``exported``, slots as byte rows (blocks until its device copies landed)."""
+    rows = [row for buf in exported.buffers for row in codec.byte_rows(buf.host)]
+    bs, first = exported.block_size, exported.first_block
+    return [(row, min(bs, exported.num_tokens - (first + j) * bs)) for j, row in enumerate(rows)]

@@ -103,6 +103,10 @@ def test_graph_replay_equals_eager(models, graphs):
 
 
 def test_async_scheduling_equals_sync_on_cuda(models):
+    # (Was a strict xfail after the H100 run of 2026-11-23: r13/r14 took other requests'
+    # tokens, in both modes. The cause was graph steps whose pack (min_tokens banning
+    # ~7000 stop ids) did not fit the device packs, so the graph replayed stale inputs;
+    # such steps now run eagerly: tests/unit/test_graph_layouts.py.)
     from tests.unit.test_async_scheduling import drive, mixed_workload
 
     _, loaded = models
@@ -113,9 +117,17 @@ def test_async_scheduling_equals_sync_on_cuda(models):
         runs[mode] = drive(eng, reqs, {6: "r2", 15: "r9"})
         assert eng.block_manager.num_free_blocks == 64
         eng.close()
+    # Greedy rows token for token. Sampled rows are not compared: a step's batch differs
+    # between the modes (a finished row frees its slot one step later), so a token can be
+    # computed by a mixed prefill step in one run and a decode graph in the other, whose
+    # float rounding differs (Triton's tf32 dots), and a sampling race can flip on that.
+    # Aborted rows lose the in-flight token in async mode by design.
+    greedy = {f"r{i}" for i, (_, _, sp) in enumerate(reqs) if sp.temperature == 0} - {"r2", "r9"}
+    assert len(greedy) >= 4
     for key in runs["off"]:
-        assert runs["off"][key]["ids"] == runs["on"][key]["ids"], key
-        assert runs["off"][key]["reason"] == runs["on"][key]["reason"], key
+        if key[0] in greedy:
+            assert runs["off"][key]["ids"] == runs["on"][key]["ids"], key
+            assert runs["off"][key]["reason"] == runs["on"][key]["reason"], key
 
 
 def test_a_stopped_or_aborted_sequence_never_emits_past_its_end_on_cuda(models, monkeypatch):
@@ -123,8 +135,8 @@ def test_a_stopped_or_aborted_sequence_never_emits_past_its_end_on_cuda(models, 
 
     _, loaded = models
     monkeypatch.setattr(t, "tiny_engine", lambda **kw: make(loaded, **{**kw, "num_blocks": 256}))
-    for mode in ("off", "on"):
-        t.test_a_stopped_or_aborted_sequence_never_emits_past_its_end(mode)
+    for mode in ("off", "on"):  # the peaked random model samples stop tokens more rarely
+        t.test_a_stopped_or_aborted_sequence_never_emits_past_its_end(mode, min_stopped=1)
 
 
 def test_graphs_and_async_scheduling_do_not_change_outputs(models):
@@ -200,3 +212,24 @@ def test_streamed_export_on_cuda_equals_the_export_at_the_end(models, async_sche
     assert [i for i, _ in streamed] == [i for i, _ in at_end] == list(range(-(-len(ids) // 16)))
     for (_, a), (_, b) in zip(streamed, at_end):
         assert torch.equal(a, b)
+
+
+def test_prompt_logprobs_on_cuda_match_transformers(models):
+    """Prompt logprobs with the prefill graphs (chunks of 64 tokens: prompts up to 300
+    tokens span several chunks and buckets) against transformers' log_softmax at every
+    prompt position. Tolerance 4e-3: the logits agree to 2e-3 (test_first_step_logits,
+    Triton's tf32 dots), and a log-softmax adds its normalizer's error."""
+    hf, loaded = models
+    eng = make(loaded, max_num_batched_tokens=64)
+    ps = prompts(4)
+    results = eng.generate(ps, SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=5))
+    assert eng.runner.graphs is not None and eng.runner.graphs.replays["prefill"] > 0
+    for ids, r in zip(ps, results):
+        with torch.no_grad():
+            ref = torch.log_softmax(hf(torch.tensor([ids], device="cuda")).logits[0, :-1].float(), dim=-1).cpu()
+        want = ref.gather(1, torch.tensor(ids[1:]).unsqueeze(1)).squeeze(1)
+        got = torch.tensor(r.prompt_logprobs.logprobs)
+        assert r.prompt_logprobs.token_ids == ids[1:]
+        assert torch.allclose(got, want, atol=4e-3, rtol=0), (got - want).abs().max()
+        assert torch.allclose(torch.tensor(r.prompt_logprobs.top_logprobs), ref.topk(5, dim=-1).values, atol=4e-3, rtol=0)
+    eng.close()

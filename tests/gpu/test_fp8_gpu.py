@@ -1,6 +1,8 @@
 """FP8 kernels and FP8 weights on a GPU with FP8 tensor cores (SM 8.9+): every M of the
 issue (1, 3, 16, 64, 65, 4096) at full size, both GEMM variants, Llama-3-8B's shapes, the
-SmolLM2 shapes that do not fill their blocks, bf16 in and out, CUDA graphs, and the engine.
+SmolLM2 shapes that do not fill their blocks, bf16 in and out, every kernel feature a plan
+can turn on (split-K, fused quantization, TMA, 256-row tiles), every plan the tuner stored
+for this GPU, CUDA graphs, and the engine.
 
 Tolerances. The quantizer is bit-exact (IEEE divisions, explicit nearest-even rounding).
 The GEMM against the reference on the same quantized operands: the tensor cores sum each
@@ -17,7 +19,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.fp8 import fp8_gemm_supported, plan_gemm
+from kernels.fp8 import GemmPlan, fp8_gemm_supported, plan_gemm
 from kernels.fp8 import reference as ref
 
 pytestmark = pytest.mark.skipif(not fp8_gemm_supported("cuda"), reason="needs CUDA with FP8 tensor cores (SM 8.9+)")
@@ -25,6 +27,7 @@ pytestmark = pytest.mark.skipif(not fp8_gemm_supported("cuda"), reason="needs CU
 MS = [1, 3, 16, 64, 65, 4096]
 LLAMA3_8B = [(4096, 4096), (14336, 4096), (4096, 14336)]  # N x K
 SMOLLM2 = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # not multiples of 128
+LLAMA32_1B = [(3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192)]  # the decode benchmark's
 
 
 def rand(*shape: int, seed: int, dtype=torch.bfloat16) -> torch.Tensor:
@@ -46,21 +49,23 @@ def test_quant_kernel_is_bit_exact_on_the_gpu(m, k, dtype):
         assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s, s_ref)
 
 
-def check_gemm(m: int, n: int, k: int, swap_ab: bool, out_dtype: torch.dtype, seed: int) -> None:
-    from kernels.fp8 import triton_gemm, triton_quant
+def check_gemm(m: int, n: int, k: int, swap_ab: bool | None, out_dtype: torch.dtype, seed: int, plan=None) -> None:
+    """``fp8_linear`` (the plan this GPU picks for the shape, tuned or heuristic, unless one
+    is given) against the reference on the same quantized operands."""
+    from kernels.fp8 import triton_gemm
 
-    plan = plan_gemm(m, swap_ab=swap_ab)
+    plan = plan or plan_gemm(m, swap_ab=swap_ab, n=n, k=k, device="cuda")
     x, w = rand(m, k, seed=seed), rand(n, k, seed=seed + 1) * 0.02
     w_q, w_s = ref.quantize_weight(w)
-    x_q, x_s = triton_quant.per_token_group_quant(x, row_multiple=plan.row_multiple)
-    y = triton_gemm.block_scaled_mm(x_q, x_s, w_q, w_s, m=m, n=n, out_dtype=out_dtype, plan=plan)
+    y = triton_gemm.fp8_linear(x, w_q, w_s, n=n, out_dtype=out_dtype, plan=plan)
+    x_q, x_s = ref.per_token_group_quant(x, row_multiple=plan.row_multiple)
     y_ref = ref.block_scaled_mm(x_q, x_s, w_q, w_s, m=m, n=n, plan=plan)
     abs_products = ref.dequantize_activation(x_q, x_s)[:m].abs() @ ref.dequantize_weight(w_q, w_s)[:n].abs().t()
     tol = 2.0**-7 * abs_products + (2.0**-8 * y_ref.abs() if out_dtype == torch.bfloat16 else 0)
     err = (y.float() - y_ref).abs()
     assert y.shape == (m, n) and y.dtype == out_dtype
-    assert (err <= tol).all(), err.max()
-    assert err.norm() <= 2.0**-9 * y_ref.norm() + (2.0**-8 * y_ref.norm() if out_dtype == torch.bfloat16 else 0)
+    assert (err <= tol).all(), (plan.label, err.max())
+    assert err.norm() <= 2.0**-9 * y_ref.norm() + (2.0**-8 * y_ref.norm() if out_dtype == torch.bfloat16 else 0), plan.label
 
 
 @pytest.mark.parametrize("m", MS)
@@ -70,10 +75,78 @@ def test_gemm_matches_reference(m, swap_ab, nk):
     check_gemm(m, *nk, swap_ab=swap_ab, out_dtype=torch.float32, seed=m)
 
 
-@pytest.mark.parametrize("nk", LLAMA3_8B + SMOLLM2)
+@pytest.mark.parametrize("nk", LLAMA3_8B + SMOLLM2 + LLAMA32_1B)
 @pytest.mark.parametrize("m", [1, 16, 65, 4096])
 def test_gemm_bf16_at_model_shapes(m, nk):
     check_gemm(m, *nk, swap_ab=None, out_dtype=torch.bfloat16, seed=7 * m)
+
+
+def feature_plans() -> list[GemmPlan]:
+    """Each kernel feature the tuner may pick, on its own and combined."""
+    plans = []
+    for swap, tt in ((True, 16), (True, 64), (False, 64), (False, 128)):
+        plans += [
+            GemmPlan(swap, tt, 64, 4, 4, split_k=2),
+            GemmPlan(swap, tt, 32, 4, 5, split_k=8),
+            GemmPlan(swap, tt, 128, 4, 4, fuse_quant=True),
+            GemmPlan(swap, tt, 64, 4, 5, split_k=4, fuse_quant=True),
+            GemmPlan(swap, tt, 128, 8 if tt == 128 else 4, 3, tma=True),
+            GemmPlan(swap, tt, 256, 8, 3, group=16),
+        ]
+    return plans
+
+
+@pytest.mark.parametrize("plan", feature_plans(), ids=lambda p: p.label.replace(" ", "-"))
+def test_every_kernel_feature_matches_reference(plan):
+    check_gemm(3, 4096, 14336, None, torch.bfloat16, seed=11, plan=plan)
+    check_gemm(65, 576, 576, None, torch.float32, seed=13, plan=GemmPlan.from_dict({**plan.to_dict(), "weight_tile": min(plan.weight_tile, 128)}))
+
+
+def tuned_entries() -> list[tuple[str, int, GemmPlan]]:
+    """Each distinct plan bench/fp8_tune.py stored for this GPU, with a shape and M it won at."""
+    from kernels.fp8 import plan as plan_mod
+
+    if not fp8_gemm_supported("cuda"):
+        return []
+    name = torch.cuda.get_device_name()
+    found: dict[GemmPlan, tuple[str, int, GemmPlan]] = {}
+    for shape, variants in plan_mod.tuned_configs().get(name, {}).items():
+        for entries in variants.values():
+            for e in entries:
+                found.setdefault(e.plan, (shape, e.max_m, e.plan))
+    return list(found.values())
+
+
+@pytest.mark.parametrize("shape, max_m, plan", tuned_entries())
+def test_every_tuned_plan_of_this_gpu_matches_reference(shape, max_m, plan):
+    """What bench/fp8_tune.py stored for this GPU (each distinct plan once), at an M it was
+    tuned for and an odd M below it (a bucket serves every M down to the previous one)."""
+    n, k = map(int, shape.split("x"))
+    for m in sorted({max_m, max(1, max_m // 2 + 1)}):
+        check_gemm(m, n, k, None, torch.bfloat16, seed=m + n, plan=plan)
+
+
+def test_split_k_and_fused_plans_replay_in_a_cuda_graph_bit_for_bit():
+    """A CUDA graph keeps the split-K workspace and counters' addresses; replays with new
+    inputs give the eager call's exact bits (the partials are summed in a fixed order)."""
+    from kernels.fp8 import triton_gemm
+
+    w_q, w_s = ref.quantize_weight(rand(2048, 8192, seed=21, dtype=torch.float32) * 0.02)
+    for plan in (GemmPlan(True, 16, 64, 4, 4, split_k=4, fuse_quant=True), GemmPlan(False, 64, 64, 4, 4, split_k=3)):
+        static_x = rand(5, 8192, seed=22)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            triton_gemm.fp8_linear(static_x, w_q, w_s, n=2048, plan=plan)  # warm: compiles, makes this stream's counters
+        stream.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            static_y = triton_gemm.fp8_linear(static_x, w_q, w_s, n=2048, plan=plan)
+        for seed in (23, 24, 25):
+            static_x.copy_(rand(5, 8192, seed=seed))
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(static_y, triton_gemm.fp8_linear(static_x, w_q, w_s, n=2048, plan=plan)), plan.label
 
 
 def test_fp8_linear_runs_the_kernels_and_captures_in_a_cuda_graph():

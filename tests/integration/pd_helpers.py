@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
 import re
 import time
 import urllib.request
 
+import aiohttp
+
 from libs.engine import SamplingParams
+from libs.protocol import decode, encode, iter_messages
+from libs.protocol.messages import DecodeRequest, PrefillRequest, PrefillResult, SamplingSpec, TokenEvent
 
 TRACE = {"tidepool": {"trace": True}}
+MSGPACK = {"Content-Type": "application/msgpack"}
 # Long enough that the router sends them through prefill (short prompts skip it).
 CHAT = [{"role": "user", "content": "Write two short sentences about the sea and the wind at night."}]
 PROMPT = (
@@ -66,3 +72,35 @@ def assert_went_through_pd(trace: dict) -> None:
     assert totals["bytes_written"] > 0 and totals["blocks_written"] > 0  # prefill wrote the prompt's blocks
     assert totals["blocks_hit"] >= totals["blocks_written"]  # decode loaded them from the pool
     assert totals["bytes_read"] > 0 and not totals["blocks_missed"]
+
+
+def prefill_then_decode(
+    cluster, prompt: list[int], max_tokens: int, between=None, *, prefill_url: str | None = None, decode_url: str | None = None
+) -> tuple[list[int], dict]:
+    """Drive one handoff by hand (no router): prefill on ``prefill_url`` (default: the
+    first prefill), ``between(result)``, then decode on ``decode_url`` (default: the first
+    decode) from the pool. The tokens (prefill's first included) and decode's trace."""
+    prefill_url = prefill_url or cluster.prefills[0].url
+    decode_url = decode_url or cluster.decodes[0].url
+
+    async def go():
+        spec = SamplingSpec(temperature=0, max_tokens=max_tokens)
+        rid = f"handoff-{time.monotonic_ns()}"
+        async with aiohttp.ClientSession(headers=cluster.internal_headers()) as s:
+            req = PrefillRequest(request_id=rid, prompt_token_ids=prompt, sampling=spec)
+            async with s.post(prefill_url + "/v1/prefill", data=encode(req), headers=MSGPACK) as r:
+                assert r.status == 200, await r.text()
+                result = decode(await r.read(), PrefillResult)
+            if between is not None:
+                between(result)
+            req = DecodeRequest(request_id=rid, prompt_token_ids=prompt, first_token_id=result.first_token_ids[0], sampling=spec,
+                                block_keys=result.block_keys, lease_id=result.lease_id, want_trace=True)
+            tokens, trace = [result.first_token_ids[0]], None
+            async with s.post(decode_url + "/v1/decode", data=encode(req), headers=MSGPACK) as r:
+                assert r.status == 200, await r.text()
+                async for ev in iter_messages(r, TokenEvent):
+                    tokens += ev.token_ids
+                    trace = ev.trace or trace
+            return tokens, trace
+
+    return asyncio.run(go())

@@ -1,5 +1,5 @@
 """Hypothesis against the internal msgpack endpoints of real processes: the router's
-register/heartbeat, prefill's /v1/prefill, decode's /v1/decode and /v1/handoff, and both
+register/heartbeat/deregister, prefill's /v1/prefill, decode's /v1/decode and /v1/handoff, and both
 /v1/abort.
 
 Bodies are drawn from five families: valid messages (kept cheap: a few tokens to
@@ -34,6 +34,7 @@ from libs.protocol import INTERNAL_TOKEN_HEADER, Message, StreamDecoder, encode
 from libs.protocol.messages import (
     AbortRequest,
     DecodeRequest,
+    DeregisterInstance,
     Heartbeat,
     HandoffUpdate,
     PrefillProgress,
@@ -65,9 +66,14 @@ json_like = st.recursive(
 def _cheap(msg: Message, model: str = "") -> Message:
     """A valid message that costs the engine little: at most 4 tokens to generate, and
     (mostly) token ids inside the vocabulary, so the engine runs rather than refuses; a
-    registration of the served model at an http URL, so the router takes it."""
+    registration of the served model at an http URL with dense weights, so the router takes
+    it (a random quantization would clash with an earlier registration of the other role,
+    and the router rightly refuses every later one until it expires)."""
     if isinstance(msg, RegisterInstance):
-        msg = replace(msg, model=model, url=f"http://127.0.0.1:{1 + msg.max_model_len % 60000}", namespace="ab" * 16)
+        msg = replace(
+            msg, model=model, url=f"http://127.0.0.1:{1 + msg.max_model_len % 60000}", namespace="ab" * 16,
+            quantization="none",
+        )
     if isinstance(msg, (PrefillRequest, DecodeRequest)):
         s: SamplingSpec = msg.sampling
         max_tokens = 1 + s.max_tokens % 4
@@ -174,7 +180,10 @@ def router() -> Iterator[tuple[str, str]]:
         yield proc.url, token
 
 
-@pytest.mark.parametrize(("path", "cls"), [("/internal/v1/register", RegisterInstance), ("/internal/v1/heartbeat", Heartbeat)])
+@pytest.mark.parametrize(
+    ("path", "cls"),
+    [("/internal/v1/register", RegisterInstance), ("/internal/v1/heartbeat", Heartbeat), ("/internal/v1/deregister", DeregisterInstance)],
+)
 def test_router_internal_endpoints(router: tuple[str, str], path: str, cls: type[Message]) -> None:
     url, token = router
     with urllib.request.urlopen(url + "/v1/models", timeout=10) as resp:

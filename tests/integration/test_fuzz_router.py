@@ -32,8 +32,8 @@ TARGET = int(os.environ.get("TIDEPOOL_FUZZ_REQUESTS", "1000"))
 API_KEY = "fuzz-api-key"
 ST = str(Path(sys.executable).with_name("st"))
 # positive_data_acceptance is left out: a request can match the schema and still be a
-# documented 400 for what a schema cannot say (best_of != n, prompt + max_tokens over the
-# context, top_logprobs without logprobs, stream_options without stream).
+# documented 400 for what a schema cannot say (best_of < n or streamed above n, prompt +
+# max_tokens over the context, top_logprobs without logprobs, stream_options without stream).
 CHECKS = "all"
 EXCLUDED = "positive_data_acceptance"
 

@@ -1,46 +1,16 @@
 """Faults cost latency, never a request: evicted or corrupt blocks, a killed prefill, a
 client that goes away, Redis restarting. Driven against the real processes."""
 
-import asyncio
-import time
-
-import aiohttp
 import pytest
 import redis
 
 from libs.kvpool.redis_pool import data_key
-from libs.protocol import decode, encode, iter_messages
-from libs.protocol.messages import DecodeRequest, PrefillRequest, PrefillResult, SamplingSpec, TokenEvent
-from tests.integration.pd_helpers import TRACE, engine_tokens, trace_of, wait_until
+from libs.protocol.messages import PrefillResult
+from tests.integration.pd_helpers import TRACE, engine_tokens, prefill_then_decode, trace_of, wait_until
 
 pytestmark = pytest.mark.integration
 
 CHAT = [{"role": "user", "content": "Tell me about the history of the printing press in three sentences."}]
-HEADERS = {"Content-Type": "application/msgpack"}
-
-
-def prefill_then_decode(cluster, prompt: list[int], max_tokens: int, between=None) -> tuple[list[int], dict]:
-    """Drive one handoff by hand (no router), with ``between(result)`` run in the middle."""
-
-    async def go():
-        spec = SamplingSpec(temperature=0, max_tokens=max_tokens)
-        rid = f"fault-{time.monotonic_ns()}"
-        async with aiohttp.ClientSession(headers=cluster.internal_headers()) as s:
-            async with s.post(cluster.prefills[0].url + "/v1/prefill", data=encode(PrefillRequest(request_id=rid, prompt_token_ids=prompt, sampling=spec)), headers=HEADERS) as r:
-                assert r.status == 200, await r.text()
-                result = decode(await r.read(), PrefillResult)
-            if between is not None:
-                between(result)
-            req = DecodeRequest(request_id=rid, prompt_token_ids=prompt, first_token_id=result.first_token_ids[0], sampling=spec,
-                                block_keys=result.block_keys, lease_id=result.lease_id, want_trace=True)
-            tokens, trace = [result.first_token_ids[0]], None
-            async with s.post(cluster.decodes[0].url + "/v1/decode", data=encode(req), headers=HEADERS) as r:
-                async for ev in iter_messages(r, TokenEvent):
-                    tokens += ev.token_ids
-                    trace = ev.trace or trace
-            return tokens, trace
-
-    return asyncio.run(go())
 
 
 def redis_client(cluster) -> redis.Redis:

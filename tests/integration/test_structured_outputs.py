@@ -13,7 +13,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.integration.pd_helpers import TRACE, trace_of
+from tests.integration.pd_helpers import TRACE, metric, metrics, trace_of, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -96,6 +96,48 @@ def test_json_schema_decode_alone(client, model):
         jsonschema.validate(json.loads(text), SCHEMA)
 
 
+def test_a_resumed_constrained_stream_rebuilds_its_grammar(cluster, client, model):
+    """SIGKILL the decode serving a JSON-schema stream mid-way: the router resumes it on
+    another decode, which replays the tokens so far into a fresh grammar state; the client
+    sees one unbroken text, equal to an unbroken greedy run and valid against the schema."""
+    ask = dict(model=model, messages=PERSON_CHAT, temperature=0, max_tokens=64, response_format=FORMAT)
+    expected = client.chat.completions.create(**ask).choices[0].message.content
+    jsonschema.validate(json.loads(expected), SCHEMA)
+
+    def usable_decodes() -> list[str]:
+        return sorted(w["id"] for w in cluster.workers() if w["role"] == "decode" and w["usable"])
+
+    extra = cluster._worker("decode", 1, cluster.url)  # a second decode, for this test only
+    decodes = {"decode-0": cluster.decodes[0], "decode-1": extra}
+    killed = None
+    try:
+        extra.start()
+        extra.wait_ready(180)
+        wait_until(lambda: usable_decodes() == ["decode-0", "decode-1"], 30, "two usable decodes")
+        before = metric(metrics(cluster.url), "tidepool_router_decode_resumptions_total")
+        text, trace = [], None
+        for chunk in client.chat.completions.create(**ask, stream=True, extra_body=TRACE):
+            if chunk.choices and chunk.choices[0].delta.content:
+                text.append(chunk.choices[0].delta.content)
+            if killed is None and len(text) >= 6:  # decode is generating: kill the one serving it
+                serving = [w["id"] for w in cluster.workers() if w["role"] == "decode" and w["router_in_flight"]]
+                assert len(serving) == 1, cluster.workers()
+                killed = serving[0]
+                decodes[killed].kill()
+            trace = (chunk.model_extra or {}).get("tidepool", {}).get("trace", trace)
+        assert killed is not None, "the stream ended before decode could be killed"
+        assert "".join(text) == expected
+        jsonschema.validate(json.loads("".join(text)), SCHEMA)
+        attempts = trace["prompts"][0]["choices"][0]["attempts"]
+        assert [a["instance"] for a in attempts][0] == killed and attempts[-1]["instance"] != killed
+        assert attempts[-1]["tokens_before"] >= 5 and attempts[-1]["outcome"] == "stop"
+        assert metric(metrics(cluster.url), "tidepool_router_decode_resumptions_total") == before + 1
+    finally:
+        extra.stop()
+        if killed == "decode-0":  # the launcher's supervisor restarts the shared decode
+            wait_until(lambda: usable_decodes() == ["decode-0"], 240, "decode-0 back")
+
+
 def test_regex_and_choice(client, model):
     pattern = r"[A-Z][a-z]{2,8} [0-9]{2}"
     r = client.completions.create(
@@ -124,23 +166,6 @@ def test_named_tool_choice_always_calls_it(client, model):
         (call,) = c.message.tool_calls
         assert call.type == "function" and call.function.name == "get_weather" and call.id
         jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
-    # Streamed: OpenAI's delta form, reassembled by index.
-    stream = client.chat.completions.create(
-        model=model, messages=messages, tools=[WEATHER], temperature=1.0, seed=8, max_tokens=48, stream=True,
-        tool_choice={"type": "function", "function": {"name": "get_weather"}},
-    )
-    chunks = list(stream)
-    assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].choices[0].delta.content == ""
-    calls: dict[int, dict] = {}
-    for ch in chunks:
-        for d in ch.choices[0].delta.tool_calls or []:
-            entry = calls.setdefault(d.index, {"name": None, "arguments": ""})
-            if d.function.name:
-                entry["name"] = d.function.name
-            entry["arguments"] += d.function.arguments or ""
-    assert chunks[-1].choices[0].finish_reason == "tool_calls"
-    assert [c["name"] for c in calls.values()] == ["get_weather"]
-    jsonschema.validate(json.loads(calls[0]["arguments"]), WEATHER["function"]["parameters"])
     # The call and its result go back into the history.
     call = r.choices[0].message.tool_calls[0]
     follow = client.chat.completions.create(
@@ -151,6 +176,31 @@ def test_named_tool_choice_always_calls_it(client, model):
         ],
     )
     assert follow.choices[0].message.content is not None or follow.choices[0].message.tool_calls
+
+
+def test_streamed_tool_call_arrives_argument_by_argument(client, model):
+    """The official client's streaming helper accumulates the deltas into exactly the
+    non-streamed call; the arguments arrive in many deltas, after a header delta."""
+    kwargs = dict(
+        model=model, messages=[{"role": "user", "content": "What is the weather like in Oslo?"}], tools=[WEATHER],
+        temperature=0, max_tokens=48, tool_choice={"type": "function", "function": {"name": "get_weather"}},
+    )
+    whole = client.chat.completions.create(**kwargs).choices[0]
+    with client.chat.completions.stream(**kwargs) as stream:
+        events = list(stream)
+        final = stream.get_final_completion().choices[0]
+    assert final.finish_reason == whole.finish_reason == "tool_calls"
+    calls = [(c.function.name, c.function.arguments) for c in final.message.tool_calls]
+    assert calls == [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
+    jsonschema.validate(json.loads(calls[0][1]), WEATHER["function"]["parameters"])
+    chunks = [e.chunk for e in events if e.type == "chunk"]
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].choices[0].delta.content == ""
+    deltas = [d for ch in chunks for c in ch.choices for d in c.delta.tool_calls or []]
+    head, *rest = deltas
+    assert head.index == 0 and head.id and head.type == "function"
+    assert head.function.name == "get_weather" and head.function.arguments == ""
+    assert all(d.index == 0 and d.id is None and d.function.name is None for d in rest)
+    assert len([e for e in events if e.type == "tool_calls.function.arguments.delta"]) > 3
 
 
 def test_auto_tool_choice_is_text_or_a_valid_call(client, model):

@@ -15,6 +15,16 @@ def engine() -> LLM:
     assert not eng.has_unfinished_requests()
 
 
+@pytest.fixture(scope="module")
+def hf_model(engine):
+    """transformers' Llama on the same GGUF, in float32: the reference the engine is checked
+    against (per module, so its memory goes with the module's tests)."""
+    transformers = pytest.importorskip("transformers")
+    path = engine.loaded.path
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    return model.eval()
+
+
 @pytest.fixture(scope="session")
 def smollm2_tokenizer():
     """The real SmolLM2 tokenizer (from the GGUF), loaded once per session."""

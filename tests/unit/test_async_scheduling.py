@@ -93,7 +93,7 @@ def test_async_scheduling_equals_sync_token_for_token(tight):
 
 
 @pytest.mark.parametrize("mode", ["off", "on"])
-def test_a_stopped_or_aborted_sequence_never_emits_past_its_end(mode):
+def test_a_stopped_or_aborted_sequence_never_emits_past_its_end(mode, min_stopped=8):
     eng = tiny_engine(async_scheduling=mode, num_blocks=256)
     stopping = [SamplingParams(temperature=1.0, seed=s, max_tokens=40, stop_token_ids=STOPS) for s in range(12)]
     for i, p in enumerate(stopping):
@@ -128,7 +128,7 @@ def test_a_stopped_or_aborted_sequence_never_emits_past_its_end(mode):
             assert ids[-1] in STOPS
         else:
             assert reason == "length" and len(ids) == 40
-    assert stopped >= 8
+    assert stopped >= min_stopped  # the stop path was taken (the tiny CPU model stops often)
     assert reasons["victim"] == "abort" and got["victim"] == known_at_abort  # nothing sampled after the abort
     if mode == "on":
         assert eng.num_discarded_tokens >= stopped  # each stop cost one discarded token

@@ -15,14 +15,6 @@ N_TOKENS = 32
 
 
 @pytest.fixture(scope="module")
-def hf_model(engine):
-    transformers = pytest.importorskip("transformers")
-    path = engine.loaded.path
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
-    return model.eval()
-
-
-@pytest.fixture(scope="module")
 def prompts(engine) -> list[list[int]]:
     tok = engine.tokenizer
     return [tok.encode(p) for p in RAW_PROMPTS] + [tok.encode_chat(m) for m in CHAT_PROMPTS]

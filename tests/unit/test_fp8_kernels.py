@@ -42,9 +42,8 @@ from kernels.fp8.layout import (
     E4M3_UNIT_ROUNDOFF,
     FP8_DTYPE,
     Fp8AlignmentError,
-    plan_gemm,
-    swap_ab_max_m,
 )
+from kernels.fp8.plan import GemmPlan, plan_gemm, swap_ab_max_m
 from kernels.fp8 import triton_gemm, triton_quant
 
 INTERPRETED_M = [1, 3, 16, 64, 65]
@@ -208,6 +207,82 @@ def test_swap_ab_and_normal_variants_agree():
     assert torch.allclose(y_swap, y_norm, rtol=1e-5, atol=1e-6)
 
 
+def summation_tolerance(x_q, x_s, w_q, w_s, m: int) -> torch.Tensor:
+    """Two fp32 sums of the same products in different orders: ``(2 K_pad + 8) 2**-24``
+    of the sum of their magnitudes, elementwise."""
+    abs_products = ref.dequantize_activation(x_q, x_s)[:m].abs() @ ref.dequantize_weight(w_q, w_s)[:N].abs().t()
+    return (2 * x_q.shape[1] + 8) * 2.0**-24 * abs_products
+
+
+@pytest.mark.parametrize("m", INTERPRETED_M)
+@pytest.mark.parametrize("swap_ab", [False, True])
+def test_fused_quantization_is_bit_identical_to_the_two_launches(m, swap_ab):
+    """The GEMM that quantizes its own activations (in registers, with the quantization
+    kernel's own arithmetic) gives exactly the bits of the quantization kernel followed
+    by the same GEMM: same e4m3 values, same scales, same sums in the same order."""
+    x, w = rand(m, K, seed=300 + m), rand(N, K, seed=301) * 0.05
+    w_q, w_s = ref.quantize_weight(w)
+    tiles = dict(token_tile=16 if swap_ab else 32, weight_tile=64, num_warps=4, num_stages=2)
+    fused = triton_gemm.fp8_linear(x, w_q, w_s, n=N, plan=GemmPlan(swap_ab, **tiles, fuse_quant=True))
+    two = triton_gemm.fp8_linear(x, w_q, w_s, n=N, plan=GemmPlan(swap_ab, **tiles))
+    assert fused.shape == (m, N) and fused.dtype == torch.float32
+    assert torch.equal(fused, two)
+    expected = ref.fp8_linear(x, w_q, w_s, n=N, plan=GemmPlan(swap_ab, **tiles, fuse_quant=True))
+    x_q, x_s = ref.per_token_group_quant(x)
+    assert ((fused - expected).abs() <= summation_tolerance(x_q, x_s, w_q, w_s, m)).all()
+
+
+def test_a_fused_plan_is_one_launch(monkeypatch):
+    """What a decode step saves: the fused plan never calls the quantization kernel (and
+    allocates no padded activations), the other plan calls it once."""
+    calls = []
+    real = triton_gemm.per_token_group_quant
+    monkeypatch.setattr(triton_gemm, "per_token_group_quant", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    x, w_q, w_s = rand(2, K, seed=700), *ref.quantize_weight(rand(N, K, seed=701))
+    fused = triton_gemm.fp8_linear(x, w_q, w_s, n=N, plan=GemmPlan(True, 16, 64, 4, 2, fuse_quant=True))
+    assert calls == []
+    assert torch.equal(fused, triton_gemm.fp8_linear(x, w_q, w_s, n=N, plan=GemmPlan(True, 16, 64, 4, 2))) and calls == [1]
+
+
+@pytest.mark.parametrize("split_k", [2, 3, 4])
+@pytest.mark.parametrize("swap_ab", [False, True])
+def test_split_k_sums_partials_deterministically_and_resets_its_counters(split_k, swap_ab):
+    """K_pad = 384 is 3 blocks: split 2 gives programs of 2 and 1 blocks, split 4 one
+    program with none (it must add a zero partial, not garbage)."""
+    m = 17
+    plan, _, _, x_q, x_s, w_q, w_s = operands(m, swap_ab, seed=400 + split_k)
+    split = GemmPlan(plan.swap_ab, plan.token_tile, 64, 4, 2, split_k=split_k)
+    y = triton_gemm.block_scaled_mm(x_q, x_s, w_q, w_s, m=m, n=N, plan=split)
+    y_ref = ref.block_scaled_mm(x_q, x_s, w_q, w_s, m=m, n=N, plan=split)
+    assert ((y - y_ref).abs() <= summation_tolerance(x_q, x_s, w_q, w_s, m)).all()
+    assert (y != 0).all()
+    assert torch.equal(y, triton_gemm.block_scaled_mm(x_q, x_s, w_q, w_s, m=m, n=N, plan=split))  # fixed order
+    assert all(not c.any() for held in triton_gemm._COUNTERS.values() for c in held)  # ready for the next launch
+
+
+@pytest.mark.parametrize("swap_ab", [False, True])
+def test_tma_plans_read_the_same_operands(swap_ab):
+    plan, _, _, x_q, x_s, w_q, w_s = operands(16, swap_ab, seed=500)
+    tma = GemmPlan(plan.swap_ab, plan.token_tile, 64, 4, 2, tma=True)
+    y = triton_gemm.block_scaled_mm(x_q, x_s, w_q, w_s, m=16, n=N, plan=tma)
+    y_ref = ref.block_scaled_mm(x_q, x_s, w_q, w_s, m=16, n=N, plan=tma)
+    assert ((y - y_ref).abs() <= summation_tolerance(x_q, x_s, w_q, w_s, 16)).all()
+
+
+def test_wide_weight_tiles_read_each_rows_block_scale():
+    """A 256-row weight tile spans two 128-row blocks with different scales."""
+    m, n = 5, 256
+    x, w = rand(m, K, seed=600), rand(n, K, seed=601) * 0.05
+    w[128:] *= 40  # the second block's scale is 40x the first's
+    w_q, w_s = ref.quantize_weight(w)
+    plan = GemmPlan(False, 16, 256, 4, 2)
+    y = triton_gemm.fp8_linear(x, w_q, w_s, n=n, plan=plan)
+    x_q, x_s = ref.per_token_group_quant(x, row_multiple=16)
+    y_ref = ref.block_scaled_mm(x_q, x_s, w_q, w_s, m=m, n=n, plan=GemmPlan(False, 16, 128, 4, 2))
+    abs_products = ref.dequantize_activation(x_q, x_s)[:m].abs() @ ref.dequantize_weight(w_q, w_s).abs().t()
+    assert ((y - y_ref).abs() <= (2 * x_q.shape[1] + 8) * 2.0**-24 * abs_products).all()
+
+
 def test_gemm_writes_bf16_output_on_request():
     plan, _, _, x_q, x_s, w_q, w_s = operands(16, swap_ab=True, seed=8)
     y = ref.block_scaled_mm(x_q, x_s, w_q, w_s, m=16, n=N, out_dtype=torch.bfloat16, plan=plan)
@@ -226,7 +301,9 @@ def test_plan_follows_the_stored_threshold():
     for m in (1, 3, 16, 17, 64, 65, 4096):
         for swap in (False, True):
             p = plan_gemm(m, swap_ab=swap)
-            assert BLOCK % p.weight_tile == 0 and p.token_tile >= 16  # never straddles a block
+            assert BLOCK % p.weight_tile == 0 and p.token_tile >= 16
+            assert p.split_k == 1 and not p.tma  # no device, no SM count: no split-K
+            assert p.fuse_quant == (swap and m <= 16)  # one launch for a handful of tokens
     with pytest.raises(ValueError):
         plan_gemm(0)
 
@@ -250,6 +327,21 @@ def test_misaligned_operands_fail_with_a_clear_error(gemm):
         gemm(x_q, x_s, w_q, w_s, m=17, n=N, plan=plan)
     with pytest.raises(Fp8AlignmentError, match="activation scale"):
         gemm(x_q, x_s.t().contiguous().t(), w_q, w_s, m=3, n=N, plan=plan)
+    with pytest.raises(Fp8AlignmentError, match="weight tile \\(256\\)"):  # 256 does not divide N_pad = 384
+        w3_q, w3_s = ref.quantize_weight(rand(300, K, seed=9))
+        gemm(x_q, x_s, w3_q, w3_s, m=3, n=300, plan=GemmPlan(True, 16, 256, 4, 2))
+
+
+@pytest.mark.parametrize("linear", [ref.fp8_linear, triton_gemm.fp8_linear])
+def test_fused_path_checks_its_operands(linear):
+    w_q, w_s = ref.quantize_weight(rand(N, K, seed=11))
+    fused = GemmPlan(True, 16, 64, 4, 2, fuse_quant=True)
+    with pytest.raises(Fp8AlignmentError, match="K_pad"):
+        linear(rand(3, 100, seed=12), w_q, w_s, n=N, plan=fused)
+    with pytest.raises(Fp8AlignmentError, match="unquantized"):
+        linear(rand(3, K, seed=12).to(FP8_DTYPE), w_q, w_s, n=N, plan=fused)
+    with pytest.raises(Fp8AlignmentError, match="n \\(300\\)"):
+        linear(rand(3, K, seed=12), w_q, w_s, n=300, plan=fused)
 
 
 def test_capability_is_false_here_and_never_raises(monkeypatch):

@@ -35,11 +35,11 @@ def registration(instance_id: str, role: str, quantization: str = "none") -> Reg
 def test_namespace_digest_of_unquantized_models_is_unchanged():
     """The digest as computed before ``quantization`` existed (the formula, spelled out):
     every block already in a pool keeps its key."""
-    ns = Namespace("abc123", "float32", 16, 1, "tp1")
+    ns = Namespace("abc123", "float32", 16, 1)
     before = "model=abc123|dtype=float32|block_size=16|layout=1|tp=tp1".encode()
     assert ns.digest == hashlib.blake2b(before, digest_size=16, person=b"tidepool.ns").digest()
-    assert Namespace("abc123", "float32", 16, 1, "tp1", "none").digest == ns.digest
-    fp8 = Namespace("abc123", "float32", 16, 1, "tp1", "fp8")
+    assert Namespace("abc123", "float32", 16, 1, "none").digest == ns.digest
+    fp8 = Namespace("abc123", "float32", 16, 1, "fp8")
     assert fp8.digest != ns.digest  # fp8 and dense instances never share blocks
 
 

@@ -49,3 +49,34 @@ def test_steps_too_big_for_a_graph_run_eagerly():
     assert any(path == "eager" and nd == 3 and t == 3 for path, nd, t in paths)  # 3 decodes > the largest graph (2)
     assert any(path == "decode_graph" and nd == 1 for path, nd, _ in paths)  # the last one alone
     eng.close()
+
+
+def test_a_step_whose_inputs_do_not_fit_the_graph_buffers_runs_eagerly():
+    """A graph reads only the device packs; a step whose pack is larger (here min_tokens
+    bans thousands of stop ids) gets temporary buffers, so it must not replay a graph:
+    it would compute on the inputs of the last step that fitted (the H100 async test's
+    greedy row that took other requests' tokens). The emulation reads the device packs
+    as a graph does, so this shows on the CPU."""
+    stops = tuple(range(0, 49152, 7))
+    prompts = [list(range(10 + 7 * i, 40 + 9 * i)) for i in range(4)]
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    params = [greedy] * 3 + [SamplingParams(temperature=0, max_tokens=12, min_tokens=6, stop_token_ids=stops)]
+    ref = tiny_engine(num_blocks=128, max_num_seqs=8, max_num_batched_tokens=128).generate(prompts, params)
+    eng = tiny_engine(num_blocks=128, max_num_seqs=8, max_num_batched_tokens=128)
+    eng.enable_graphs(emulate=True)
+    paths = []
+    build = eng.builder.build
+
+    def spy(*a):
+        step = build(*a)
+        paths.append((step.path, step.layout))
+        return step
+
+    eng.builder.build = spy
+    got = eng.generate(prompts, params)
+    assert [r.token_ids for r in got] == [r.token_ids for r in ref]
+    paths = [(path, eng.runner.staging.fits_device(layout)) for path, layout in paths]
+    assert ("eager", False) in paths  # the banning steps did not fit
+    assert all(fits for path, fits in paths if path != "eager")
+    assert eng.runner.graphs.replays["decode"] > 0  # graphs ran once the bans were over
+    eng.close()

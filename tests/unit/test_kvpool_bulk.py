@@ -8,14 +8,17 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import struct
 import threading
 import time
 from typing import Callable
 
 import numpy as np
 import pytest
+import xxhash
 
 from libs.kvpool.bulk import BulkClient, Endpoint, TransportError
+from libs.kvpool.header import HEADER_NBYTES, PendingValue
 from libs.kvpool.resp import Frames
 from libs.kvpool.topology import Node
 
@@ -134,6 +137,23 @@ async def test_values_land_in_the_sinks_and_the_socket_is_reused(servers, model:
         assert replies == [len(v) for v in VALUES]
         assert [d.tobytes() for d in dests] == VALUES
     assert server.connections == 1 and client.open_sockets == 1
+    await client.close()
+
+
+async def test_pending_values_are_sealed_by_the_sender_before_they_go_out(servers, model: str) -> None:
+    got: list[bytes] = []
+
+    def store(conn: socket.socket, read: Callable[[], list[bytes]]) -> None:
+        while True:
+            got.append(read()[2])
+            conn.sendall(b"+OK\r\n")
+
+    server = servers(store)
+    client = BulkClient(endpoint(server.port), model=model, sockets_per_node=1)
+    payload = np.random.default_rng(5).integers(0, 255, 100_000, dtype=np.uint8)
+    pending = PendingValue(memoryview(bytearray(HEADER_NBYTES)), [memoryview(payload)])
+    assert await client.exchange(Node("127.0.0.1", server.port), Frames().command("SET", "k", pending), [None]) == ["OK"]
+    assert got == [struct.pack("<16xQ", xxhash.xxh3_64_intdigest(payload)) + payload.tobytes()]
     await client.close()
 
 

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from libs.kvpool.codec import BlockCodec
-from libs.kvpool.header import DECODE_REASONS, HEADER_NBYTES, MAGIC, BlockDecodeError, inspect_block
+from libs.kvpool.header import DECODE_REASONS, HEADER_NBYTES, MAGIC, BlockDecodeError, inspect_block, value_parts
 from libs.kvpool.layout import LAYOUT_VERSION, KVLayout
 
 LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, block_size=4, dtype=torch.bfloat16)
@@ -165,3 +165,45 @@ def test_encode_rejects_caller_bugs() -> None:
         CODEC.decode(bytes(CODEC.encode(block, 1)), strided_out)
     with pytest.raises(ValueError, match="dtype"):
         BlockCodec(KVLayout(1, 1, 1, 1, torch.int32))
+
+
+@pytest.mark.parametrize("num_tokens", [1, 3, LAYOUT.block_size])
+def test_pending_and_byte_row_slots_give_the_same_value_as_encode(num_tokens: int) -> None:
+    buffer = torch.stack([random_block(LAYOUT, seed) for seed in range(3)])
+    rows = CODEC.byte_rows(buffer)
+    assert rows.shape == (3, LAYOUT.block_nbytes) and rows.base is not None  # a view, not a copy
+    expected = bytes(CODEC.encode(buffer[1], num_tokens))
+    pending = CODEC.encode_pending(rows[1], num_tokens)
+    assert bytes(pending.parts[0])[16:24] == bytes(8), "the checksum is left for the sender"
+    assert pending.nbytes == len(expected)
+    assert b"".join(value_parts(pending)) == expected  # reading its parts seals it
+    assert b"".join(bytes(p) for p in CODEC.encode_views(rows[1], num_tokens)) == expected
+    assert b"".join(bytes(p) for p in CODEC.encode_views(buffer[1], num_tokens)) == expected
+
+
+@pytest.mark.parametrize("num_tokens", [2, LAYOUT.block_size])
+def test_a_value_lands_and_is_verified_in_a_byte_row_slot(num_tokens: int) -> None:
+    value = bytes(CODEC.encode(random_block(LAYOUT, 7), num_tokens))
+    staging = torch.zeros(2, *LAYOUT.block_shape, dtype=LAYOUT.dtype)
+    header = memoryview(bytearray(HEADER_NBYTES))
+    views = CODEC.value_views(header, CODEC.byte_rows(staging)[1], num_tokens)
+    pos = 0
+    for v in views:  # what the transport does: fill the views in order
+        v[:] = value[pos : pos + v.nbytes]
+        pos += v.nbytes
+    assert pos == len(value)
+    assert CODEC.verify_landed(header, CODEC.byte_rows(staging)[1], num_tokens) == num_tokens
+    assert bytes(CODEC.encode(staging[1], num_tokens)) == value and not staging[0].view(torch.uint8).any()
+    CODEC.byte_rows(staging)[1][0] ^= 1  # layer 0's K, token 0: in the payload of any token count
+    with pytest.raises(BlockDecodeError, match="checksum"):
+        CODEC.verify_landed(header, CODEC.byte_rows(staging)[1], num_tokens)
+
+
+def test_slots_of_the_wrong_size_or_kind_are_refused() -> None:
+    rows = CODEC.byte_rows(torch.zeros(2, *LAYOUT.block_shape, dtype=LAYOUT.dtype))
+    with pytest.raises(ValueError, match="one block's bytes"):
+        CODEC.encode_pending(rows[0, :-1], 1)
+    with pytest.raises(ValueError, match="one block's bytes"):
+        CODEC.value_views(memoryview(bytearray(HEADER_NBYTES)), rows[0].view("u2"), 1)
+    with pytest.raises(ValueError, match="layout says"):
+        CODEC.byte_rows(torch.zeros(2, *LAYOUT.block_shape, dtype=torch.float32))

@@ -4,11 +4,15 @@ straight in the sink's memory, and rejects what is not RESP2."""
 
 from __future__ import annotations
 
+import struct
+
 import numpy as np
 import pytest
+import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from libs.kvpool.header import HEADER_NBYTES, PendingValue
 from libs.kvpool.resp import (
     INLINE_MAX,
     ConnectionClosed,
@@ -58,6 +62,25 @@ def test_a_value_in_parts_goes_out_back_to_back() -> None:
     joined = b"".join(bytes(b) for b in iov)
     assert joined == pack("SET", "k", header + b"".join(r.tobytes() for r in runs))
     assert any(np.shares_memory(np.frombuffer(b, dtype=np.uint8), runs[1]) for b in iov if not isinstance(b, bytes))
+
+
+def test_a_pending_value_goes_out_unsealed_with_its_seal_for_the_sender() -> None:
+    runs = [np.full(INLINE_MAX, i, dtype=np.uint8) for i in range(2)]
+    header = memoryview(bytearray(HEADER_NBYTES))
+    header[:4] = b"TPKV"
+    pending = PendingValue(header, [memoryview(r) for r in runs])
+    frames = Frames().command("SET", "k", pending)
+    iov = frames.finish()
+    assert frames.seals == [pending.seal] and bytes(header[16:]) == bytes(8), "building frames must not hash"
+    for seal in frames.seals:  # what the bulk path does on its thread, right before sendmsg
+        seal()
+    sealed = bytes(header)
+    assert sealed[16:] == struct.pack("<Q", xxhash.xxh3_64_intdigest(b"".join(r.tobytes() for r in runs)))
+    assert b"".join(bytes(b) for b in iov) == pack("SET", "k", sealed + b"".join(r.tobytes() for r in runs))
+    # A value small enough to be copied into the frame is sealed right away.
+    small = PendingValue(memoryview(bytearray(HEADER_NBYTES)), [memoryview(np.ones(64, dtype=np.uint8))])
+    frames = Frames().command("SET", "k", small)
+    assert frames.seals == [] and bytes(small.parts[0][16:]) == struct.pack("<Q", xxhash.xxh3_64_intdigest(bytes(64 * [1])))
 
 
 # -- parser: every reply type, cut anywhere --------------------------------------------------

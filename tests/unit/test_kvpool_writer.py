@@ -81,6 +81,26 @@ async def test_several_blocks_go_in_one_pool_call() -> None:
     assert writer.stats()["batches"] == 3 and writer.stats()["batch_errors"] == 0
 
 
+async def test_on_written_hears_each_block_when_its_batch_is_acknowledged() -> None:
+    gate = Gate()
+    pool = MemoryPool(fault=gate, capacity_bytes=6 * 64)
+    heard: list[str] = []
+    async with AsyncWriter(pool, workers=1, queue_size=16, batch_blocks=4) as writer:
+        session = writer.begin(on_written=heard.append)
+        await submit_all(session, KEYS[:9])  # the worker holds block 0 in the pool
+        await asyncio.sleep(0)
+        assert heard == [], "nothing is announced before the pool acknowledged it"
+        gate.open.set()
+        for _ in range(200):  # the first batches land before wait_all_done is called
+            if len(heard) >= 5:
+                break
+            await asyncio.sleep(0)
+        assert heard[:5] == [str(k) for k in KEYS[:5]]
+        failure = await expect_failure(session)  # past 6 blocks the pool is full: those are refused
+    assert heard == [str(k) for k in KEYS[:6]] == sorted(failure.report.written, key=heard.index)
+    assert set(failure.report.failed) == {str(k) for k in KEYS[6:9]}
+
+
 async def test_backpressure_submit_waits_and_the_queue_stays_bounded() -> None:
     gate = Gate()
     pool = MemoryPool(fault=gate)

@@ -24,6 +24,7 @@ from libs.protocol import (
     DecodeRequest,
     ErrorCode,
     ErrorMessage,
+    DeregisterInstance,
     Heartbeat,
     InstanceAck,
     Limits,
@@ -40,6 +41,7 @@ from libs.protocol import (
     StreamDecoder,
     TokenEvent,
     TokenLogprobs,
+    PromptLogprobs,
     TruncatedStreamError,
     decode,
     encode,
@@ -101,6 +103,7 @@ def sampling_specs(draw: st.DrawFn, n: st.SearchStrategy[int] = st.integers(1, 1
         logit_bias_ids=st.just([t for t, _ in bias]),
         logit_bias_values=st.just([b for _, b in bias]),
         structured=st.none() | structured_specs,
+        prompt_logprobs=st.none() | st.integers(0, 20),
     ))
 
 
@@ -112,6 +115,18 @@ def token_logprobs(draw: st.DrawFn) -> TokenLogprobs:
         logprob=draw(logprob),
         top_ids=draw(st.lists(token_ids, min_size=k, max_size=k)),
         top_logprobs=draw(st.lists(logprob, min_size=k, max_size=k)),
+    )
+
+
+@st.composite
+def prompt_logprobs(draw: st.DrawFn) -> PromptLogprobs:
+    ids = draw(st.lists(token_ids, max_size=6))
+    k = draw(st.integers(0, 20))
+    return PromptLogprobs(
+        token_ids=ids,
+        logprobs=[draw(logprob) for _ in ids],
+        top_ids=[draw(st.lists(token_ids, min_size=k, max_size=k)) for _ in ids],
+        top_logprobs=[draw(st.lists(logprob, min_size=k, max_size=k)) for _ in ids],
     )
 
 
@@ -129,6 +144,7 @@ def prefill_results(draw: st.DrawFn) -> PrefillResult:
         request_id=draw(ident),
         first_token_ids=firsts,
         first_logprobs=logprobs_like(firsts, draw),
+        prompt_logprobs=draw(st.none() | prompt_logprobs()),
         block_keys=draw(st.lists(text, max_size=4)),
         lease_id=draw(st.none() | text),
         num_prompt_tokens=draw(counts),
@@ -196,6 +212,7 @@ def token_events(draw: st.DrawFn) -> TokenEvent:
         logprobs=logprobs_like(ids, draw),
         finish_reason=draw(st.sampled_from([None, "stop", "length", "abort", "error"])),
         num_cached_tokens=draw(counts),
+        prompt_logprobs=draw(st.none() | prompt_logprobs()),
         error=draw(st.none() | text),
         trace=draw(traces),
     )
@@ -219,6 +236,7 @@ STRATEGIES: dict[type[Message], st.SearchStrategy[Any]] = {
     StructuredSpec: structured_specs,
     SamplingSpec: sampling_specs(),
     TokenLogprobs: token_logprobs(),
+    PromptLogprobs: prompt_logprobs(),
     PrefillRequest: st.builds(
         PrefillRequest,
         request_id=ident,
@@ -245,6 +263,7 @@ STRATEGIES: dict[type[Message], st.SearchStrategy[Any]] = {
         block_size=st.integers(1, 4096),
     ),
     Heartbeat: heartbeats(),
+    DeregisterInstance: st.builds(DeregisterInstance, instance_id=ident, role=st.sampled_from(["prefill", "decode"]), reason=text),
     InstanceAck: st.builds(InstanceAck, instance_id=text, heartbeat_timeout_s=st.floats(0, 1e6, exclude_min=True)),
     ErrorMessage: st.builds(ErrorMessage, code=st.integers(100, 599), message=text),
 }
@@ -330,6 +349,12 @@ def test_encode_converts_friendly_inputs() -> None:
         (HandoffUpdate(request_id="r", first_token_id=5), ErrorCode.INVALID_VALUE, "first_token_id"),  # not done yet
         (HandoffUpdate(request_id="r", done=True, first_logprobs=TokenLogprobs(token_id=1, logprob=0.0)),
          ErrorCode.INVALID_VALUE, "first_logprobs"),
+        (SamplingSpec(max_tokens=1, prompt_logprobs=21), ErrorCode.INVALID_VALUE, "prompt_logprobs"),
+        (TokenEvent(request_id="r", prompt_logprobs=PromptLogprobs(token_ids=[1, 2], logprobs=[0.0], top_ids=[[], []], top_logprobs=[[], []])),
+         ErrorCode.INVALID_VALUE, "prompt_logprobs.logprobs"),
+        (PrefillResult(request_id="r", first_token_ids=[1], num_prompt_tokens=2,
+                       prompt_logprobs=PromptLogprobs(token_ids=[1], logprobs=[0.0], top_ids=[[3, 4]], top_logprobs=[[0.0]])),
+         ErrorCode.INVALID_VALUE, "prompt_logprobs.top_ids[0]"),
     ],
 )
 def test_encode_rejects_invalid_messages(msg: Message, code: ErrorCode, field: str) -> None:

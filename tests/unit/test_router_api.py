@@ -111,6 +111,93 @@ async def test_echo_prepends_the_prompt(cluster: Cluster) -> None:
     assert "".join([c.choices[0].text async for c in stream]) == "Say:" + script_text(0, 3)
 
 
+@pytest.mark.parametrize("prompt", ["Once", long_prompt()], ids=["decode-alone", "prefill"])
+async def test_best_of_returns_the_n_best_by_cumulative_logprob(cluster: Cluster, prompt: str) -> None:
+    # The fake model gives every token logprob -0.25, so a candidate's cumulative logprob is
+    # -0.25 x its length; candidate i (seed 0 + i) starts at script position i and runs to
+    # EOS, so the later it starts the shorter and better it is: 2, then 1, then 0.
+    r = await cluster.openai().completions.create(model=MODEL, prompt=prompt, n=2, best_of=3, max_tokens=50, seed=0)
+    assert [(c.index, c.text) for c in sorted(r.choices, key=lambda c: c.index)] == [(0, script_text(2)), (1, script_text(1))]
+    assert all(c.logprobs is None for c in r.choices)  # ranked by logprobs the client did not ask for
+    lengths = [len(tokenizer().encode(script_text(i))) + 1 for i in range(3)]  # + EOS
+    assert r.usage is not None and r.usage.completion_tokens == sum(lengths)  # every candidate's tokens
+    sent = cluster.decodes[0].requests + cluster.prefills[0].requests
+    assert sent and all(req.sampling.logprobs == 0 for req in sent)
+    if cluster.prefills[0].requests:
+        assert cluster.prefills[0].requests[0].sampling.n == 3
+
+
+async def test_best_of_with_logprobs_and_without_best_of(cluster: Cluster) -> None:
+    client = cluster.openai()
+    r = await client.completions.create(model=MODEL, prompt="Once", n=1, best_of=2, max_tokens=50, seed=3, logprobs=2)
+    (choice,) = r.choices
+    assert choice.index == 0 and choice.text == script_text(4)  # seeds 3, 4: start 4 is shorter
+    assert choice.logprobs is not None and sum(choice.logprobs.token_logprobs) == -0.25 * len(choice.logprobs.tokens)
+    assert cluster.decodes[0].requests[-1].sampling.logprobs == 2
+    same = await client.completions.create(model=MODEL, prompt="Once", n=2, best_of=2, max_tokens=3, seed=0)
+    assert [c.text for c in sorted(same.choices, key=lambda c: c.index)] == [script_text(0, 3), script_text(1, 3)]
+    assert cluster.decodes[0].requests[-1].sampling.logprobs is None  # best_of == n ranks nothing
+
+
+@pytest.mark.parametrize(
+    ("extra", "fragment"),
+    [({"n": 3, "best_of": 2}, "greater than or equal"), ({"best_of": 2, "stream": True}, "cannot be streamed"), ({"best_of": 129}, "")],
+)
+async def test_best_of_refused(cluster: Cluster, extra: dict, fragment: str) -> None:
+    async with cluster.http() as http:
+        async with http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2, **extra}) as resp:
+            assert resp.status == 400
+            error = (await resp.json())["error"]
+    assert error["param"] == "best_of" and fragment in error["message"]
+    assert cluster.decodes[0].requests == []
+
+
+def _check_scored_prompt(logprobs, prompt_ids: list[int], k: int, completion_tokens: int) -> None:
+    """The fake model's scored prompt (token i from 1 at -i/10), then the completion's."""
+    tok = tokenizer()
+    texts = [tok.decode([t], skip_special_tokens=False) for t in prompt_ids]
+    n = len(prompt_ids)
+    assert logprobs.tokens[:n] == texts and len(logprobs.tokens) == n + completion_tokens
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    assert logprobs.token_logprobs[1:n] == pytest.approx([-(i + 1) / 10 for i in range(n - 1)])
+    assert all(len(top) >= min(k, 1) and top[texts[i]] == logprobs.token_logprobs[i] for i, top in enumerate(logprobs.top_logprobs[1:n], 1))
+    assert logprobs.token_logprobs[n:] == [-0.25] * completion_tokens  # the fake's sampled tokens
+    offsets = [0]
+    for t in logprobs.tokens[:-1]:
+        offsets.append(offsets[-1] + len(t))
+    assert logprobs.text_offset == offsets
+
+
+@pytest.mark.parametrize("prompt", ["Say: hello there", long_prompt()], ids=["decode-alone", "prefill"])
+async def test_echo_with_logprobs_scores_the_prompt(cluster: Cluster, prompt: str) -> None:
+    ids = tokenizer().encode(prompt)
+    r = await cluster.openai().completions.create(model=MODEL, prompt=prompt, max_tokens=3, echo=True, logprobs=2, n=2, seed=0)
+    for c in r.choices:
+        assert c.text == prompt + script_text(c.index, 3)
+        _check_scored_prompt(c.logprobs, ids, 2, 3)
+    prefill = cluster.prefills[0].requests
+    decodes = cluster.decodes[0].requests
+    if prefill:  # PD: prefill scores the prompt, decode only generates
+        assert prefill[0].sampling.prompt_logprobs == 2 and all(d.sampling.prompt_logprobs is None for d in decodes)
+    else:  # decode computes the prompt, so it scores it
+        assert [d.sampling.prompt_logprobs for d in decodes] == [2, 2]
+    stream = await cluster.openai().completions.create(model=MODEL, prompt=prompt, max_tokens=3, echo=True, logprobs=0, stream=True)
+    chunks = [c async for c in stream]
+    first = chunks[0].choices[0]
+    assert first.text.startswith(prompt) and first.logprobs.token_logprobs[0] is None
+    assert len(first.logprobs.tokens) >= len(ids) + 1  # the prompt and the first token together
+    assert "".join(c.choices[0].text for c in chunks) == prompt + script_text(0, 3)
+
+
+async def test_prompt_logprobs_fall_back_to_decode_when_prefill_fails(cluster: Cluster) -> None:
+    cluster.prefills[0].status = 503
+    ids = tokenizer().encode(long_prompt())
+    r = await cluster.openai().completions.create(model=MODEL, prompt=long_prompt(), max_tokens=2, echo=True, logprobs=1)
+    _check_scored_prompt(r.choices[0].logprobs, ids, 1, 2)
+    (dec,) = cluster.decodes[0].requests
+    assert dec.first_token_id is None and dec.sampling.prompt_logprobs == 1
+
+
 # --- chat ---------------------------------------------------------------------------------
 
 
@@ -294,7 +381,6 @@ async def test_api_key_is_required_when_configured() -> None:
         ({"structured_outputs": {"regex": "a(b"}}, "structured_outputs.regex"),
         ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
         ({"grammar": 'root ::= "a" | nope'}, "grammar"),
-        ({"echo": True, "logprobs": 1}, "echo"),
     ],
 )
 async def test_out_of_range_values_are_400(cluster: Cluster, extra: dict, param: str) -> None:

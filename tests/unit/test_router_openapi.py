@@ -37,10 +37,9 @@ OPERATIONS = {
 # valid alone, not together) and ``invalid_grammar`` (a schema, regex or grammar the
 # grammar engine refuses: its validity is not a JSON Schema property).
 CROSS_FIELD = {
-    ("best_of", "unsupported_parameter"),
+    ("best_of", "invalid_value"),  # below n, or above n with stream
     ("stream_options", "invalid_value"),
     ("top_logprobs", "invalid_value"),
-    ("echo", "unsupported_parameter"),
     ("min_tokens", "invalid_value"),
     ("n", "invalid_value"),
     ("max_tokens", "context_length_exceeded"),

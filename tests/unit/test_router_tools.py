@@ -8,10 +8,15 @@ import random
 from typing import AsyncIterator
 
 import pytest
+from openai.lib.streaming.chat import ChatCompletionStreamState
+from openai.types.chat import ChatCompletionChunk
 
 from libs.structured import GrammarCompiler, GrammarMismatchError
+from services.router.api import parse_request
 from services.router.constraints import parse_constraint
 from services.router.errors import ApiError
+from services.router.handoff import ChoiceUpdate
+from services.router.responses import Formatter
 from services.router.tool_parser import HermesToolParser
 from services.router.tools import parse_tools
 from tests.router_harness import MODEL, Cluster, start_cluster, tokenizer
@@ -68,11 +73,108 @@ def test_unclosed_call_with_complete_json_counts():
     assert len(calls) == 1 and content == ""
 
 
-def test_streamed_deltas_are_openai_shaped():
-    (call,) = _run(HermesToolParser(["get_time"]), ['<tool_call>{"name": "get_time", "arguments": {"a": 1}}</tool_call>'])[1]
-    head, args = call.deltas()
-    assert head["id"].startswith("call_") and head["type"] == "function" and head["function"] == {"name": "get_time", "arguments": ""}
-    assert args == {"index": 0, "function": {"arguments": '{"a": 1}'}}
+def test_whole_call_deltas_are_openai_shaped():
+    parser = HermesToolParser(["get_time"])
+    out = parser.feed('<tool_call>{"name": "get_time", "arguments": {"a": 1}}</tool_call>')
+    head, args = out.deltas
+    (h,) = head["tool_calls"]
+    assert h["id"].startswith("call_") and h["type"] == "function" and h["function"] == {"name": "get_time", "arguments": ""}
+    assert args == {"tool_calls": [{"index": 0, "function": {"arguments": '{"a": 1}'}}]}
+
+
+def _stream(pieces: list[str], names=("get_weather", "get_time")):
+    """Stream ``pieces`` through a streaming parser; (content, {index: [name, id, arguments]},
+    the deltas per piece)."""
+    parser = HermesToolParser(names, stream=True)
+    content, calls, per_piece = "", {}, []
+    for out in [*(parser.feed(p) for p in pieces), parser.finish()]:
+        per_piece.append(out.deltas)
+        for d in out.deltas:
+            if "content" in d:
+                content += d["content"]
+                continue
+            (t,) = d["tool_calls"]
+            if "id" in t:
+                assert t.keys() == {"index", "id", "type", "function"} and t["function"]["arguments"] == ""
+                assert t["index"] not in calls, "a call's header is sent once"
+                calls[t["index"]] = [t["function"]["name"], t["id"], ""]
+            else:
+                assert t.keys() == {"index", "function"} and t["function"].keys() == {"arguments"}
+                calls[t["index"]][2] += t["function"]["arguments"]
+    assert [[c.name, c.id, c.arguments] for c in parser.calls] == [calls[i] for i in sorted(calls)]
+    return content, calls, per_piece
+
+
+def test_streamed_calls_equal_the_whole_ones_split_anywhere():
+    whole_content, whole = _run(HermesToolParser(["get_weather", "get_time"]), [OUTPUT])
+    rng = random.Random(1)
+    for trial in range(60):
+        k = 1 if trial == 0 else rng.randint(2, 40)
+        cuts = sorted(rng.sample(range(1, len(OUTPUT)), k - 1)) if k > 1 else []
+        pieces = [OUTPUT[a:b] for a, b in zip([0, *cuts], [*cuts, len(OUTPUT)])]
+        content, calls, _ = _stream(pieces)
+        assert content.strip() == whole_content.strip()
+        assert [(name, args) for name, _, args in calls.values()] == [(c.name, c.arguments) for c in whole]
+
+
+def test_streamed_arguments_arrive_as_they_are_generated():
+    text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par\\"is", "n": [1, {"x": "}"}]}}\n</tool_call>'
+    _, calls, per_piece = _stream(list(text))  # one character at a time
+    (name, _, args), = calls.values()
+    assert name == "get_weather" and json.loads(args) == {"city": 'Par"is', "n": [1, {"x": "}"}]}
+    header_at = next(i for i, ds in enumerate(per_piece) if any("id" in d.get("tool_calls", [{}])[0] for d in ds))
+    assert header_at == text.index('"get_weather"') + len('"get_weather"') - 1  # as soon as the name is complete
+    pieces = [i for i, ds in enumerate(per_piece) if any("id" not in d.get("tool_calls", [{"id": 0}])[0] for d in ds)]
+    assert len(pieces) == len(args) and pieces[-1] < text.index("</tool_call>")  # character by character, before the tag
+
+
+def test_streamed_arguments_before_name_and_missing_arguments():
+    _, calls, _ = _stream(['<tool_call>{"arguments": {"city": "Oslo"},', ' "name": "get_weather"}</tool_call>'])
+    assert [(n, a) for n, _, a in calls.values()] == [("get_weather", '{"city": "Oslo"}')]
+    _, calls, _ = _stream(['<tool_call>{"name": "get_time"', "}</tool_call>"])
+    assert [(n, a) for n, _, a in calls.values()] == [("get_time", "{}")]
+
+
+@pytest.mark.parametrize(
+    "text",
+    ['<tool_call>\n{"name": "unknown", "arguments": {}}\n</tool_call>', "<tool_call>\nnot json\n</tool_call>", "a < b, and <tool_ca"],
+)
+def test_streamed_non_calls_stay_text(text):
+    for pieces in ([text], list(text)):
+        content, calls, _ = _stream(pieces, names=["get_time"])
+        assert calls == {} and content == text
+
+
+def _formatter(stream: bool) -> Formatter:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "tools": [WEATHER, TIME], "stream": stream}
+    return Formatter(parse_request(body, "chat", served_model=MODEL, vocab_size=tokenizer().vocab_size), "chatcmpl-t", 0, [""])
+
+
+def test_streamed_chunks_accumulate_in_the_openai_client_to_the_whole_response():
+    """The official client's own accumulator (what ``client.chat.completions.stream``
+    uses) rebuilds the streamed chunks into the same message as the whole response."""
+    whole = _formatter(stream=False)
+    whole.choices[0].add(ChoiceUpdate(0, OUTPUT, num_tokens=40, finish_reason="stop"))
+    want = whole.response({}, None)["choices"][0]
+    rng = random.Random(2)
+    for _ in range(10):
+        cuts = sorted(rng.sample(range(1, len(OUTPUT)), 30))
+        pieces = [OUTPUT[a:b] for a, b in zip([0, *cuts], [*cuts, len(OUTPUT)])]
+        streamed = _formatter(stream=True)
+        state = ChatCompletionStreamState(input_tools=[WEATHER, TIME])
+        events = []
+        for k, piece in enumerate(pieces):
+            update = ChoiceUpdate(0, piece, num_tokens=1, finish_reason="stop" if k == len(pieces) - 1 else None)
+            for chunk in streamed.chunks(update):
+                events += [e.type for e in state.handle_chunk(ChatCompletionChunk.model_validate(chunk))]
+        got = state.get_final_completion().choices[0]
+        assert got.finish_reason == want["finish_reason"] == "tool_calls"
+        # (a stream sends the space before a call before it knows a call follows)
+        assert got.message.content.strip() == want["message"]["content"] == "Let me check."
+        calls = [(c.function.name, c.function.arguments) for c in got.message.tool_calls]
+        assert calls == [(c["function"]["name"], c["function"]["arguments"]) for c in want["message"]["tool_calls"]]
+        assert events.count("tool_calls.function.arguments.delta") > 2  # arguments arrived in pieces
+        assert events.count("tool_calls.function.arguments.done") == 2
 
 
 @pytest.fixture(scope="module")

@@ -132,3 +132,12 @@ def test_decode_service_refuses_speculation_with_async_scheduling(capsys):
         parse_settings(WorkerSettings, ["--speculative-config", text, "--async-scheduling", "on"], {})
     assert e.value.code == 2 and "async_scheduling" in capsys.readouterr().err
     assert parse_settings(WorkerSettings, ["--speculative-config", text, "--async-scheduling", "off"], {}).async_scheduling == "off"
+
+
+def test_speculation_refused_with_tensor_parallelism():
+    """The TP runner mirrors forwards, not proposers or KV rollback: the pair is refused."""
+    text = json.dumps({"method": "ngram", "num_speculative_tokens": 3})
+    with pytest.raises(ValueError, match="tensor parallelism"):
+        EngineConfig(speculative_config=text, tensor_parallel_size=2)
+    assert EngineConfig(speculative_config=text).tensor_parallel_size == 1
+    assert EngineConfig(tensor_parallel_size=2).speculative_config is None

@@ -1,0 +1,79 @@
+"""Compile the FP8 kernels for Hopper (sm_90) on a machine without a GPU, and print what
+the PTX holds, as JSON: run by tests/unit/test_fp8_sm90_compile.py in a process of its
+own (without ``TRITON_INTERPRET``, under which ``triton.jit`` gives interpreted functions
+that the compiler cannot take).
+
+Triton's compiler and the ptxas its wheel bundles need no device: ``triton.compile`` with
+a ``GPUTarget`` runs the whole pipeline (front end, TTGIR, LLVM, PTX, cubin). The
+signature marks pointers and the sizes and strides a real launch passes as multiples of
+16, as Triton's specialization does, so the same layouts and vector widths come out.
+
+    python -m tests.fp8_sm90_compile
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+assert "TRITON_INTERPRET" not in os.environ or os.environ["TRITON_INTERPRET"] in ("", "0"), "run without TRITON_INTERPRET"
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from kernels.fp8.plan import GemmPlan  # noqa: E402
+from kernels.fp8.triton_gemm import _fp8_gemm_kernel  # noqa: E402
+from kernels.fp8.triton_quant import _per_token_group_quant_kernel  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+PLANS = {
+    "swap fused split-K": GemmPlan(True, 16, 64, 4, 5, split_k=4, fuse_quant=True),
+    "swap 32-row split-K": GemmPlan(True, 16, 32, 4, 5, split_k=8),
+    "normal tma": GemmPlan(False, 128, 128, 8, 3, tma=True),
+}
+DIV16 = ("x_ptr", "xs_ptr", "w_ptr", "ws_ptr", "y_ptr", "part_ptr", "count_ptr", "k", "K_BLOCKS", "W_ROWS",
+         "stride_xm", "stride_xs", "stride_w", "stride_ws", "stride_ym")
+
+
+def stats(kernel) -> dict:
+    ptx = kernel.asm["ptx"]
+    count = lambda pattern: len(re.findall(pattern, ptx))  # noqa: E731
+    return {"wgmma": count(r"wgmma\.mma_async"), "mma_sync": count(r"mma\.sync"), "tma": count(r"cp\.async\.bulk\.tensor"),
+            "cp_async": count(r"cp\.async\.c[ag]"), "atomics": count(r"atom\."), "div_rn": count(r"div\.rn\.f32")}
+
+
+def gemm(plan: GemmPlan) -> dict:
+    fn = _fp8_gemm_kernel
+    sig = dict.fromkeys(fn.arg_names, "i32")
+    x_type = "bf16" if plan.fuse_quant else "fp8e4nv"
+    sig.update(x_ptr=f"*{x_type}", w_ptr="*fp8e4nv", xs_ptr="*fp32", ws_ptr="*fp32", y_ptr="*bf16",
+               part_ptr="*fp32", count_ptr="*i32", eps="fp32", fp32_max="fp32", fp8_max="fp32")
+    if plan.tma:
+        sig.update(x_ptr=f"tensordesc<fp8e4nv[{plan.token_tile}, 128]>", w_ptr=f"tensordesc<fp8e4nv[{plan.weight_tile}, 128]>")
+    consts = dict(SWAP_AB=plan.swap_ab, X_RAW=plan.fuse_quant, USE_TMA=plan.tma, SPLIT_K=plan.split_k,
+                  BLOCK_T=plan.token_tile, BLOCK_W=plan.weight_tile, GROUP=plan.group)
+    sig.update(dict.fromkeys(consts, "constexpr"))
+    attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in DIV16 if not (plan.tma and a in ("x_ptr", "w_ptr"))}
+    kernel = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=TARGET,
+                            options={"num_warps": plan.num_warps, "num_stages": plan.num_stages})
+    return stats(kernel)
+
+
+def quant() -> dict:
+    fn = _per_token_group_quant_kernel
+    sig = dict.fromkeys(fn.arg_names, "i32")
+    sig.update(x_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32", eps="fp32", fp32_max="fp32", fp8_max="fp32", BLOCK_ROWS="constexpr", GROUP="constexpr")
+    kernel = triton.compile(ASTSource(fn, sig, constexprs={"BLOCK_ROWS": 16, "GROUP": 128}), target=TARGET, options={"num_warps": 4})
+    return stats(kernel)
+
+
+def main() -> None:
+    out = {name: gemm(plan) for name, plan in PLANS.items()}
+    out["quant"] = quant()
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,46 @@
+"""The FP8 kernels compile for Hopper (sm_90) on this CPU-only machine.
+
+The interpreter tests check what the kernels compute; the GPU tests need a GPU. This
+checks in between that Triton's GPU compiler accepts them, down to a cubin through the
+ptxas Triton bundles (tests/fp8_sm90_compile.py, in a process of its own: the
+interpreter's ``triton.jit`` cannot be compiled): the GEMM with the quantization fused
+and split-K, with 32-row tiles, with TMA descriptors, and the quantization kernel. And
+that what Hopper needs is in the PTX: warpgroup MMAs (``wgmma``) for 64-row tiles, TMA
+bulk copies where asked, the split-K counter atomics, IEEE divisions in the quantization.
+Skips where this Triton has no NVIDIA backend.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _has_nvidia_backend() -> bool:
+    try:
+        import triton
+
+        return (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists()
+    except Exception:  # noqa: BLE001
+        return False
+
+
+@pytest.mark.skipif(not _has_nvidia_backend(), reason="this Triton has no NVIDIA backend / ptxas")
+def test_fp8_kernels_compile_for_sm90():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(PYTHONPATH=str(ROOT), TRITON_DEFAULT_FP_FUSION="1", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "tests.fp8_sm90_compile"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    fused, narrow, tma, quant = got["swap fused split-K"], got["swap 32-row split-K"], got["normal tma"], got["quant"]
+    assert fused["wgmma"] > 0 and fused["atomics"] > 0 and fused["div_rn"] > 0 and fused["cp_async"] > 0  # weights pipelined
+    assert narrow["mma_sync"] > 0 and narrow["wgmma"] == 0  # 32 rows: below a warpgroup's 64
+    assert tma["tma"] > 0 and tma["wgmma"] > 0 and tma["atomics"] == 0
+    assert quant["div_rn"] > 0
