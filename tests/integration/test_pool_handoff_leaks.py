@@ -57,6 +57,7 @@ def runtime(pool: RedisPool, swapper: BlockSwapper) -> SimpleNamespace:
         # Every handoff must try the pool, also right after a connection was killed: the
         # worker's outage tracking (services/worker/pool_health.py) is tested on its own.
         pool_health=SimpleNamespace(usable=True, report_failure=lambda exc: None),
+        role="prefill",  # (decode's metrics add speculative decoding's, which read an engine)
     )
     rt.metrics = WorkerMetrics.create(CollectorRegistry(), rt)
     return rt
