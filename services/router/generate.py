@@ -163,7 +163,7 @@ async def _serve(request: web.Request, state: RouterState, kind: Kind, endpoint:
     trace = RequestTrace(request_id=secrets.token_hex(12), endpoint=endpoint)
     try:
         raw = await read_body(request, s.max_body_bytes, s.body_timeout_s)
-        max_model_len = await state.registry.wait_for_max_model_len("decode", s.retry_wait_s)
+        max_model_len = await state.registry.wait_for(lambda: state.registry.max_model_len("decode"), s.retry_wait_s)
         job = functools.partial(
             prepare,
             raw,

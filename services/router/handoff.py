@@ -436,16 +436,15 @@ class ChoiceJob:
         registry = self.state.registry
         need = len(self.job.prompt_ids) + self.job.max_tokens
         context = len(self.job.prompt_ids) + len(self.generated)
-        deadline = time.monotonic() + self.state.settings.retry_wait_s
-        while True:
+
+        def pick() -> Instance | None:
             fits = [i for i in registry.usable("decode") if i.info.max_model_len >= need]
-            inst = placement.pick_decode(fits, context, namespace)
-            if inst is not None:
-                return inst
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise no_decode_instance(f"no usable decode instance for a {need}-token request")
-            await registry.wait_for_change(left)
+            return placement.pick_decode(fits, context, namespace)
+
+        inst = await registry.wait_for(pick, self.state.settings.retry_wait_s)
+        if inst is None:
+            raise no_decode_instance(f"no usable decode instance for a {need}-token request")
+        return inst
 
     @property
     def _score_prompt(self) -> bool:

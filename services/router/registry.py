@@ -26,10 +26,12 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 from libs.blocks import NamespaceRoot
 from libs.protocol.messages import Heartbeat, RegisterInstance, Role
+
+T = TypeVar("T")
 
 log = logging.getLogger("tidepool.router.registry")
 
@@ -218,19 +220,20 @@ class Registry:
         lens = [i.info.max_model_len for i in self.live(role)]
         return max(lens) if lens else None
 
-    async def wait_for_max_model_len(self, role: Role, timeout: float) -> int | None:
-        """``max_model_len`` once a ``role`` instance is live, waiting up to ``timeout`` for one.
+    async def wait_for(self, find: Callable[[], T | None], timeout: float) -> T | None:
+        """``find()`` once it is not None, re-trying on each registry change for up to
+        ``timeout``; None if it never is.
 
         A router that just restarted knows no instance until their next heartbeat makes them
-        register again; a request arriving in that gap waits for them (a fault costs latency)
-        instead of getting a 503."""
-        deadline = asyncio.get_running_loop().time() + timeout
-        while (limit := self.max_model_len(role)) is None:
-            left = deadline - asyncio.get_running_loop().time()
+        register again, and a crashed instance comes back after its supervisor restarts it; a
+        request arriving in that gap waits (a fault costs latency) instead of getting a 503."""
+        deadline = time.monotonic() + timeout
+        while (found := find()) is None:
+            left = deadline - time.monotonic()
             if left <= 0:
                 return None
             await self.wait_for_change(left)
-        return limit
+        return found
 
     def describe(self) -> list[dict[str, Any]]:
         now, wall = self.clock(), self.wall_clock()
