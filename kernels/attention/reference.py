@@ -60,7 +60,8 @@ def paged_decode_attention(
 
     All sequences at once: each one's blocks are gathered up to the longest context and the
     padding is masked out. Masked keys add exact zeros, so a sequence's result does not
-    depend on what it is batched with (checked bit for bit in the tests). A sequence of
+    depend on what it is batched with, nor on what its cache holds past its length, NaN
+    included (both checked in the tests, the first bit for bit). A sequence of
     length 0 (a padding row) gets zeros, as in the Triton kernel.
     """
     batch, num_heads, head_dim = q.shape
@@ -70,9 +71,13 @@ def paged_decode_attention(
     n_blocks = max(1, -(-int(seq_lens.max()) // block_size))
     table = block_tables[:, :n_blocks].long()
     length = n_blocks * block_size
-    k = k_cache[table].view(batch, length, num_kv_heads, head_dim).transpose(1, 2).to(q.dtype)
-    v = v_cache[table].view(batch, length, num_kv_heads, head_dim).transpose(1, 2).to(q.dtype)
     valid = torch.arange(length, device=q.device) < seq_lens.unsqueeze(1)  # [B, L]
+    # The gathered copies are zeroed past each length: a masked score is added -inf, and a
+    # masked value multiplied by a zero weight, so a NaN or inf left in a slot past the
+    # length (a reused staging row imported with a partial block) would poison the row.
+    hidden = ~valid.view(batch, length, 1, 1)
+    k = k_cache[table].view(batch, length, num_kv_heads, head_dim).masked_fill_(hidden, 0).transpose(1, 2).to(q.dtype)
+    v = v_cache[table].view(batch, length, num_kv_heads, head_dim).masked_fill_(hidden, 0).transpose(1, 2).to(q.dtype)
     o = F.scaled_dot_product_attention(
         q.unsqueeze(2), k, v, attn_mask=valid.view(batch, 1, 1, length), scale=scale,
         enable_gqa=num_heads != num_kv_heads,

@@ -69,6 +69,36 @@ def test_decode_picks_split_k_for_one_long_sequence():
     )
 
 
+def _poison_past_lengths(p: PagedProblem, value: float) -> None:
+    """Fill every cache slot that no sequence reads (past its length in its blocks, and the
+    blocks no table names) with ``value``; the cache is shared by all layers' views."""
+    bs = p.block_size
+    keep = torch.zeros(p.cache.shape[0], bs, dtype=torch.bool, device=p.cache.device)
+    for table, n in zip(p.block_tables.tolist(), p.seq_lens.tolist()):
+        for pos in range(n):
+            keep[table[pos // bs], pos % bs] = True
+    p.k_cache[~keep] = value
+    p.v_cache[~keep] = value
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
+@pytest.mark.parametrize("impl", ["reference", "triton"])
+def test_what_lies_past_a_sequence_changes_nothing(impl, value):
+    # An imported partial block brings a staging row's stale tail into the cache: a NaN
+    # there once turned every later token of a CPU decode into token 0.
+    kernels = ref if impl == "reference" else tri
+    for make_args, run, queries in (
+        (PagedProblem.decode_args, kernels.paged_decode_attention, [1] * 4),
+        (PagedProblem.prefill_args, kernels.paged_prefill_attention, [1, 5, 16, 3]),
+    ):
+        p = _problem(queries, [5, 16, 21, 37], SHAPES[0], torch.float32, seed=int(torch.randint(1 << 30, ())))
+        clean = run(*make_args(p))
+        _poison_past_lengths(p, value)
+        poisoned = run(*make_args(p))
+        assert torch.isfinite(poisoned).all()
+        torch.testing.assert_close(poisoned, clean, atol=0, rtol=0)
+
+
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_decode_empty_sequence_gives_zeros_like_reference(num_splits):
     # CUDA-graph padding rows have seq_len 0: they must come out finite (zeros), not NaN.
