@@ -128,6 +128,21 @@ class EngineConfig:
             budget = max(budget, max_model_len)
         return budget
 
+    def resolve_num_blocks(self, device: torch.device, block_nbytes: int) -> int:
+        """KV blocks of ``block_nbytes`` (every cache a block id addresses) to allocate:
+        ``num_blocks``, else ``kv_cache_gb``'s worth, else a share of the GPU's free memory
+        (1 GiB on the CPU)."""
+        if self.num_blocks is not None:
+            return self.num_blocks
+        if self.kv_cache_gb is not None:
+            budget = self.kv_cache_gb * 2**30
+        elif device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            budget = free * self.gpu_memory_utilization
+        else:
+            budget = 2**30
+        return max(16, int(budget // block_nbytes))
+
     def resolve_async_scheduling(self, device: torch.device) -> bool:
         if self.async_scheduling not in ("auto", "on", "off"):
             raise ValueError(f"async_scheduling must be auto, on or off, got {self.async_scheduling!r}")
