@@ -57,6 +57,9 @@ class EngineConfig:
     # CPU + GGUF only: run the file's 4-bit (Q4_0/Q4_1) linear weights natively instead of
     # dequantizing them (libs/model/quantized.py): ~4x less memory traffic per decode step.
     quantized_weights: bool = False
+    # CPU float32: linear layers and the LM head through oneDNN over weights packed at load
+    # (libs/model/cpu_linear.py); off: torch's BLAS. Same arithmetic, faster at small batches.
+    packed_linears: bool = True
     # Mixture-of-experts models (libs/model/moe): how experts run (auto, loop, contiguous,
     # masked, hybrid, grouped_mm), and FakeBalanceExpert routing for load benchmarks only.
     moe_strategy: str = "auto"

@@ -99,7 +99,7 @@ class LLMEngine:
                 quantized_weights=config.quantized_weights, quantization=config.quantization,
                 moe=MoEOptions(strategy=config.moe_strategy, fake_balance=config.moe_fake_balance),
                 cache_dir=Path(config.weight_cache_dir) if config.weight_cache_dir else None,
-                tp=self.tp.group if self.tp is not None else None,
+                tp=self.tp.group if self.tp is not None else None, packed_linears=config.packed_linears,
             )
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
