@@ -20,7 +20,7 @@ each figure is the median.
   (built with the documented count over the model's own generations): mean acceptance
   length, speedup, and the draft head's cost with and without pruning (ms per call).
 
-    python -m bench.spec_bench [--threads 2] [--max-tokens 128] [--reps 3] [--out bench/results/spec_cpu.json]
+    python -m bench.spec_bench [--threads 2] [--max-tokens 128] [--reps 3] [--ngram-config JSON] [--out bench/results/spec_cpu.json]
 """
 
 from __future__ import annotations
@@ -220,6 +220,7 @@ def main() -> None:
     ap.add_argument("--self-draft-layers", type=int, nargs="+", default=[8, 16])
     ap.add_argument("--only", nargs="*", default=None, help="run only these cases (copy, chat, mixed, verify_cost, self_draft)")
     ap.add_argument("--min-acceptance-length", type=float, default=None, help="the n-gram cases' adaptive threshold (default: the config's, 1.3)")
+    ap.add_argument("--ngram-config", default=None, help="the n-gram cases' speculative config, JSON (default: the issue's example, k 4, lookup 2..4)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -227,13 +228,13 @@ def main() -> None:
     tok = base.tokenizer
     enc = lambda msgs: [tok.encode_chat([{"role": "user", "content": m}]) for m in msgs]  # noqa: E731
     copy, chat = enc(COPY), enc(CHAT)
-    ngram = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    ngram = json.loads(args.ngram_config) if args.ngram_config else {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
     if args.min_acceptance_length is not None:
         ngram["min_acceptance_length"] = args.min_acceptance_length
     want = set(args.only or ["copy", "chat", "mixed", "verify_cost", "self_draft"])
     results: dict = {
         "device": platform.processor() or platform.machine(), "threads": args.threads, "max_tokens": args.max_tokens,
-        "reps": args.reps, "min_acceptance_length": args.min_acceptance_length, "load_before": os.getloadavg()[0], "date": time.strftime("%Y-%m-%d %H:%M"),
+        "reps": args.reps, "min_acceptance_length": args.min_acceptance_length, "ngram_config": ngram, "load_before": os.getloadavg()[0], "date": time.strftime("%Y-%m-%d %H:%M"),
         "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
     }
     kw = dict(threads=args.threads, max_tokens=args.max_tokens, reps=args.reps)
