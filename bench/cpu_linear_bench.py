@@ -24,7 +24,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from bench.common import table
+from bench.common import save_results, table
 from libs.engine import EngineConfig, LLM, SamplingParams
 from libs.model import cpu_linear
 
@@ -112,14 +112,10 @@ def main() -> None:
         "speedup": round(statistics.median(b) / statistics.median(a), 2), "same_greedy_tokens": same,
         "f_linear_runs": [round(x, 1) for x in a], "packed_runs": [round(x, 1) for x in b],
     }
-    res["load_after"] = os.getloadavg()[0]
     rows = [[k, v["f_linear_ms"], v["packed_ms"], f"{v['speedup']}x"] for k, v in res["linears_of_one_forward"].items()]
     print(table(["rows", "F.linear ms", "packed ms", "speedup"], rows))
     print(json.dumps(res["engine_decode"]))
-    print(f"load average before/after: {res['load_before']:.2f} / {res['load_after']:.2f}")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(res, f, indent=1)
+    save_results(res, args.out)
 
 
 if __name__ == "__main__":

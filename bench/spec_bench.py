@@ -35,7 +35,7 @@ import time
 
 import torch
 
-from bench.common import table
+from bench.common import save_results, table
 from libs.engine import EngineConfig, LLM, SamplingParams
 from libs.engine.spec.proposer import Drafts
 from libs.engine.spec.vocab import DraftVocab, count_generations
@@ -271,15 +271,11 @@ def main() -> None:
                     spec["draft_vocab"] = path
                 name = f"self_draft_L{layers}" + ("_pruned" if pruned else "")
                 record(name, compare(base.loaded, chat[:2] + copy[:2], spec, batch=1, **{**kw, "reps": max(1, args.reps - 1)}))
-    results["load_after"] = os.getloadavg()[0]
     rows = [[k, v["off_tok_s"], v["on_tok_s"], f"{v['speedup']}x", v["mean_acceptance_length"]] for k, v in results.items() if isinstance(v, dict) and "speedup" in v]
     print(table(["case", "off tok/s", "on tok/s", "speedup", "mean acceptance length"], rows))
     if "draft_head_cost" in results:
         print(json.dumps({"vocab": results["vocab"], "draft_head_cost": results["draft_head_cost"]}))
-    print(f"load average before/after: {results['load_before']:.2f} / {results['load_after']:.2f}")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
+    save_results(results, args.out)
 
 
 if __name__ == "__main__":
