@@ -260,16 +260,25 @@ def moe_folder(tmp_path_factory, tokenizer_dir):
     return folder
 
 
-def test_moe_models_run_attention_and_dense_mlps_in_fp8_and_experts_dense(moe_folder, tmp_path):
-    """FP8 covers attention and dense MLPs; MoE experts, shared experts and routers stay in
-    the model's dtype (no FP8 grouped GEMM yet), whether quantized at load or read from an
-    FP8 checkpoint, whose experts are then dequantized."""
+def test_moe_models_run_experts_in_fp8_and_routers_dense(moe_folder, tmp_path):
+    """FP8 covers attention, dense MLPs, the shared expert (Fp8Linear) and the experts
+    (``Fp8Experts``: e4m3 with 128x128 block scales per expert); routers stay in the model's
+    dtype. Quantized at load or read from an FP8 checkpoint in the DeepSeek-V3 /
+    Qwen3-MoE-FP8 layout (per-expert ``experts.{e}.*_proj.weight`` e4m3 + ``weight_scale_inv``,
+    written here by an independent block loop), the experts are the same bytes and the
+    model the same logits."""
+    from libs.model.fp8 import Fp8Experts
+    from libs.model.moe import select_topk
     from libs.model.moe.block import SparseMoeBlock
 
-    fp8 = engine_for(moe_folder, "fp8").loaded.model
+    at_load = engine_for(moe_folder, "fp8")
+    fp8 = at_load.loaded.model
     moe, dense_mlp = fp8.layers[0].mlp, fp8.layers[1].mlp
-    assert isinstance(moe, SparseMoeBlock) and moe.w13.dtype == torch.float32
-    assert type(moe.shared_expert.gate_up_proj) is nn.Linear and type(moe.gate) is nn.Linear
+    assert isinstance(moe, SparseMoeBlock) and isinstance(moe.w13, Fp8Experts) and isinstance(moe.w2, Fp8Experts)
+    assert moe.w13.q.dtype == moe.w2.q.dtype == torch.float8_e4m3fn
+    assert moe.w13.q.shape == (6, 2 * 128, 128) and moe.w2.q.shape == (6, 128, 128)  # I 48 and H 64, each padded
+    assert isinstance(moe.shared_expert.gate_up_proj, Fp8Linear) and isinstance(moe.shared_expert.down_proj, Fp8Linear)
+    assert type(moe.gate) is nn.Linear and type(moe.shared_expert_gate) is nn.Linear
     assert all(isinstance(layer.self_attn.qkv_proj, Fp8Linear) for layer in fp8.layers)
     assert isinstance(dense_mlp.gate_up_proj, Fp8Linear) and isinstance(dense_mlp.down_proj, Fp8Linear)
 
@@ -280,9 +289,19 @@ def test_moe_models_run_attention_and_dense_mlps_in_fp8_and_experts_dense(moe_fo
     llm = engine_for(folder)
     assert llm.namespace.quantization == "fp8"
     model = llm.loaded.model
-    e = 5
-    w13 = torch.cat([meaning[f"model.layers.0.mlp.experts.{e}.{x}_proj"] for x in ("gate", "up")])
-    assert torch.equal(model.layers[0].mlp.w13[e], w13) and torch.equal(model.layers[0].mlp.w2[e], meaning[f"model.layers.0.mlp.experts.{e}.down_proj"])
+    block = model.layers[0].mlp
+    assert isinstance(block.w13, Fp8Experts) and isinstance(block.shared_expert.gate_up_proj, Fp8Linear)
+    for e in range(6):
+        w13 = torch.cat([meaning[f"model.layers.0.mlp.experts.{e}.{x}_proj"] for x in ("gate", "up")])
+        assert torch.equal(block.w13.dequantize()[e], w13) and torch.equal(block.w2.dequantize()[e], meaning[f"model.layers.0.mlp.experts.{e}.down_proj"])
+    assert torch.equal(block.w13.q.view(torch.uint8), moe.w13.q.view(torch.uint8)) and torch.equal(block.w13.scale, moe.w13.scale)
+    assert torch.equal(block.w2.q.view(torch.uint8), moe.w2.q.view(torch.uint8)) and torch.equal(block.w2.scale, moe.w2.scale)
+    # The experts compute the same (the dense layers differ: a checkpoint's q/k/v and the
+    # shared expert's gate/up keep each part's own blocks, quantized at load they are fused).
+    x = torch.randn(9, 64, generator=torch.Generator().manual_seed(0))
+    routing = select_topk(block.gate(x), 2, scoring="softmax", renormalize=False)
+    with torch.no_grad():
+        assert torch.equal(block.run_experts(x, routing), moe.run_experts(x, routing))
     assert isinstance(model.layers[1].mlp.down_proj, Fp8Linear)
     hf = hf_model_with(folder, meaning)
     dense = engine_for(folder, "none")
