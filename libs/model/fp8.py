@@ -267,6 +267,11 @@ class Fp8Experts(_Fp8Module):
         device = device or w.device
         return cls.stack([[Fp8Weight.quantize(p) for p in w[e].to(device=device, dtype=torch.float32).chunk(parts)] for e in range(w.shape[0])])
 
+    def narrow_experts(self, first: int, count: int) -> "Fp8Experts":
+        """Experts ``[first, first + count)``: an expert-parallel rank's share, same bytes."""
+        q = self.q[first:first + count].contiguous()
+        return Fp8Experts(q, self.scale[first:first + count].contiguous(), (count, *self.shape[1:]), self.parts)
+
     def part(self, e: int, i: int) -> Fp8Weight:
         """Expert ``e``'s part ``i`` as a dense-layer ``Fp8Weight`` (views, no copy)."""
         rows = self.q.shape[1] // self.parts

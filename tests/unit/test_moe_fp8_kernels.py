@@ -200,3 +200,83 @@ def test_expert_weights_move_but_are_never_cast():
     experts = Fp8Experts.quantize(rand(2, 64, 64, seed=13))
     holder = torch.nn.ModuleDict({"w": experts}).to(dtype=torch.bfloat16)
     assert holder["w"].q.dtype == FP8_DTYPE and holder["w"].scale.dtype == torch.float32
+
+
+# -- executors and their selection with FP8 experts --------------------------------------------
+
+
+def first_principles(x, routing, w13: Fp8Experts, w2: Fp8Experts) -> torch.Tensor:
+    """Each routed pair by hand: activations quantized and dequantized per token group
+    before each GEMM, the dequantized weights, SwiGLU, the router-weighted sum."""
+    qdq = lambda a: fp8_ref.dequantize_activation(*fp8_ref.per_token_group_quant(a))[:, : a.shape[1]]  # noqa: E731
+    d13, d2 = w13.dequantize(), w2.dequantize()
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for j, e in enumerate(routing.ids[t].tolist()):
+            if 0 <= e < E:
+                h = qdq(x[t : t + 1]) @ d13[e].t()
+                act = torch.nn.functional.silu(h[:, :INTER]) * h[:, INTER:]
+                out[t] += routing.weights[t, j] * (qdq(act) @ d2[e].t())[0]
+    return out
+
+
+@pytest.mark.parametrize("kind", ["uniform", "skewed", "elsewhere"])
+@pytest.mark.parametrize("name", ["contiguous", "masked"])
+def test_grouped_executors_run_fp8_experts(name, kind):
+    from kernels.moe.select import reference_moe_ops, triton_moe_ops
+    from libs.model.moe import executors as ex
+    from libs.model.moe.routing import Routing
+
+    if name == "masked" and kind == "elsewhere":
+        pytest.skip("the masked layout takes local ids only (EP dispatches before it)")
+    x, ids, w13, w2 = problem(21, kind, seed=3 + len(kind))
+    routing = Routing(torch.rand(21, TOP_K, generator=torch.Generator().manual_seed(4)), ids)
+    kind_cls = ex.ContiguousExecutor if name == "contiguous" else ex.MaskedExecutor
+    ref = kind_cls(reference_moe_ops())(x, routing, w13, w2)
+    torch.testing.assert_close(ref, first_principles(x, routing, w13, w2), atol=1e-4, rtol=1e-4)
+    tri = kind_cls(triton_moe_ops())(x, routing, w13, w2)
+    torch.testing.assert_close(tri, ref, atol=1e-4, rtol=1e-4)
+    assert kind_cls(reference_moe_ops())(x[:0], Routing(routing.weights[:0], ids[:0]), w13, w2).shape == (0, H)
+
+
+def test_selection_with_fp8_experts_on_the_cpu():
+    from libs.model.moe import executors as ex
+    from libs.model.moe.strategy import LayerShape, select_executor
+
+    shape, cpu = LayerShape(E, TOP_K, H, INTER), torch.device("cpu")
+    auto = select_executor("auto", cpu, torch.float32, shape, fp8=True)
+    assert auto.executor.name == "contiguous" and "reference FP8" in auto.reason
+    for dense_only in ("loop", "grouped_mm"):
+        sel = select_executor(dense_only, cpu, torch.bfloat16, shape, fp8=True)
+        assert sel.executor.name == "contiguous" and "dense expert weights only" in sel.reason
+    for grouped in ("contiguous", "masked", "hybrid"):
+        sel = select_executor(grouped, cpu, torch.float32, shape, fp8=True)
+        assert sel.executor.name == grouped and sel.executor.runs_fp8
+    x, ids, w13, w2 = problem(3, "uniform", seed=9)
+    from libs.model.moe.routing import Routing
+
+    with pytest.raises(TypeError, match="dense weights only"):
+        ex.LoopExecutor()(x, Routing(torch.ones(3, TOP_K), ids), w13, w2)
+
+
+def test_older_gpus_get_reference_fp8_gemms_with_triton_scatter(monkeypatch):
+    """A CUDA GPU without FP8 tensor cores (SM 8.0): Triton scatter and combine, the
+    reference FP8 GEMMs, and an executor that refuses CUDA-graph capture."""
+    from kernels.moe import select
+    from libs.model.moe import strategy
+    from libs.model.moe.strategy import LayerShape, select_executor
+
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(select, "fp8_gemm_supported", lambda d: False)
+    monkeypatch.setattr(strategy, "fp8_gemm_supported", lambda d: False)
+    monkeypatch.setattr(strategy, "triton_usable", lambda d: True)
+    ops = select.moe_ops_for(cuda, fp8=True)
+    assert ops.scatter_contiguous is select.triton_moe_ops().scatter_contiguous
+    assert ops.grouped_gemm_contiguous_fp8 is select.reference_moe_ops().grouped_gemm_contiguous_fp8
+    sel = select_executor("auto", cuda, torch.bfloat16, LayerShape(E, TOP_K, H, INTER), fp8=True)
+    assert sel.executor.name == "contiguous" and not sel.executor.graph_safe and "SM 8.9" in sel.reason
+    monkeypatch.setattr(select, "fp8_gemm_supported", lambda d: True)
+    monkeypatch.setattr(strategy, "fp8_gemm_supported", lambda d: True)
+    assert select.moe_ops_for(cuda, fp8=True) is select.triton_moe_ops()
+    sel = select_executor("auto", cuda, torch.bfloat16, LayerShape(E, TOP_K, H, INTER), fp8=True)
+    assert sel.executor.name == "hybrid" and sel.executor.graph_safe and "Triton FP8" in sel.reason
