@@ -141,14 +141,16 @@ def check_fused_operands(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, 
 
 
 def check_grouped_operands(
-    a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, n: int, halves: bool
+    a_q: torch.Tensor, a_s: torch.Tensor | None, w_q: torch.Tensor, w_s: torch.Tensor, n: int, halves: bool
 ) -> None:
     """What the grouped expert GEMM (kernels/moe/gemm) assumes, on host metadata only:
     ``w_q [E, N_pad, K_pad]`` as ``check_expert_weight``; with ``halves`` (gate/up fused for
     SwiGLU) its rows are two halves, each padded to 128 on its own, so the up rows start
     at ``N_pad / 2``, on a block edge; ``n`` output columns (per half) fit in them; the
     activations ``a_q [..., K_pad]`` e4m3 (any leading layout: ``[M, K_pad]`` contiguous,
-    ``[E, max_m, K_pad]`` masked) with their per-token-group scales ``[..., K_pad/128]``."""
+    ``[E, max_m, K_pad]`` masked) with their per-token-group scales ``[..., K_pad/128]``,
+    or (``a_s`` None: the GEMM quantizes them itself) unquantized ``[..., K]`` floats whose
+    K pads to ``K_pad``."""
     check_expert_weight(w_q, w_s)
     rows = w_q.shape[1]
     if halves:
@@ -157,19 +159,21 @@ def check_grouped_operands(
         rows //= 2
     if not 1 <= n <= rows:
         _fail(f"n ({n}) must be in 1..{rows} (the expert weight's padded rows{' per half' if halves else ''})")
-    if a_q.dtype != FP8_DTYPE or a_q.dim() < 2:
-        _fail(f"activation must be a {FP8_DTYPE} tensor [..., K_pad], got {a_q.dtype} of shape {tuple(a_q.shape)}")
-    k_pad = a_q.shape[-1]
+    raw = a_s is None
+    if a_q.dim() < 2 or (a_q.dtype == FP8_DTYPE) == raw or not a_q.is_floating_point():
+        what = "an unquantized float tensor [..., K] (no scales given)" if raw else f"a {FP8_DTYPE} tensor [..., K_pad]"
+        _fail(f"activation must be {what}, got {a_q.dtype} of shape {tuple(a_q.shape)}")
+    k_pad = padded(a_q.shape[-1]) if raw else a_q.shape[-1]
     if k_pad != w_q.shape[2]:
-        _fail(f"activation K ({k_pad}) != expert weight K_pad ({w_q.shape[2]}): quantize it with per_token_group_quant, which pads K to {BLOCK}")
+        _fail(f"activation K ({a_q.shape[-1]}) does not match the expert weight's K_pad ({w_q.shape[2]}): quantize it with per_token_group_quant, which pads K to {BLOCK}")
     grid = (*a_q.shape[:-1], k_pad // BLOCK)
-    if a_s.dtype != torch.float32 or tuple(a_s.shape) != grid or not a_s.is_contiguous():
+    if not raw and (a_s.dtype != torch.float32 or tuple(a_s.shape) != grid or not a_s.is_contiguous()):
         _fail(f"activation scale must be contiguous float32 {list(grid)}, got {a_s.dtype} {tuple(a_s.shape)} strides {a_s.stride()}")
     if not a_q.is_contiguous():
         _fail(f"activation must be contiguous, got strides {a_q.stride()}")
-    if a_q.numel():  # an empty tensor's strides mean nothing
+    if a_q.numel() and not raw:  # an empty tensor's strides mean nothing
         _check_rows(a_q, "activation")
-    if a_q.device != w_q.device or a_s.device != w_q.device or w_s.device != w_q.device:
+    if a_q.device != w_q.device or (not raw and a_s.device != w_q.device) or w_s.device != w_q.device:
         _fail("activation, expert weights and their scales must be on one device")
 
 

@@ -93,9 +93,11 @@ def test_fp8_grouped_gemms_equal_reference(layer, num_tokens, fuse):
     m_q, m_s = m_q.view(e, max_m, -1), m_s.view(e, max_m, -1)
     ref = gemm_ref.grouped_gemm_masked_fp8(m_q, m_s, w.q, w.scale, masked.counts, n=n, fuse_silu_and_mul=fuse, out_dtype=torch.bfloat16)
     tri = gemm_tri.grouped_gemm_masked_fp8(m_q, m_s, w.q, w.scale, masked.counts, n=n, fuse_silu_and_mul=fuse, out_dtype=torch.bfloat16)
+    raw = gemm_tri.grouped_gemm_masked_fp8(masked.x, None, w.q, w.scale, masked.counts, n=n, fuse_silu_and_mul=fuse, out_dtype=torch.bfloat16)
     for i, c in enumerate(masked.counts.tolist()):
         if c:
             assert _rel_err(tri[i, :c], ref[i, :c]) < 1e-2
+            assert torch.equal(raw[i, :c], tri[i, :c])  # quantized inside the GEMM: the same bits
 
 
 @pytest.mark.parametrize("name", ["auto", "contiguous", "masked", "hybrid"])

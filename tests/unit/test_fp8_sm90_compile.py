@@ -48,4 +48,6 @@ def test_fp8_kernels_compile_for_sm90():
     # pipelined for 64- and 128-row tiles, mma.sync for the masked layout's 16-row decode tiles.
     for name in ("grouped contiguous fused", "grouped contiguous"):
         assert got[name]["wgmma"] > 0 and got[name]["cp_async"] > 0, (name, got[name])
-    assert got["grouped masked fused"]["mma_sync"] > 0
+    masked16, masked64 = got["grouped masked fused"], got["grouped masked 64"]  # both quantize their rows inside
+    assert masked16["mma_sync"] > 0 and masked16["div_rn"] > 0
+    assert masked64["wgmma"] > 0 and masked64["div_rn"] > 0

@@ -112,6 +112,28 @@ def test_masked_fp8_triton_matches_reference(num_tokens, kind, fuse, block_m):
             assert ((tri[e, :c] - ref[e, :c]).abs() <= tol).all(), (e, (tri[e, :c] - ref[e, :c]).abs().max())
 
 
+@pytest.mark.parametrize("masked", [False, True], ids=["contiguous", "masked"])
+def test_quantization_inside_the_gemm_is_bit_identical(masked):
+    """``a_s=None``: the GEMM quantizes the unquantized rows it reads (in registers, with the
+    quantization kernel's arithmetic): the very bits of quantizing first, then the GEMM."""
+    x, ids, w13, _ = problem(29, "skewed", seed=8)
+    for impl in (gemm_tri, gemm_ref):
+        if masked:
+            layout = scatter_ref.scatter_masked(x, ids, E)
+            q, s = quantized_rows(layout.x)
+            a_q, a_s = q.view(E, 29, -1), s.view(E, 29, -1)
+            pre = impl.grouped_gemm_masked_fp8(a_q, a_s, w13.q, w13.scale, layout.counts, n=INTER, fuse_silu_and_mul=True)
+            raw = impl.grouped_gemm_masked_fp8(layout.x, None, w13.q, w13.scale, layout.counts, n=INTER, fuse_silu_and_mul=True)
+            used = torch.arange(29)[None, :] < layout.counts[:, None]
+        else:
+            layout = scatter_ref.scatter_contiguous(x, ids, E, BLOCK_M)
+            a_q, a_s = quantized_rows(layout.x)
+            pre = impl.grouped_gemm_contiguous_fp8(a_q, a_s, w13.q, w13.scale, layout.m_indices, BLOCK_M, n=INTER, fuse_silu_and_mul=True)
+            raw = impl.grouped_gemm_contiguous_fp8(layout.x, None, w13.q, w13.scale, layout.m_indices, BLOCK_M, n=INTER, fuse_silu_and_mul=True)
+            used = layout.m_indices >= 0
+        assert used.any() and torch.equal(pre[used], raw[used]), impl.__name__
+
+
 def test_reference_within_e4m3_bound_of_the_exact_product():
     x, ids, _, _ = problem(29, "uniform", seed=5)
     w = rand(E, INTER, H, seed=6) * 0.05
@@ -152,8 +174,12 @@ def test_operands_are_checked_with_clear_errors(impl):
         run(a_q, a_s, w13.q, w13.scale[:, :1], m_idx, BLOCK_M, n=INTER, fuse_silu_and_mul=True)
     with pytest.raises(Fp8AlignmentError, match="3-D"):
         run(a_q, a_s, w13.q[0], w13.scale[0], m_idx, BLOCK_M, n=INTER, fuse_silu_and_mul=True)
-    with pytest.raises(Fp8AlignmentError, match="activation must be"):
+    with pytest.raises(Fp8AlignmentError, match="activation must be a torch.float8"):
         run(a_q.float(), a_s, w13.q, w13.scale, m_idx, BLOCK_M, n=INTER, fuse_silu_and_mul=True)
+    with pytest.raises(Fp8AlignmentError, match="unquantized float tensor"):  # no scales: the GEMM quantizes
+        run(a_q, None, w13.q, w13.scale, m_idx, BLOCK_M, n=INTER, fuse_silu_and_mul=True)
+    with pytest.raises(Fp8AlignmentError, match="K_pad"):
+        run(torch.randn(32, 300), None, w13.q, w13.scale, m_idx, BLOCK_M, n=INTER, fuse_silu_and_mul=True)
     with pytest.raises(ValueError, match="multiple of block_m"):
         run(a_q[:20], a_s[:20], w13.q, w13.scale, m_idx[:20], BLOCK_M, n=INTER, fuse_silu_and_mul=True)
 

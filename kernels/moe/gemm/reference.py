@@ -23,7 +23,9 @@ with ``a_s [.., K_pad/128]``. ``n`` is the output width (per half when fused: ga
 ``[0, n)``, up rows ``[N_pad/2, N_pad/2 + n)``, each half padded to 128 on its own). The
 reference dequantizes both to fp32 and multiplies (the definition the Triton kernel is
 tested against, and the path off FP8 tensor cores); the product is rounded to
-``out_dtype`` before SwiGLU, as in the dense GEMMs.
+``out_dtype`` before SwiGLU, as in the dense GEMMs. ``a_s=None``: ``a_q`` holds the
+unquantized activations ``[.., K]`` and the GEMM quantizes them itself, per token group,
+with the same arithmetic (the Triton kernel in registers, for the rows it reads).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import torch.nn.functional as F
 
 from kernels.activation.reference import silu_and_mul
 from kernels.fp8.layout import check_grouped_operands
-from kernels.fp8.reference import dequantize_activation, dequantize_weight
+from kernels.fp8.reference import dequantize_activation, dequantize_weight, per_token_group_quant
 
 
 def check_gemm_inputs(a: torch.Tensor, w: torch.Tensor, fuse_silu_and_mul: bool) -> int:
@@ -94,13 +96,13 @@ def grouped_gemm_masked(
 # -- FP8 -------------------------------------------------------------------------------------
 
 
-def check_contiguous_fp8(a_q, a_s, w_q, w_s, m_indices: torch.Tensor, block_m: int, n: int, fuse_silu_and_mul: bool) -> None:
+def check_contiguous_fp8(a_q, a_s: torch.Tensor | None, w_q, w_s, m_indices: torch.Tensor, block_m: int, n: int, fuse_silu_and_mul: bool) -> None:
     check_grouped_operands(a_q, a_s, w_q, w_s, n, fuse_silu_and_mul)
     check_contiguous(a_q, m_indices, block_m)
 
 
-def check_masked_fp8(a_q, a_s, w_q, w_s, counts: torch.Tensor, n: int, fuse_silu_and_mul: bool) -> tuple[int, int, int]:
-    """``(E, max_m, K_pad)``."""
+def check_masked_fp8(a_q, a_s: torch.Tensor | None, w_q, w_s, counts: torch.Tensor, n: int, fuse_silu_and_mul: bool) -> tuple[int, int, int]:
+    """``a_q``'s ``(E, max_m, K)``."""
     check_grouped_operands(a_q, a_s, w_q, w_s, n, fuse_silu_and_mul)
     check_masked(a_q, w_q, counts)
     return a_q.shape
@@ -121,6 +123,8 @@ def grouped_gemm_contiguous_fp8(
 ) -> torch.Tensor:
     """``c [M, n]``: row ``r`` times expert ``m_indices[r]``'s dequantized weight."""
     check_contiguous_fp8(a_q, a_s, w_q, w_s, m_indices, block_m, n, fuse_silu_and_mul)
+    if a_s is None:
+        a_q, a_s = per_token_group_quant(a_q)
     a = dequantize_activation(a_q, a_s)
     c = torch.zeros((a.shape[0], n), dtype=out_dtype, device=a.device)
     for e in torch.unique(m_indices[m_indices >= 0]).tolist():
@@ -135,12 +139,14 @@ def grouped_gemm_masked_fp8(
 ) -> torch.Tensor:
     """``c [E, max_m, n]``: the first ``counts[e]`` rows of ``a_q[e]`` times expert ``e``
     (the contiguous reference on the flattened rows, those past a count marked padding)."""
-    num_experts, max_m, k_pad = check_masked_fp8(a_q, a_s, w_q, w_s, counts, n, fuse_silu_and_mul)
+    num_experts, max_m, k = check_masked_fp8(a_q, a_s, w_q, w_s, counts, n, fuse_silu_and_mul)
+    if a_s is None:
+        a_q, a_s = per_token_group_quant(a_q.reshape(num_experts * max_m, k))
     rows = torch.arange(max_m, device=a_q.device)
     owner = torch.arange(num_experts, device=a_q.device)[:, None].expand(num_experts, max_m)
     m_indices = torch.where(rows[None, :] < counts[:, None], owner, -1).reshape(-1)
     c = grouped_gemm_contiguous_fp8(
-        a_q.reshape(-1, k_pad), a_s.reshape(-1, a_s.shape[-1]), w_q, w_s, m_indices, 1,
+        a_q.reshape(num_experts * max_m, a_q.shape[-1]), a_s.reshape(num_experts * max_m, a_s.shape[-1]), w_q, w_s, m_indices, 1,
         n=n, fuse_silu_and_mul=fuse_silu_and_mul, out_dtype=out_dtype,
     )
     return c.view(num_experts, max_m, n)

@@ -26,7 +26,12 @@ offset need not be a tile multiple): the step's MMA partial sum (fp32 out) is sc
 added to the fp32 accumulator, as in the dense FP8 GEMM (kernels/fp8/triton_gemm.py). The
 fused SwiGLU's up rows start at ``up_offset`` (``N_pad / 2`` for FP8, where each half is
 padded on its own; ``N`` for the dense weights). Loads of padding rows are masked, so
-neither undefined activation bytes nor their scales enter a product.
+neither undefined activation bytes nor their scales enter a product. ``A_RAW`` (the
+wrappers' ``a_s=None``): the activations arrive unquantized and each program quantizes the
+``[BLOCK_M, 128]`` group it reads in registers with kernels/fp8's ``quantize_groups`` (the
+quantization kernel's own arithmetic, so the bits are the same): no separate launch, and
+in the masked layout only busy experts' rows are quantized, not the whole ``[E, max_m, K]``
+buffer; every N tile re-quantizes its rows, cheap for decode-sized batches.
 
 fp32 inputs are multiplied in IEEE fp32 (not TF32), so they match the reference to
 summation order. Block sizes come from ``gemm_config``, a heuristic: it has not been tuned
@@ -43,7 +48,8 @@ import triton
 import triton.language as tl
 
 from kernels.fp8.layout import BLOCK as FP8_BLOCK
-from kernels.fp8.layout import FP8_DTYPE
+from kernels.fp8.layout import E4M3_MAX, FP8_DTYPE, FP32_MAX, SCALE_EPS
+from kernels.fp8.triton_quant import quantize_groups
 from kernels.moe.gemm.reference import check_contiguous, check_contiguous_fp8, check_gemm_inputs, check_masked, check_masked_fp8
 
 
@@ -72,10 +78,10 @@ def gemm_config(block_m: int, n: int, k: int, fuse_silu_and_mul: bool, dtype: to
 @triton.jit
 def _grouped_gemm_kernel(
     a_ptr, w_ptr, c_ptr, m_indices_ptr, counts_ptr, as_ptr, ws_ptr,
-    num_row_tiles, n_out, k_dim, max_m, up_offset,
+    num_row_tiles, n_out, k_dim, max_m, up_offset, a_k,
     stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_cm, stride_cn,
-    stride_asm, stride_wse, stride_wsn,
-    MASKED: tl.constexpr, FUSE_SILU: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr,
+    stride_asm, stride_wse, stride_wsn, eps, fp32_max, fp8_max,
+    MASKED: tl.constexpr, FUSE_SILU: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr, A_RAW: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -120,9 +126,14 @@ def _grouped_gemm_kernel(
     for k0 in range(0, k_dim, BLOCK_K):
         if FP8:  # K is padded to whole 128-blocks: no K mask
             kb = k0 // BLOCK_K
-            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+            if A_RAW:  # unquantized rows of a_k columns: quantized here, one group per step
+                a_raw = tl.load(a_ptrs, mask=row_ok[:, None] & (offs_k < a_k - k0)[None, :], other=0.0).to(tl.float32)
+                a_grid, a_s = quantize_groups(a_raw, 1, eps, fp32_max, fp8_max)
+                a = a_grid.to(tl.float8e4nv)  # exact: the values are on e4m3's grid
+            else:
+                a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+                a_s = tl.load(as_ptrs + kb, mask=row_ok, other=0.0)
             w = tl.load(w_ptrs, mask=col_ok[None, :], other=0.0)
-            a_s = tl.load(as_ptrs + kb, mask=row_ok, other=0.0)
             w_s = tl.load(ws_ptrs + kb, mask=col_ok, other=0.0)
             acc += tl.dot(a, w, out_dtype=tl.float32) * a_s[:, None] * w_s[None, :]
             if FUSE_SILU:
@@ -156,17 +167,20 @@ def _launch(
     a2d, w, c2d, m_indices, counts, num_row_tiles, max_m, n_out, masked, fuse, cfg: GemmConfig,
     scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
-    """``scales``: FP8 operands' ``(a_s [rows, K_pad/128], w_s [E, N_pad/128, K_pad/128])``."""
+    """``scales``: FP8 operands' ``(a_s [rows, K_pad/128], w_s [E, N_pad/128, K_pad/128])``;
+    ``a_s`` None: ``a2d`` is unquantized and the kernel quantizes it."""
     grid = (num_row_tiles * triton.cdiv(n_out, cfg.block_n),)
     fp8 = scales is not None
-    a_s, w_s = scales if fp8 else (a2d, w)  # unread without FP8
+    a_s, w_s = scales if fp8 else (None, w)
+    raw = fp8 and a_s is None
+    a_s = a2d if a_s is None else a_s  # unread without pre-quantized FP8 activations
     up_offset = w.shape[1] // 2 if fp8 else n_out
     _grouped_gemm_kernel[grid](
         a2d, w, c2d, m_indices, counts, a_s, w_s,
-        num_row_tiles, n_out, w.shape[2], max_m, up_offset,
+        num_row_tiles, n_out, w.shape[2], max_m, up_offset, a2d.shape[1],
         a2d.stride(0), a2d.stride(1), w.stride(0), w.stride(1), w.stride(2), c2d.stride(0), c2d.stride(1),
-        a_s.stride(0) if fp8 else 0, w_s.stride(0) if fp8 else 0, w_s.stride(1) if fp8 else 0,
-        MASKED=masked, FUSE_SILU=fuse, PRECISION="ieee" if a2d.dtype == torch.float32 else "tf32", FP8=fp8,
+        a_s.stride(0) if fp8 else 0, w_s.stride(0) if fp8 else 0, w_s.stride(1) if fp8 else 0, SCALE_EPS, FP32_MAX, E4M3_MAX,
+        MASKED=masked, FUSE_SILU=fuse, PRECISION="ieee" if a2d.dtype == torch.float32 else "tf32", FP8=fp8, A_RAW=raw,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
@@ -212,7 +226,7 @@ def grouped_gemm_contiguous_fp8(
     c = torch.empty((a_q.shape[0], n), dtype=out_dtype, device=a_q.device)
     if a_q.shape[0] == 0:
         return c
-    cfg = gemm_config(block_m, n, w_q.shape[2], fuse_silu_and_mul, FP8_DTYPE)
+    cfg = gemm_config(block_m, n, w_q.shape[2], fuse_silu_and_mul, FP8_DTYPE)  # a_s None: a_q is unquantized
     _launch(a_q, w_q, c, m_indices.to(torch.int32), m_indices, a_q.shape[0] // block_m, 0, n, False, fuse_silu_and_mul, cfg, (a_s, w_s))
     return c
 
@@ -221,16 +235,17 @@ def grouped_gemm_masked_fp8(
     a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, counts: torch.Tensor,
     *, n: int, fuse_silu_and_mul: bool = False, out_dtype: torch.dtype = torch.float32, block_m: int | None = None,
 ) -> torch.Tensor:
-    """``block_m``: as in ``grouped_gemm_masked``."""
-    num_experts, max_m, k_pad = check_masked_fp8(a_q, a_s, w_q, w_s, counts, n, fuse_silu_and_mul)
+    """``block_m``: as in ``grouped_gemm_masked``. ``a_s`` None: ``a_q`` is unquantized and
+    each program quantizes the rows it reads (busy experts' rows only, not the layout's)."""
+    num_experts, max_m, k = check_masked_fp8(a_q, a_s, w_q, w_s, counts, n, fuse_silu_and_mul)
     c = torch.empty((num_experts, max_m, n), dtype=out_dtype, device=a_q.device)
     if max_m == 0:
         return c
     block_m = min(64, max(16, triton.next_power_of_2(block_m or max_m)))
-    cfg = gemm_config(block_m, n, k_pad, fuse_silu_and_mul, FP8_DTYPE)
+    cfg = gemm_config(block_m, n, w_q.shape[2], fuse_silu_and_mul, FP8_DTYPE)
     rows = num_experts * max_m
     _launch(
-        a_q.view(rows, k_pad), w_q, c.view(rows, n), counts, counts.to(torch.int32), num_experts * triton.cdiv(max_m, block_m),
-        max_m, n, True, fuse_silu_and_mul, cfg, (a_s.view(rows, -1), w_s),
+        a_q.view(rows, k), w_q, c.view(rows, n), counts, counts.to(torch.int32), num_experts * triton.cdiv(max_m, block_m),
+        max_m, n, True, fuse_silu_and_mul, cfg, (None if a_s is None else a_s.view(rows, -1), w_s),
     )
     return c

@@ -21,7 +21,7 @@ and contribute nothing. They differ in how the rows reach the GEMMs:
 **FP8 experts.** ``w13``/``w2`` may be ``Fp8Experts`` (libs/model/fp8.py: e4m3 with
 128x128 block scales per expert) instead of tensors. The grouped executors then quantize
 each GEMM's activations per token and group of 128 (``ops.per_token_group_quant``, after
-the scatter, so both layouts' rows are quantized as they are read) and run the FP8 grouped
+the scatter; the masked layout's inside the GEMM) and run the FP8 grouped
 GEMMs (``gemm_contiguous`` / ``gemm_masked`` pick by the weights' type); the output is in
 the activations' dtype. ``loop`` and ``grouped_mm`` run dense weights only (``runs_fp8``).
 
@@ -83,11 +83,10 @@ def gemm_masked(ops: SimpleNamespace, a: torch.Tensor, w, counts: torch.Tensor, 
     """The masked grouped GEMM for dense ``w [E, N, K]`` or ``Fp8Experts``."""
     if isinstance(w, torch.Tensor):
         return ops.grouped_gemm_masked(a, w, counts, fuse_silu_and_mul=fuse_silu_and_mul, block_m=block_m)
-    num_experts, max_m, k = a.shape
-    a_q, a_s = ops.per_token_group_quant(a.reshape(num_experts * max_m, k))
+    # The GEMM quantizes the rows it reads (a_s=None): the masked buffer's [E, max_m, K] is
+    # mostly rows past the counts, which a separate quantization pass would read whole.
     return ops.grouped_gemm_masked_fp8(
-        a_q.view(num_experts, max_m, -1), a_s.view(num_experts, max_m, -1), w.q, w.scale, counts,
-        n=_width(w, fuse_silu_and_mul), fuse_silu_and_mul=fuse_silu_and_mul, out_dtype=a.dtype, block_m=block_m,
+        a, None, w.q, w.scale, counts, n=_width(w, fuse_silu_and_mul), fuse_silu_and_mul=fuse_silu_and_mul, out_dtype=a.dtype, block_m=block_m,
     )
 
 
