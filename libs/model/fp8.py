@@ -29,7 +29,10 @@ weight keeps gate and up as two halves, each padded to 128 on its own (a checkpo
 block grids, unchanged): the up rows start at ``N_pad / 2``, on a block edge. They run
 through the grouped FP8 GEMMs of kernels/moe/gemm (Triton on FP8 tensor cores, the
 dequantize-then-matmul reference elsewhere) chosen by libs/model/moe/strategy.py; under
-expert parallelism each rank stacks only its own experts.
+expert parallelism each rank stacks only its own experts. Unlike ``Fp8Linear``, the
+reference path does not cache dense experts (that would hold the layer twice): it
+dequantizes each busy expert at each call, which is fine for tests and tiny models and
+slow for real MoE models on the CPU.
 
 Fused projections (q/k/v, gate/up) concatenate their parts along N. Quantized at load,
 the fused matrix is quantized as one. From a checkpoint, each part arrives with its own
