@@ -11,6 +11,9 @@ as DeepSeek-V3 / vLLM store them (``weight`` e4m3 + ``weight_scale_inv``, config
   ``ignored_layers`` entry);
 - aligned (every dimension a multiple of 128): what transformers' own FineGrainedFP8
   reader handles, so it serves as an independent reader of the same files.
+
+And MoE checkpoints (Qwen2-MoE with a shared expert, Mixtral's w1/w2/w3 names) whose
+per-expert weights are stored the same way: their experts load as FP8 (``Fp8Experts``).
 """
 
 from __future__ import annotations
@@ -308,3 +311,26 @@ def test_moe_models_run_experts_in_fp8_and_routers_dense(moe_folder, tmp_path):
     for ids in prompts()[:2]:
         assert torch.allclose(dense.first_step_logits(ids), hf_first_logits(hf, ids), atol=1e-4, rtol=0)
         assert llm.generate([ids], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0].token_ids
+
+
+def test_mixtral_fp8_checkpoint_keeps_its_experts_in_fp8(tokenizer_dir, tmp_path):
+    """Mixtral names its experts ``block_sparse_moe.experts.{e}.w1/w3/w2`` (gate, up, down):
+    read as FP8, with an intermediate size (96) that leaves each half of the fused gate/up
+    padded on its own, and the same bytes as quantizing the float checkpoint at load."""
+    from libs.model.fp8 import Fp8Experts
+    from tests.unit.test_moe_models import CASES
+
+    folder = tmp_path / "mixtral"
+    write_checkpoint(*CASES["mixtral"], folder, tokenizer_dir)
+    at_load = engine_for(folder, "fp8").loaded.model.layers[1].mlp
+    meaning = quantize_checkpoint(folder)
+    llm = engine_for(folder)
+    block = llm.loaded.model.layers[1].mlp
+    assert isinstance(block.w13, Fp8Experts) and block.w13.q.shape == (4, 2 * 128, 128) and block.w2.q.shape == (4, 128, 128)
+    dense13, dense2 = block.w13.dequantize(), block.w2.dequantize()
+    for e in range(4):
+        p = f"model.layers.1.block_sparse_moe.experts.{e}."
+        assert torch.equal(dense13[e], torch.cat([meaning[p + "w1"], meaning[p + "w3"]])) and torch.equal(dense2[e], meaning[p + "w2"])
+    assert torch.equal(block.w13.q.view(torch.uint8), at_load.w13.q.view(torch.uint8)) and torch.equal(block.w2.scale, at_load.w2.scale)
+    assert type(block.gate) is nn.Linear
+    assert llm.generate([prompts()[0]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0].token_ids
