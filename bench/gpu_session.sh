@@ -9,6 +9,7 @@
 #
 #   bench/gpu_session.sh tests pd pool          # issue 8 and the GPU test suite
 #   bench/gpu_session.sh fp8 moe                # FP8 tuning/GEMM/decode (~5 min), MoE executors
+#   bench/gpu_session.sh moe_fp8                # issue 13's FP8 experts: tests/gpu/test_moe_fp8_gpu.py, bench.moe_fp8_bench (~5-7 min)
 #   bench/gpu_session.sh engine                 # issue 10: the engine's GPU tests and benchmarks
 #   QUICK=1 bench/gpu_session.sh engine         # the same, benchmarks shortened (--quick)
 #   bench/gpu_session.sh tp                     # issue 15 on nvidia-h200-x2: the TP GPU tests
@@ -61,6 +62,10 @@ for s in "$@"; do
                 --prefill-chunks 512,2048 --out bench/results/gpu_pd_h100_r2.json ;;
         moe) step moe 240 python3 -m bench.moe_bench --write-thresholds --reps 5 --warmup 2 \
                 --out bench/results/moe_bench_h100.json --markdown bench/results/moe_bench_h100.md ;;
+        moe_fp8) # FP8 experts: the GPU tests, then FP8 vs bf16 grouped GEMMs and layers
+             step moe_fp8_tests 240 python3 -m pytest -v -p no:cacheprovider --timeout 120 --durations=15 tests/gpu/test_moe_fp8_gpu.py
+             step moe_fp8 300 python3 -m bench.moe_fp8_bench --reps 5 --warmup 2 \
+                --out bench/results/moe_fp8_h100.json --markdown bench/results/moe_fp8_h100.md ;;
         engine) step engine_tests 240 python3 -m pytest -v -p no:cacheprovider --timeout 120 --durations=15 -k engine \
                     tests/gpu/test_engine_gpu.py tests/gpu/test_moe_gpu.py tests/gpu/test_fp8_gpu.py
                 step gpu_engine 300 python3 -m bench.gpu_engine ${QUICK:+--quick} --out bench/results/gpu_engine_h100.json

@@ -89,6 +89,8 @@ BENCHES = [
           what="FP8 GEMM (swap-AB, normal) vs torch._scaled_mm and bf16"),
     Bench("fp8_decode", ["-m", "bench.fp8_decode_bench", "--out", "{out}/fp8_decode.json"], 300, gpu=True,
           what="decode ms/step, Llama-3.2-1B shape, FP8 vs bf16"),
+    Bench("moe_fp8", ["-m", "bench.moe_fp8_bench", "--out", "{out}/moe_fp8.json"], 600, gpu=True,
+          what="FP8 MoE experts (grouped GEMMs and the layer) vs bf16 ours and torch._grouped_mm"),
 ]
 
 

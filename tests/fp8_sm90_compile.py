@@ -69,9 +69,39 @@ def quant() -> dict:
     return stats(kernel)
 
 
+# The MoE grouped GEMM's FP8 mode (kernels/moe/gemm/triton_gemm.py): (masked, fused SwiGLU, BLOCK_M).
+# (masked, fused SwiGLU, BLOCK_M, quantization inside the GEMM)
+GROUPED = {
+    "grouped contiguous fused": (False, True, 64, False), "grouped contiguous": (False, False, 128, False),
+    "grouped masked fused": (True, True, 16, True), "grouped masked 64": (True, False, 64, True),
+}
+GROUPED_DIV16 = ("a_ptr", "w_ptr", "c_ptr", "m_indices_ptr", "counts_ptr", "as_ptr", "ws_ptr", "k_dim", "up_offset", "a_k",
+                 "stride_am", "stride_we", "stride_wn", "stride_cm")
+
+
+def grouped(masked: bool, fuse: bool, block_m: int, a_raw: bool) -> dict:
+    from kernels.fp8.layout import FP8_DTYPE
+    from kernels.moe.gemm.triton_gemm import _grouped_gemm_kernel, gemm_config
+
+    fn = _grouped_gemm_kernel
+    cfg = gemm_config(block_m, 4096, 4096, fuse, FP8_DTYPE)
+    sig = dict.fromkeys(fn.arg_names, "i32")
+    sig.update(a_ptr="*bf16" if a_raw else "*fp8e4nv", w_ptr="*fp8e4nv", c_ptr="*bf16", m_indices_ptr="*i32", counts_ptr="*i32",
+               as_ptr="*fp32", ws_ptr="*fp32", eps="fp32", fp32_max="fp32", fp8_max="fp32")
+    consts = dict(MASKED=masked, FUSE_SILU=fuse, PRECISION="tf32", FP8=True, A_RAW=a_raw, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m)
+    sig.update(dict.fromkeys(consts, "constexpr"))
+    consts.update(stride_ak=1, stride_wk=1, stride_cn=1)  # a launch specializes unit strides so
+    sig.update(stride_ak="constexpr", stride_wk="constexpr", stride_cn="constexpr")
+    attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in GROUPED_DIV16}
+    kernel = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=TARGET,
+                            options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+    return stats(kernel)
+
+
 def main() -> None:
     out = {name: gemm(plan) for name, plan in PLANS.items()}
     out["quant"] = quant()
+    out.update({name: grouped(*args) for name, args in GROUPED.items()})
     print(json.dumps(out))
 
 

@@ -69,12 +69,25 @@ def check_weight(q: torch.Tensor, scale: torch.Tensor) -> None:
     """A padded block-quantized weight: ``q [N_pad, K_pad]`` e4m3, ``scale`` fp32 per block."""
     if q.dtype != FP8_DTYPE or q.dim() != 2:
         _fail(f"weight must be a 2-D {FP8_DTYPE} tensor, got {q.dtype} of shape {tuple(q.shape)}")
-    n_pad, k_pad = q.shape
+    _check_blocks(q, scale, "weight")
+
+
+def check_expert_weight(q: torch.Tensor, scale: torch.Tensor) -> None:
+    """Stacked experts' padded weights: ``q [E, N_pad, K_pad]`` e4m3, each expert with its
+    own fp32 block scales ``scale [E, N_pad/128, K_pad/128]`` (the dense format, per expert)."""
+    if q.dtype != FP8_DTYPE or q.dim() != 3:
+        _fail(f"expert weights must be a 3-D {FP8_DTYPE} tensor [E, N_pad, K_pad], got {q.dtype} of shape {tuple(q.shape)}")
+    _check_blocks(q, scale, "expert weight")
+
+
+def _check_blocks(q: torch.Tensor, scale: torch.Tensor, name: str) -> None:
+    *lead, n_pad, k_pad = q.shape
     if n_pad % BLOCK or k_pad % BLOCK or n_pad == 0 or k_pad == 0:
-        _fail(f"weight shape {tuple(q.shape)} is not padded to multiples of {BLOCK} (pad with zeros when loading)")
-    if scale.dtype != torch.float32 or tuple(scale.shape) != (n_pad // BLOCK, k_pad // BLOCK) or scale.stride(1) != 1:
-        _fail(f"weight scale must be float32 [{n_pad // BLOCK}, {k_pad // BLOCK}] with unit column stride, got {scale.dtype} {tuple(scale.shape)} strides {scale.stride()}")
-    _check_rows(q, "weight")
+        _fail(f"{name} shape {tuple(q.shape)} is not padded to multiples of {BLOCK} (pad with zeros when loading)")
+    grid = (*lead, n_pad // BLOCK, k_pad // BLOCK)
+    if scale.dtype != torch.float32 or tuple(scale.shape) != grid or scale.stride(-1) != 1:
+        _fail(f"{name} scale must be float32 {list(grid)} with unit column stride, got {scale.dtype} {tuple(scale.shape)} strides {scale.stride()}")
+    _check_rows(q, name)
 
 
 def check_activation(x: torch.Tensor, row_multiple: int) -> None:
@@ -127,6 +140,43 @@ def check_fused_operands(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, 
         _fail("activation, weight and its scales must be on one device")
 
 
+def check_grouped_operands(
+    a_q: torch.Tensor, a_s: torch.Tensor | None, w_q: torch.Tensor, w_s: torch.Tensor, n: int, halves: bool
+) -> None:
+    """What the grouped expert GEMM (kernels/moe/gemm) assumes, on host metadata only:
+    ``w_q [E, N_pad, K_pad]`` as ``check_expert_weight``; with ``halves`` (gate/up fused for
+    SwiGLU) its rows are two halves, each padded to 128 on its own, so the up rows start
+    at ``N_pad / 2``, on a block edge; ``n`` output columns (per half) fit in them; the
+    activations ``a_q [..., K_pad]`` e4m3 (any leading layout: ``[M, K_pad]`` contiguous,
+    ``[E, max_m, K_pad]`` masked) with their per-token-group scales ``[..., K_pad/128]``,
+    or (``a_s`` None: the GEMM quantizes them itself) unquantized ``[..., K]`` floats whose
+    K pads to ``K_pad``."""
+    check_expert_weight(w_q, w_s)
+    rows = w_q.shape[1]
+    if halves:
+        if rows % (2 * BLOCK):
+            _fail(f"fused gate/up expert weights need two halves each padded to {BLOCK} rows, got {rows} rows")
+        rows //= 2
+    if not 1 <= n <= rows:
+        _fail(f"n ({n}) must be in 1..{rows} (the expert weight's padded rows{' per half' if halves else ''})")
+    raw = a_s is None
+    if a_q.dim() < 2 or (a_q.dtype == FP8_DTYPE) == raw or not a_q.is_floating_point():
+        what = "an unquantized float tensor [..., K] (no scales given)" if raw else f"a {FP8_DTYPE} tensor [..., K_pad]"
+        _fail(f"activation must be {what}, got {a_q.dtype} of shape {tuple(a_q.shape)}")
+    k_pad = padded(a_q.shape[-1]) if raw else a_q.shape[-1]
+    if k_pad != w_q.shape[2]:
+        _fail(f"activation K ({a_q.shape[-1]}) does not match the expert weight's K_pad ({w_q.shape[2]}): quantize it with per_token_group_quant, which pads K to {BLOCK}")
+    grid = (*a_q.shape[:-1], k_pad // BLOCK)
+    if not raw and (a_s.dtype != torch.float32 or tuple(a_s.shape) != grid or not a_s.is_contiguous()):
+        _fail(f"activation scale must be contiguous float32 {list(grid)}, got {a_s.dtype} {tuple(a_s.shape)} strides {a_s.stride()}")
+    if not a_q.is_contiguous():
+        _fail(f"activation must be contiguous, got strides {a_q.stride()}")
+    if a_q.numel() and not raw:  # an empty tensor's strides mean nothing
+        _check_rows(a_q, "activation")
+    if a_q.device != w_q.device or (not raw and a_s.device != w_q.device) or w_s.device != w_q.device:
+        _fail("activation, expert weights and their scales must be on one device")
+
+
 def _check_plan_fits_weight(w_q: torch.Tensor, n: int, plan: "GemmPlan") -> None:
     if not 1 <= n <= w_q.shape[0]:
         _fail(f"n ({n}) must be in 1..{w_q.shape[0]} (the weight's padded rows)")
@@ -136,5 +186,5 @@ def _check_plan_fits_weight(w_q: torch.Tensor, n: int, plan: "GemmPlan") -> None
 
 def _check_rows(t: torch.Tensor, name: str) -> None:
     """Rows must be contiguous along K and start 16-byte aligned (TMA's and vector loads')."""
-    if t.stride(1) != 1 or t.stride(0) % 16 or t.data_ptr() % 16:
+    if t.stride(-1) != 1 or any(st % 16 for st in t.stride()[:-1]) or t.data_ptr() % 16:
         _fail(f"{name} rows must be contiguous and 16-byte aligned, got strides {t.stride()} at offset {t.data_ptr() % 16}")

@@ -15,11 +15,24 @@ it two ways, with the same weights:
   is computed once and cached in the compute dtype (the "dequantize-then-matmul" path).
   So CPU runs see FP8's error where the GPU does, and CPU tests exercise the format.
 
-Which projections: q/k/v and o of every decoder layer and gate/up and down of every dense
-MLP (vLLM's default for FP8 checkpoints). The embeddings and the LM head stay in the
-model's dtype, and so do MoE blocks (experts, shared expert, router): FP8 experts need
-FP8 grouped GEMMs (kernels/moe) that do not exist yet, so an FP8 MoE checkpoint's experts
-are dequantized at load.
+Which projections: q/k/v and o of every decoder layer, gate/up and down of every dense
+MLP, MoE shared experts included (vLLM's default for FP8 checkpoints), and the MoE
+experts. The embeddings, the LM head and MoE routers stay in the model's dtype (a router
+is small and its logits pick the experts: vLLM keeps it unquantized too).
+
+MoE experts (``Fp8Experts``): a layer's experts stacked, ``w13 [E, 2I, H]`` and
+``w2 [E, H, I]`` in the same format per expert: e4m3 ``[E, N_pad, K_pad]`` and fp32
+``[E, N_pad/128, K_pad/128]`` block scales, built from the dense ``Fp8Weight`` of each
+expert (quantized at load with ``Fp8Weight.quantize``, or an FP8 checkpoint's
+``Fp8Weight.from_checkpoint``), so both paths give the same bytes. The fused gate/up
+weight keeps gate and up as two halves, each padded to 128 on its own (a checkpoint's
+block grids, unchanged): the up rows start at ``N_pad / 2``, on a block edge. They run
+through the grouped FP8 GEMMs of kernels/moe/gemm (Triton on FP8 tensor cores, the
+dequantize-then-matmul reference elsewhere) chosen by libs/model/moe/strategy.py; under
+expert parallelism each rank stacks only its own experts. Unlike ``Fp8Linear``, the
+reference path does not cache dense experts (that would hold the layer twice): it
+dequantizes each busy expert at each call, which is fine for tests and tiny models and
+slow for real MoE models on the CPU.
 
 Fused projections (q/k/v, gate/up) concatenate their parts along N. Quantized at load,
 the fused matrix is quantized as one. From a checkpoint, each part arrives with its own
@@ -45,7 +58,7 @@ from torch import nn
 
 from kernels.fp8 import BLOCK, FP8_DTYPE, fp8_gemm_supported, plan_gemm
 from kernels.fp8 import reference as fp8_ref
-from kernels.fp8.layout import check_weight, padded
+from kernels.fp8.layout import check_expert_weight, check_weight, padded
 
 # The decoder's projections, by the attribute name they have in libs/model/llama.py.
 FP8_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
@@ -136,10 +149,34 @@ def _runs_kernels(device: torch.device) -> bool:
     return fp8_gemm_supported(device)
 
 
-class Fp8Linear(nn.Module):
+class _Fp8Module(nn.Module):
+    """A module whose ``_FP8_BUFFERS`` (e4m3 values, fp32 scales, index) are moved with the
+    model, never cast: ``model.to(dtype=bf16)`` must not turn the e4m3 bytes into bf16 nor
+    round the fp32 scales (other parameters and buffers are cast as usual)."""
+
+    _FP8_BUFFERS: tuple[str, ...] = ()
+
+    def _apply(self, fn, recurse=True):
+        ours = {k: self._buffers.pop(k) for k in self._FP8_BUFFERS}
+        try:
+            super()._apply(fn, recurse)
+        finally:
+            device = fn(torch.empty(0, device=ours[self._FP8_BUFFERS[0]].device)).device
+            for k, v in ours.items():
+                self._buffers[k] = None if v is None else v.to(device)
+            self._moved()
+        return self
+
+    def _moved(self) -> None:
+        """After a move: drop what was derived from the buffers on the old device."""
+
+
+class Fp8Linear(_Fp8Module):
     """``y = x @ w.T (+ bias)`` with ``w`` an ``Fp8Weight`` and the activations quantized
     per token and group of 128: Triton kernels on FP8 tensor cores, the torch references
     (dequantize, then matmul) everywhere else."""
+
+    _FP8_BUFFERS = ("weight_q", "weight_scale", "out_index")
 
     def __init__(self, weight: Fp8Weight, bias: torch.Tensor | None = None):
         super().__init__()
@@ -188,38 +225,93 @@ class Fp8Linear(nn.Module):
             self._dense = dense.to(dtype).contiguous()
         return self._dense
 
-    def _apply(self, fn, recurse=True):
-        """Moved with the model, never cast: ``model.to(dtype=bf16)`` must not turn the e4m3
-        bytes into bf16 nor round the fp32 scales (the bias is cast like any parameter)."""
-        ours = {k: self._buffers.pop(k) for k in ("weight_q", "weight_scale", "out_index")}
-        try:
-            super()._apply(fn, recurse)
-        finally:
-            device = fn(torch.empty(0, device=ours["weight_q"].device)).device
-            for k, v in ours.items():
-                self._buffers[k] = None if v is None else v.to(device)
-            self._dense = None
-        return self
+    def _moved(self) -> None:
+        self._dense = None
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, fp8 e4m3 128x128 blocks"
 
 
+class Fp8Experts(_Fp8Module):
+    """A MoE layer's stacked expert weights ``[E, N, K]`` (``shape``, like the dense tensor
+    it replaces) as e4m3 ``q [E, N_pad, K_pad]`` with fp32 block scales ``scale
+    [E, N_pad/128, K_pad/128]``. Each expert's rows are ``parts`` equal parts (gate and up
+    for ``w13``; one for ``w2``), each padded to 128 rows on its own. The grouped GEMMs
+    read ``q`` and ``scale`` (libs/model/moe/executors.py); ``dequantize`` gives the
+    dense weights back (tests, and loading without fp8)."""
+
+    _FP8_BUFFERS = ("q", "scale")
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, shape: tuple[int, int, int], parts: int = 1):
+        super().__init__()
+        check_expert_weight(q, scale)
+        e, n, k = shape
+        if q.shape[0] != e or n % parts or q.shape[1] != parts * padded(n // parts) or q.shape[2] != padded(k):
+            raise ValueError(f"padded expert weights {tuple(q.shape)} do not hold {parts} part(s) of a {list(shape)} weight")
+        self.register_buffer("q", q)
+        self.register_buffer("scale", scale)
+        self.shape, self.parts = (e, n, k), parts
+
+    @classmethod
+    def stack(cls, experts: list[list[Fp8Weight]]) -> "Fp8Experts":
+        """From each expert's parts (``[gate, up]`` or ``[down]``), all of one shape."""
+        first = experts[0][0]
+        if any(len(parts) != len(experts[0]) or any(p.shape != first.shape or p.out_index is not None for p in parts) for parts in experts):
+            raise ValueError(f"experts must have the same parts of one shape {first.shape}")
+        q = torch.stack([torch.cat([p.q for p in parts]) for parts in experts])
+        scale = torch.stack([torch.cat([p.scale for p in parts]) for parts in experts])
+        parts = len(experts[0])
+        return cls(q, scale, (len(experts), parts * first.shape[0], first.shape[1]), parts)
+
+    @classmethod
+    def quantize(cls, w: torch.Tensor, parts: int = 1, device: torch.device | None = None) -> "Fp8Experts":
+        """Quantize float ``[E, N, K]`` expert by expert (on ``device``, from fp32): peak
+        memory is one expert's fp32 copy, not the layer's."""
+        device = device or w.device
+        return cls.stack([[Fp8Weight.quantize(p) for p in w[e].to(device=device, dtype=torch.float32).chunk(parts)] for e in range(w.shape[0])])
+
+    def narrow_experts(self, first: int, count: int) -> "Fp8Experts":
+        """Experts ``[first, first + count)``: an expert-parallel rank's share, same bytes."""
+        q = self.q[first:first + count].contiguous()
+        return Fp8Experts(q, self.scale[first:first + count].contiguous(), (count, *self.shape[1:]), self.parts)
+
+    def part(self, e: int, i: int) -> Fp8Weight:
+        """Expert ``e``'s part ``i`` as a dense-layer ``Fp8Weight`` (views, no copy)."""
+        rows = self.q.shape[1] // self.parts
+        n = self.shape[1] // self.parts
+        return Fp8Weight(self.q[e, i * rows:(i + 1) * rows], self.scale[e, i * rows // BLOCK:(i + 1) * rows // BLOCK], (n, self.shape[2]))
+
+    def dequantize(self) -> torch.Tensor:
+        """The fp32 ``[E, N, K]`` weights."""
+        return torch.stack([torch.cat([self.part(e, i).dequantize() for i in range(self.parts)]) for e in range(self.shape[0])])
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.q.dtype
+
+    def extra_repr(self) -> str:
+        return f"shape={list(self.shape)}, parts={self.parts}, fp8 e4m3 128x128 blocks per expert"
+
+
 @torch.no_grad()
 def quantize_projections(model: nn.Module, device: torch.device) -> int:
-    """Replace each decoder layer's dense projections (``FP8_PROJECTIONS`` of its attention
-    and of its MLP, when that is a dense MLP and not a MoE block) with an ``Fp8Linear``
-    quantized from its fp32 weight on ``device`` (fast on a GPU, and the model is moved
-    there next anyway). Projections that are already FP8 (a checkpoint's) are left alone.
-    Returns how many were quantized."""
+    """Replace each decoder layer's dense projections (``FP8_PROJECTIONS`` of its attention,
+    of its dense MLP, and of a MoE block's shared expert) with an ``Fp8Linear`` quantized
+    from its fp32 weight on ``device`` (fast on a GPU, and the model is moved there next
+    anyway), and a MoE block's experts with ``Fp8Experts`` (``quantize_experts``).
+    Projections that are already FP8 (a checkpoint's) are left alone. Returns how many
+    projections (an expert stack counts one) were quantized."""
     count = 0
     for layer in model.layers:
-        for parent in (layer.self_attn, layer.mlp):
-            for attr in FP8_PROJECTIONS:
+        mlp = layer.mlp
+        for parent in (layer.self_attn, mlp, getattr(mlp, "shared_expert", None)):
+            for attr in FP8_PROJECTIONS if parent is not None else ():
                 module = getattr(parent, attr, None)
                 if type(module) is nn.Linear:
                     bias = None if module.bias is None else module.bias.detach().clone()
                     weight = Fp8Weight.quantize(module.weight.detach().to(device=device, dtype=torch.float32))
                     setattr(parent, attr, Fp8Linear(weight, bias))
                     count += 1
+        if hasattr(mlp, "quantize_experts"):
+            count += mlp.quantize_experts(device)
     return count

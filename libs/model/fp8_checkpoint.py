@@ -28,10 +28,17 @@ from kernels.fp8 import BLOCK, FP8_DTYPE
 from libs.model.fp8 import Fp8Weight
 
 SCALE_SUFFIX = ".weight_scale_inv"
-# What the model runs as FP8 (libs/model/fp8.py): each layer's attention projections and its
-# dense MLP's (fused there into q/k/v and gate/up). MoE experts, shared experts and routers
-# (``mlp.experts.*``, ``mlp.shared_expert.*``, ``block_sparse_moe.*``) do not match.
-_FP8_PROJECTION = re.compile(r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight")
+# What the model runs as FP8 (libs/model/fp8.py): each layer's attention projections, its
+# dense MLP's (fused there into q/k/v and gate/up), a MoE block's shared expert (a dense
+# MLP) and its experts (``mlp.experts.{e}.*_proj``, Mixtral's ``block_sparse_moe.experts.{e}.w1/w2/w3``).
+# Routers (``mlp.gate``, ``shared_expert_gate``) do not match: they run in the model's dtype.
+_FP8_PROJECTION = re.compile(
+    r"model\.layers\.\d+\.("
+    r"self_attn\.[qkvo]_proj"
+    r"|mlp\.(shared_expert\.)?(gate|up|down)_proj"
+    r"|(mlp|block_sparse_moe)\.experts\.\d+\.((gate|up|down)_proj|w[123])"
+    r")\.weight"
+)
 
 
 def check_quantization_config(config_json: dict[str, Any]) -> bool:
@@ -59,8 +66,9 @@ def check_quantization_config(config_json: dict[str, Any]) -> bool:
 
 def collect_fp8_weights(state: dict[str, torch.Tensor]) -> dict[str, Any]:
     """The state dict with each decoder projection's e4m3 weight and its scale paired into
-    one ``Fp8Weight`` (libs/model/fp8.py). Any other e4m3 tensor (MoE experts, an embedding
-    or LM head stored in FP8) is dequantized to fp32: those run in the model's dtype."""
+    one ``Fp8Weight`` (libs/model/fp8.py), MoE experts included. Any other e4m3 tensor (a
+    router, an embedding or LM head stored in FP8) is dequantized to fp32: those run in
+    the model's dtype."""
     out: dict[str, Any] = {}
     for key, tensor in state.items():
         if key.endswith(SCALE_SUFFIX):

@@ -328,11 +328,17 @@ class LlamaModel(nn.Module):
             if self.config.qk_norm:
                 put(p + "self_attn.q_norm.weight", take(a + "q_norm.weight"))
                 put(p + "self_attn.k_norm.weight", take(a + "k_norm.weight"))
-            if isinstance(self.layers[i].mlp, SparseMoeBlock):
-                self.layers[i].mlp.load_hf_state(take, m)
-                continue
-            put(p + "mlp.gate_up_proj.weight", _cat([take(m + "mlp.gate_proj.weight"), take(m + "mlp.up_proj.weight")]))
-            put(p + "mlp.down_proj.weight", take(m + "mlp.down_proj.weight"))
+            mlp = self.layers[i].mlp
+            if isinstance(mlp, SparseMoeBlock):
+                mlp.load_hf_state(take, m)
+                if mlp.shared_expert is None:
+                    continue
+                put(p + "mlp.shared_expert_gate.weight", take(m + "mlp.shared_expert_gate.weight"))
+                p, m = p + "mlp.shared_expert.", m + "mlp.shared_expert."  # a dense MLP, loaded as one
+            else:
+                p, m = p + "mlp.", m + "mlp."
+            put(p + "gate_up_proj.weight", _cat([take(m + "gate_proj.weight"), take(m + "up_proj.weight")]))
+            put(p + "down_proj.weight", take(m + "down_proj.weight"))
         unused = set(state) - used - {"lm_head.weight"}
         if unused:
             raise ValueError(f"checkpoint has weights the model does not use: {sorted(unused)[:5]}")

@@ -11,6 +11,9 @@ as DeepSeek-V3 / vLLM store them (``weight`` e4m3 + ``weight_scale_inv``, config
   ``ignored_layers`` entry);
 - aligned (every dimension a multiple of 128): what transformers' own FineGrainedFP8
   reader handles, so it serves as an independent reader of the same files.
+
+And MoE checkpoints (Qwen2-MoE with a shared expert, Mixtral's w1/w2/w3 names) whose
+per-expert weights are stored the same way: their experts load as FP8 (``Fp8Experts``).
 """
 
 from __future__ import annotations
@@ -260,16 +263,25 @@ def moe_folder(tmp_path_factory, tokenizer_dir):
     return folder
 
 
-def test_moe_models_run_attention_and_dense_mlps_in_fp8_and_experts_dense(moe_folder, tmp_path):
-    """FP8 covers attention and dense MLPs; MoE experts, shared experts and routers stay in
-    the model's dtype (no FP8 grouped GEMM yet), whether quantized at load or read from an
-    FP8 checkpoint, whose experts are then dequantized."""
+def test_moe_models_run_experts_in_fp8_and_routers_dense(moe_folder, tmp_path):
+    """FP8 covers attention, dense MLPs, the shared expert (Fp8Linear) and the experts
+    (``Fp8Experts``: e4m3 with 128x128 block scales per expert); routers stay in the model's
+    dtype. Quantized at load or read from an FP8 checkpoint in the DeepSeek-V3 /
+    Qwen3-MoE-FP8 layout (per-expert ``experts.{e}.*_proj.weight`` e4m3 + ``weight_scale_inv``,
+    written here by an independent block loop), the experts are the same bytes and the
+    model the same logits."""
+    from libs.model.fp8 import Fp8Experts
+    from libs.model.moe import select_topk
     from libs.model.moe.block import SparseMoeBlock
 
-    fp8 = engine_for(moe_folder, "fp8").loaded.model
+    at_load = engine_for(moe_folder, "fp8")
+    fp8 = at_load.loaded.model
     moe, dense_mlp = fp8.layers[0].mlp, fp8.layers[1].mlp
-    assert isinstance(moe, SparseMoeBlock) and moe.w13.dtype == torch.float32
-    assert type(moe.shared_expert.gate_up_proj) is nn.Linear and type(moe.gate) is nn.Linear
+    assert isinstance(moe, SparseMoeBlock) and isinstance(moe.w13, Fp8Experts) and isinstance(moe.w2, Fp8Experts)
+    assert moe.w13.q.dtype == moe.w2.q.dtype == torch.float8_e4m3fn
+    assert moe.w13.q.shape == (6, 2 * 128, 128) and moe.w2.q.shape == (6, 128, 128)  # I 48 and H 64, each padded
+    assert isinstance(moe.shared_expert.gate_up_proj, Fp8Linear) and isinstance(moe.shared_expert.down_proj, Fp8Linear)
+    assert type(moe.gate) is nn.Linear and type(moe.shared_expert_gate) is nn.Linear
     assert all(isinstance(layer.self_attn.qkv_proj, Fp8Linear) for layer in fp8.layers)
     assert isinstance(dense_mlp.gate_up_proj, Fp8Linear) and isinstance(dense_mlp.down_proj, Fp8Linear)
 
@@ -280,12 +292,45 @@ def test_moe_models_run_attention_and_dense_mlps_in_fp8_and_experts_dense(moe_fo
     llm = engine_for(folder)
     assert llm.namespace.quantization == "fp8"
     model = llm.loaded.model
-    e = 5
-    w13 = torch.cat([meaning[f"model.layers.0.mlp.experts.{e}.{x}_proj"] for x in ("gate", "up")])
-    assert torch.equal(model.layers[0].mlp.w13[e], w13) and torch.equal(model.layers[0].mlp.w2[e], meaning[f"model.layers.0.mlp.experts.{e}.down_proj"])
+    block = model.layers[0].mlp
+    assert isinstance(block.w13, Fp8Experts) and isinstance(block.shared_expert.gate_up_proj, Fp8Linear)
+    for e in range(6):
+        w13 = torch.cat([meaning[f"model.layers.0.mlp.experts.{e}.{x}_proj"] for x in ("gate", "up")])
+        assert torch.equal(block.w13.dequantize()[e], w13) and torch.equal(block.w2.dequantize()[e], meaning[f"model.layers.0.mlp.experts.{e}.down_proj"])
+    assert torch.equal(block.w13.q.view(torch.uint8), moe.w13.q.view(torch.uint8)) and torch.equal(block.w13.scale, moe.w13.scale)
+    assert torch.equal(block.w2.q.view(torch.uint8), moe.w2.q.view(torch.uint8)) and torch.equal(block.w2.scale, moe.w2.scale)
+    # The experts compute the same (the dense layers differ: a checkpoint's q/k/v and the
+    # shared expert's gate/up keep each part's own blocks, quantized at load they are fused).
+    x = torch.randn(9, 64, generator=torch.Generator().manual_seed(0))
+    routing = select_topk(block.gate(x), 2, scoring="softmax", renormalize=False)
+    with torch.no_grad():
+        assert torch.equal(block.run_experts(x, routing), moe.run_experts(x, routing))
     assert isinstance(model.layers[1].mlp.down_proj, Fp8Linear)
     hf = hf_model_with(folder, meaning)
     dense = engine_for(folder, "none")
     for ids in prompts()[:2]:
         assert torch.allclose(dense.first_step_logits(ids), hf_first_logits(hf, ids), atol=1e-4, rtol=0)
         assert llm.generate([ids], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0].token_ids
+
+
+def test_mixtral_fp8_checkpoint_keeps_its_experts_in_fp8(tokenizer_dir, tmp_path):
+    """Mixtral names its experts ``block_sparse_moe.experts.{e}.w1/w3/w2`` (gate, up, down):
+    read as FP8, with an intermediate size (96) that leaves each half of the fused gate/up
+    padded on its own, and the same bytes as quantizing the float checkpoint at load."""
+    from libs.model.fp8 import Fp8Experts
+    from tests.unit.test_moe_models import CASES
+
+    folder = tmp_path / "mixtral"
+    write_checkpoint(*CASES["mixtral"], folder, tokenizer_dir)
+    at_load = engine_for(folder, "fp8").loaded.model.layers[1].mlp
+    meaning = quantize_checkpoint(folder)
+    llm = engine_for(folder)
+    block = llm.loaded.model.layers[1].mlp
+    assert isinstance(block.w13, Fp8Experts) and block.w13.q.shape == (4, 2 * 128, 128) and block.w2.q.shape == (4, 128, 128)
+    dense13, dense2 = block.w13.dequantize(), block.w2.dequantize()
+    for e in range(4):
+        p = f"model.layers.1.block_sparse_moe.experts.{e}."
+        assert torch.equal(dense13[e], torch.cat([meaning[p + "w1"], meaning[p + "w3"]])) and torch.equal(dense2[e], meaning[p + "w2"])
+    assert torch.equal(block.w13.q.view(torch.uint8), at_load.w13.q.view(torch.uint8)) and torch.equal(block.w2.scale, at_load.w2.scale)
+    assert type(block.gate) is nn.Linear
+    assert llm.generate([prompts()[0]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0].token_ids

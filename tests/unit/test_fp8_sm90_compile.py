@@ -44,3 +44,10 @@ def test_fp8_kernels_compile_for_sm90():
     assert narrow["mma_sync"] > 0 and narrow["wgmma"] == 0  # 32 rows: below a warpgroup's 64
     assert tma["tma"] > 0 and tma["wgmma"] > 0 and tma["atomics"] == 0
     assert quant["div_rn"] > 0
+    # The MoE grouped GEMM's FP8 mode (FP8 experts): warpgroup MMAs on e4m3 with its loads
+    # pipelined for 64- and 128-row tiles, mma.sync for the masked layout's 16-row decode tiles.
+    for name in ("grouped contiguous fused", "grouped contiguous"):
+        assert got[name]["wgmma"] > 0 and got[name]["cp_async"] > 0, (name, got[name])
+    masked16, masked64 = got["grouped masked fused"], got["grouped masked 64"]  # both quantize their rows inside
+    assert masked16["mma_sync"] > 0 and masked16["div_rn"] > 0
+    assert masked64["wgmma"] > 0 and masked64["div_rn"] > 0

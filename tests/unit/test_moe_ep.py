@@ -8,7 +8,11 @@ all-to-all (libs/model/moe/dispatch.py). Checked:
   go to the other rank's experts), random routing; outputs equal EP=1's on the same tokens;
 - model level: a tiny Mixtral loaded from its folder with EP=2 on both ranks (each storing
   half the experts) serves through the engine in lockstep; first-step logits equal EP=1's
-  within 1e-5 and 32 greedy tokens are identical.
+  within 1e-5 and 32 greedy tokens are identical;
+- the same with FP8 experts (``--quantization fp8``): each rank holds its experts' e4m3
+  weights and block scales (half of them); layer outputs equal EP=1's (the activations are
+  quantized per token row, so a row's FP8 values do not depend on which rank computes it),
+  and the model's logits and greedy tokens equal EP=1 fp8's.
 """
 
 from __future__ import annotations
@@ -71,3 +75,33 @@ def test_model_ep2_equals_ep1(ep_run):
         for got, ref in zip(results["logits"], ref_logits):
             assert (got - ref).abs().max().item() < 1e-5
         assert results["tokens"] == ref_tokens
+
+
+@pytest.mark.parametrize("strategy", ["contiguous", "masked"])
+def test_layer_ep2_equals_ep1_with_fp8_experts(ep_run, strategy):
+    _, _, ranks = ep_run
+    name = f"fp8-{strategy}"
+    full = ep_worker.full_block(strategy, fp8=True)
+    assert full.fp8
+    for rank, results in enumerate(ranks):
+        assert results[f"local_experts_{name}"] == (4 * rank, 4) and results[f"dtype_{name}"] == torch.float8_e4m3fn
+        for case, *_ in ep_worker.LAYER_CASES:
+            x, routing = ep_worker.layer_tokens(case, rank)
+            with torch.no_grad():
+                ref = full.dispatch(x, routing, full.run_experts)
+            torch.testing.assert_close(results[f"layer/{name}/{case}"], ref, atol=1e-6, rtol=1e-6, msg=f"{case} on rank {rank}")
+        dense = results[f"layer/{strategy}/uniform"]
+        assert not torch.allclose(results[f"layer/{name}/uniform"], dense, atol=1e-4)  # FP8 really ran
+
+
+def test_model_ep2_equals_ep1_with_fp8_experts(ep_run):
+    folder, prompts, ranks = ep_run
+    engine = engine_for(Path(folder), quantization="fp8")
+    ref_logits = [engine.first_step_logits(ids) for ids in prompts]
+    ref_tokens = [o.token_ids for o in engine.generate(prompts, SamplingParams(temperature=0, max_tokens=N_GREEDY, ignore_eos=True))]
+    num_local = CASES["mixtral"][2]["num_local_experts"] // 2
+    for results in ranks:
+        assert results["fp8_experts"] == [(torch.float8_e4m3fn, num_local, num_local)] * CASES["mixtral"][2]["num_hidden_layers"]
+        for got, ref in zip(results["fp8_logits"], ref_logits):
+            assert (got - ref).abs().max().item() < 1e-5
+        assert results["fp8_tokens"] == ref_tokens

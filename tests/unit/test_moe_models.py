@@ -8,7 +8,10 @@ that is not hidden / heads), each a tiny random checkpoint written by transforme
 - every expert strategy (the grouped executors run the torch references of the Triton
   kernels on the CPU) gives transformers' greedy tokens; ``grouped_mm`` falls back in fp32;
 - ``tidepool generate`` on one of them prints what the engine computes;
-- FakeBalanceExpert changes the output and the KV namespace, and nothing else.
+- FakeBalanceExpert changes the output and the KV namespace, and nothing else;
+- ``quantization="fp8"``: the experts are stored in e4m3 (``Fp8Experts``) and the model
+  stays within FP8's error of its fp32 self (bounds stated in the test), through the
+  engine and ``tidepool generate``.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from libs.engine import EngineConfig, LLM, SamplingParams
+from libs.engine import LLM, EngineConfig, SamplingParams
 from libs.model.moe.block import SparseMoeBlock
 from tests.checkpoints import assert_greedy_matches, assert_logits_match, save_tokenizer, write_checkpoint
 from tests.models import CHAT_PROMPTS, RAW_PROMPTS, hf_gguf_tokenizer, hf_greedy
@@ -144,17 +147,75 @@ def test_fake_balance_changes_routing_and_namespace(folders, prompts):
     assert fake.generate([ids], params)[0].token_ids == fake.generate([ids], params)[0].token_ids
 
 
-def test_tidepool_generate_serves_a_moe_folder(folders):
+@pytest.mark.parametrize("quantization", ["none", "fp8"])
+def test_tidepool_generate_serves_a_moe_folder(folders, quantization):
     folder, _ = folders["qwen2_moe"]
     prompt = RAW_PROMPTS[0]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
     run = subprocess.run(
         [sys.executable, "-m", "libs.cli", "generate", "--device", "cpu", "--dtype", "float32", "--model", str(folder),
-         "--prompt", prompt, "--max-tokens", "16", "--temperature", "0", "--json"],
+         "--quantization", quantization, "--prompt", prompt, "--max-tokens", "16", "--temperature", "0", "--json"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
     )
     assert run.returncode == 0, run.stderr
     out = json.loads(run.stdout)
-    engine = engine_for(folder)
+    engine = engine_for(folder, quantization=quantization)
     assert out["prompt_token_ids"] == engine.tokenizer.encode(prompt)
     assert out["token_ids"] == engine.generate([out["prompt_token_ids"]], SamplingParams(temperature=0, max_tokens=16))[0].token_ids
+
+
+# -- FP8 experts -----------------------------------------------------------------------------
+
+# Relative error of the last position's logits, ||fp8 - fp32|| / ||fp32||. Derivation: e4m3
+# rounds with relative error at most u = 2**-4, uniform, so about u / sqrt(3) = 3.6% rms per
+# element of each operand; a GEMM with both operands quantized (weights per 128x128 block,
+# activations per token group) is off by about sqrt(2) of that, 5.1% rms of its output.
+# These models run 4 to 6 quantized GEMMs a layer (q/k/v, o, the experts' two, a shared
+# expert's or a dense MLP's two) over 2 layers: sqrt(12) x 5.1% = 18% if the errors add
+# independently and nothing amplifies them. Bound for the median over the prompts: 0.25
+# (measured 0.07 to 0.21). Top-k routing is discontinuous: the router's input carries the
+# FP8 error of the layers before it, and a near-tie between experts may flip, which no
+# rounding bound covers; it happens on one prompt of qwen2_moe (0.52, and 0.51 with FP8
+# attention and dense experts, as before FP8 experts existed). Bound for any prompt: 0.75.
+FP8_LOGITS_REL = 0.25
+FP8_LOGITS_REL_ANY = 0.75
+# Greedy choices given fp32's own prefix (teacher-forced, as bench/fp8_quality.py measures
+# SmolLM2's), over 4 prompts x 32 tokens. Random tiny models have near-tied top logits,
+# so an error of 10-20% of the logits' norm flips some choices that a trained model's
+# margins would not: measured 59%-98% per model (mixtral 59%, and 66% with FP8 attention
+# but dense experts, as before FP8 experts existed). The bound guards against real bugs (a
+# wrong scale, block or half offset puts the agreement near chance, 1/49152).
+FP8_MIN_AGREEMENT = 0.55
+
+
+@pytest.fixture(scope="module")
+def fp8_engines(folders) -> dict[str, tuple[LLM, LLM]]:
+    return {name: (engine_for(folder), engine_for(folder, quantization="fp8")) for name, (folder, _) in folders.items()}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_fp8_experts_are_e4m3_and_close_to_float32(fp8_engines, prompts, name):
+    from bench.fp8_quality import greedy, teacher_forced_agreement
+    from libs.model.fp8 import Fp8Experts, Fp8Linear
+
+    fp32, fp8 = fp8_engines[name]
+    assert fp8.namespace.quantization == "fp8" and fp8.namespace != fp32.namespace
+    blocks = [layer.mlp for layer in fp8.loaded.model.layers if isinstance(layer.mlp, SparseMoeBlock)]
+    assert blocks
+    for block in blocks:
+        assert isinstance(block.w13, Fp8Experts) and isinstance(block.w2, Fp8Experts)
+        assert block.w13.q.dtype == block.w2.q.dtype == torch.float8_e4m3fn and block.w13.scale.dtype == torch.float32
+        assert block.w13.shape == (block.num_experts, 2 * fp32.loaded.config.moe.intermediate_size, fp32.loaded.config.hidden_size)
+        assert type(block.gate) is torch.nn.Linear  # the router stays dense
+        if block.shared_expert is not None:
+            assert isinstance(block.shared_expert.gate_up_proj, Fp8Linear)
+    rel = []
+    for ids in prompts:
+        ref, got = fp32.first_step_logits(ids), fp8.first_step_logits(ids)
+        rel.append(((got - ref).norm() / ref.norm()).item())
+    agreement = teacher_forced_agreement(fp8, prompts, greedy(fp32, prompts, N_GREEDY))
+    print(f"{name} fp8 vs fp32: logits rel error {[round(r, 3) for r in rel]}, teacher-forced greedy agreement {agreement:.1%}")
+    assert sorted(rel)[len(rel) // 2] < FP8_LOGITS_REL and max(rel) < FP8_LOGITS_REL_ANY
+    assert 0 < min(rel)  # quantized: identical logits would mean the experts never ran in FP8
+    assert agreement >= FP8_MIN_AGREEMENT
+    assert "FP8" in blocks[0].selection.reason

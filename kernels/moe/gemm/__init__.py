@@ -6,7 +6,9 @@
   needs triton, and on the CPU ``TRITON_INTERPRET=1`` set beforehand).
 
 Both optionally fuse SwiGLU (``fuse_silu_and_mul``) into the product with the fused
-gate/up weights. This package imports nothing from ``libs`` or ``services``.
+gate/up weights. ``grouped_gemm_contiguous_fp8`` / ``grouped_gemm_masked_fp8``: the same
+with e4m3 operands and 128x128 block scales per expert (FP8 experts; the format is
+kernels/fp8's). This package imports nothing from ``libs`` or ``services``.
 """
 
 from kernels.moe.gemm.reference import grouped_gemm_contiguous, grouped_gemm_masked

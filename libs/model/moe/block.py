@@ -9,6 +9,10 @@
 Experts are stored stacked and fused: ``w13 [E, 2I, H]`` (each expert's gate rows, then
 its up rows, like the dense MLP's ``gate_up_proj``) and ``w2 [E, H, I]``, so one grouped
 GEMM covers every expert. Under expert parallelism only this rank's experts are stored.
+With FP8 (``--quantization fp8``) ``w13`` and ``w2`` are ``Fp8Experts`` (libs/model/fp8.py)
+in place of the parameters: quantized at load (``quantize_experts``) or read as they are
+from an FP8 checkpoint; the router stays in the model's dtype, and the shared expert is a
+dense MLP like any other (Fp8Linear under fp8; llama.py loads it).
 
 The executor is chosen at the first forward, when the device and dtype are known
 (libs/model/moe/strategy.py), and logged with the reason.
@@ -23,6 +27,7 @@ import torch
 from torch import nn
 
 from libs.model.config import ModelConfig
+from libs.model.fp8 import Fp8Experts, Fp8Weight
 from libs.model.moe.dispatch import make_dispatch
 from libs.model.moe.options import MoEOptions
 from libs.model.moe.routing import FakeBalanceExpert, Routing, select_topk
@@ -73,7 +78,7 @@ class SparseMoeBlock(nn.Module):
         """This rank's experts on rows routed to them (``routing.ids`` are local ids)."""
         if self.selection is None:
             shape = LayerShape(self.w13.shape[0], routing.ids.shape[1], self.w13.shape[2], self.w2.shape[2])
-            self.selection = select_executor(self.strategy, x.device, x.dtype, shape)
+            self.selection = select_executor(self.strategy, x.device, x.dtype, shape, fp8=self.fp8)
             log.info("MoE experts %s: %s", shape.key(), self.selection.reason)
         executor = self.selection.executor.for_tokens(x.shape[0])
         if not executor.graph_safe and capturing_graph(x.device):
@@ -83,25 +88,57 @@ class SparseMoeBlock(nn.Module):
             )
         return executor(x, routing, self.w13, self.w2)
 
+    @property
+    def fp8(self) -> bool:
+        return isinstance(self.w13, Fp8Experts)
+
+    def set_experts(self, w13: Fp8Experts, w2: Fp8Experts) -> None:
+        """Run the experts in FP8: ``w13``/``w2`` replace the dense parameters."""
+        for name, new in (("w13", w13), ("w2", w2)):
+            old = getattr(self, name)
+            if tuple(new.shape) != tuple(old.shape):
+                raise ValueError(f"FP8 experts {name} of shape {list(new.shape)} != the layer's {list(old.shape)}")
+            delattr(self, name)
+            setattr(self, name, new)
+        self.selection = None  # the executor depends on the weights' format
+
+    @torch.no_grad()
+    def quantize_experts(self, device: torch.device) -> int:
+        """Quantize the dense experts to FP8 on ``device`` (1), or leave FP8 ones alone (0)."""
+        if self.fp8:
+            return 0
+        self.set_experts(Fp8Experts.quantize(self.w13.detach(), parts=2, device=device), Fp8Experts.quantize(self.w2.detach(), device=device))
+        return 1
+
     @torch.no_grad()
     def load_hf_state(self, take: Callable[[str], torch.Tensor], layer_prefix: str) -> None:
-        """Copy this block's weights from a Hugging Face state dict (``take(name)`` marks a
-        name used). Every expert is taken, so none looks unused, but only local ones are kept."""
+        """Copy this block's router and experts from a Hugging Face state dict (``take(name)``
+        marks a name used; the shared expert is a dense MLP, which llama.py loads). Every
+        expert is taken, so none looks unused, but only local ones are kept. Experts that
+        all arrive as ``Fp8Weight`` (an FP8 checkpoint's) are kept in FP8 as they are."""
         block, (gate_name, up_name, down_name) = _HF_NAMES[self.architecture]
         p = f"{layer_prefix}{block}."
-        _copy(self.gate.weight, take(p + "gate.weight"), p + "gate.weight")
+        _copy(self.gate.weight, _dense(take(p + "gate.weight")), p + "gate.weight")
         first, local = self.dispatch.first_expert, self.dispatch.num_local_experts
+        w13: list[list] = []
+        w2: list[list] = []
         for e in range(self.num_experts):
             q = f"{p}experts.{e}."
             gate, up, down = (take(q + n + ".weight") for n in (gate_name, up_name, down_name))
             if first <= e < first + local:
-                _copy(self.w13[e - first], torch.cat([gate, up]), q + f"{{{gate_name},{up_name}}}.weight")
-                _copy(self.w2[e - first], down, q + down_name + ".weight")
-        if self.shared_expert is not None:
-            s = p + "shared_expert."
-            _copy(self.shared_expert.gate_up_proj.weight, torch.cat([take(s + "gate_proj.weight"), take(s + "up_proj.weight")]), s + "{gate,up}_proj.weight")
-            _copy(self.shared_expert.down_proj.weight, take(s + "down_proj.weight"), s + "down_proj.weight")
-            _copy(self.shared_expert_gate.weight, take(p + "shared_expert_gate.weight"), p + "shared_expert_gate.weight")
+                w13.append([gate, up])
+                w2.append([down])
+        if all(isinstance(part, Fp8Weight) for parts in w13 + w2 for part in parts):
+            self.set_experts(Fp8Experts.stack(w13), Fp8Experts.stack(w2))
+            return
+        for i, ((gate, up), (down,)) in enumerate(zip(w13, w2)):
+            q = f"{p}experts.{first + i}."
+            _copy(self.w13[i], torch.cat([_dense(gate), _dense(up)]), q + f"{{{gate_name},{up_name}}}.weight")
+            _copy(self.w2[i], _dense(down), q + down_name + ".weight")
+
+
+def _dense(value: torch.Tensor | Fp8Weight) -> torch.Tensor:
+    return value.dequantize() if isinstance(value, Fp8Weight) else value
 
 
 def _copy(param: torch.Tensor, value: torch.Tensor, name: str) -> None:

@@ -18,6 +18,13 @@ and contribute nothing. They differ in how the rows reach the GEMMs:
   bench/moe_bench.py (libs/model/moe/hybrid_thresholds.json).
 - ``GroupedMMExecutor``: ``torch._grouped_mm`` on the contiguous layout (CUTLASS on SM90).
 
+**FP8 experts.** ``w13``/``w2`` may be ``Fp8Experts`` (libs/model/fp8.py: e4m3 with
+128x128 block scales per expert) instead of tensors. The grouped executors then quantize
+each GEMM's activations per token and group of 128 (``ops.per_token_group_quant``, after
+the scatter; the masked layout's inside the GEMM) and run the FP8 grouped
+GEMMs (``gemm_contiguous`` / ``gemm_masked`` pick by the weights' type); the output is in
+the activations' dtype. ``loop`` and ``grouped_mm`` run dense weights only (``runs_fp8``).
+
 The kernels come from ``kernels/moe`` through an ops namespace (``moe_ops_for``): Triton on
 CUDA, the torch references on the CPU, so every executor runs everywhere and tests can run
 the Triton kernels in the interpreter. An empty batch returns ``[0, H]`` without launching.
@@ -41,8 +48,11 @@ class ExpertExecutor(ABC):
 
     name: str = ""
     graph_safe: bool = True
+    runs_fp8: bool = True  # takes Fp8Experts as well as dense weights
 
     def __call__(self, x: torch.Tensor, routing: Routing, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+        if not self.runs_fp8 and not isinstance(w13, torch.Tensor):
+            raise TypeError(f"the {self.name!r} expert executor runs dense weights only; FP8 experts run on the contiguous, masked or hybrid executors")
         if x.shape[0] == 0:
             return x.new_zeros((0, x.shape[1]))
         return self.run(x, routing, w13, w2)
@@ -59,9 +69,35 @@ class ExpertExecutor(ABC):
         return f"{type(self).__name__}({self.name})"
 
 
+def gemm_contiguous(ops: SimpleNamespace, a: torch.Tensor, w, m_indices: torch.Tensor, block_m: int, fuse_silu_and_mul: bool = False) -> torch.Tensor:
+    """The contiguous grouped GEMM for dense ``w [E, N, K]`` or ``Fp8Experts``."""
+    if isinstance(w, torch.Tensor):
+        return ops.grouped_gemm_contiguous(a, w, m_indices, block_m, fuse_silu_and_mul=fuse_silu_and_mul)
+    a_q, a_s = ops.per_token_group_quant(a)
+    return ops.grouped_gemm_contiguous_fp8(
+        a_q, a_s, w.q, w.scale, m_indices, block_m, n=_width(w, fuse_silu_and_mul), fuse_silu_and_mul=fuse_silu_and_mul, out_dtype=a.dtype
+    )
+
+
+def gemm_masked(ops: SimpleNamespace, a: torch.Tensor, w, counts: torch.Tensor, block_m: int, fuse_silu_and_mul: bool = False) -> torch.Tensor:
+    """The masked grouped GEMM for dense ``w [E, N, K]`` or ``Fp8Experts``."""
+    if isinstance(w, torch.Tensor):
+        return ops.grouped_gemm_masked(a, w, counts, fuse_silu_and_mul=fuse_silu_and_mul, block_m=block_m)
+    # The GEMM quantizes the rows it reads (a_s=None): the masked buffer's [E, max_m, K] is
+    # mostly rows past the counts, which a separate quantization pass would read whole.
+    return ops.grouped_gemm_masked_fp8(
+        a, None, w.q, w.scale, counts, n=_width(w, fuse_silu_and_mul), fuse_silu_and_mul=fuse_silu_and_mul, out_dtype=a.dtype, block_m=block_m,
+    )
+
+
+def _width(w, fuse_silu_and_mul: bool) -> int:
+    return w.shape[1] // 2 if fuse_silu_and_mul else w.shape[1]
+
+
 class LoopExecutor(ExpertExecutor):
     name = "loop"
     graph_safe = False
+    runs_fp8 = False
 
     def run(self, x, routing, w13, w2):
         num_tokens, top_k = routing.ids.shape
@@ -92,8 +128,8 @@ class ContiguousExecutor(ExpertExecutor):
         num_experts = w13.shape[0]
         block_m = self.block_m or contiguous_block_m(x.shape[0], routing.ids.shape[1], num_experts)
         layout = self.ops.scatter_contiguous(x, routing.ids, num_experts, block_m)
-        act = self.ops.grouped_gemm_contiguous(layout.x, w13, layout.m_indices, block_m, fuse_silu_and_mul=True)
-        y = self.ops.grouped_gemm_contiguous(act, w2, layout.m_indices, block_m)
+        act = gemm_contiguous(self.ops, layout.x, w13, layout.m_indices, block_m, fuse_silu_and_mul=True)
+        y = gemm_contiguous(self.ops, act, w2, layout.m_indices, block_m)
         return self.ops.combine(y, layout.dst, routing.weights)
 
 
@@ -108,8 +144,8 @@ class MaskedExecutor(ExpertExecutor):
         layout = self.ops.scatter_masked(x, routing.ids, num_experts)
         # M tile: the rows an expert gets on average (busier experts take more tiles).
         block_m = -(-x.shape[0] * routing.ids.shape[1] // num_experts)
-        act = self.ops.grouped_gemm_masked(layout.x, w13, layout.counts, fuse_silu_and_mul=True, block_m=block_m)
-        y = self.ops.grouped_gemm_masked(act, w2, layout.counts, block_m=block_m)
+        act = gemm_masked(self.ops, layout.x, w13, layout.counts, block_m, fuse_silu_and_mul=True)
+        y = gemm_masked(self.ops, act, w2, layout.counts, block_m)
         return self.ops.combine(y.view(-1, y.shape[2]), layout.dst, routing.weights)
 
 
@@ -122,6 +158,7 @@ class HybridExecutor(ExpertExecutor):
     def __init__(self, small: ExpertExecutor, large: ExpertExecutor, max_masked_tokens: int):
         self.small, self.large, self.max_masked_tokens = small, large, max_masked_tokens
         self.graph_safe = small.graph_safe and large.graph_safe
+        self.runs_fp8 = small.runs_fp8 and large.runs_fp8
 
     def pick(self, num_tokens: int) -> ExpertExecutor:
         return self.small if num_tokens <= self.max_masked_tokens else self.large
@@ -140,6 +177,7 @@ class GroupedMMExecutor(ExpertExecutor):
 
     name = "grouped_mm"
     graph_safe = False
+    runs_fp8 = False
     BLOCK_M = 16
 
     def __init__(self, ops: SimpleNamespace):

@@ -12,6 +12,16 @@ saying why (logged once per layer shape). Strategies (``MoEOptions.strategy``):
   we target; torch's CPU build has it too); elsewhere it falls back to what ``auto`` picks,
   and says so.
 
+**FP8 experts** (``fp8=True``: the layer's weights are ``Fp8Experts``). Only the grouped
+executors run them. Their GEMMs are Triton where the GPU has FP8 tensor cores
+(``kernels.fp8.fp8_gemm_supported``: SM 8.9+), the dequantize-then-matmul references
+elsewhere (the CPU; an older GPU keeps its Triton scatter and combine). ``auto`` is the
+hybrid with the Triton FP8 GEMMs on such a GPU (the bf16 layer's measured threshold, until
+bench/moe_bench.py measures FP8's), else ``contiguous`` on the references, which on the CPU
+costs about what the loop does. ``loop`` and ``grouped_mm`` fall back to ``auto`` and say so.
+Off FP8 tensor cores on CUDA the reference GEMMs read expert ids on the host, so those
+executors are marked not capturable in a CUDA graph.
+
 **Capability checks never raise.** Each (``triton_usable``, ``sm_version``,
 ``grouped_mm_usable``, ``capturing_graph``) catches everything and answers False or None:
 during automatic selection a missing package, an old GPU or an odd build must steer the
@@ -43,7 +53,8 @@ from typing import NamedTuple
 
 import torch
 
-from kernels.moe.select import reference_moe_ops, triton_moe_ops
+from kernels.fp8 import fp8_gemm_supported
+from kernels.moe.select import moe_ops_for, reference_moe_ops, triton_moe_ops
 from libs.model.moe.executors import (
     ContiguousExecutor,
     ExpertExecutor,
@@ -181,44 +192,71 @@ def hybrid_threshold(device: torch.device, shape: LayerShape, path: Path | None 
 # -- selection ------------------------------------------------------------------------------
 
 
-def _kernels(device: torch.device) -> tuple[SimpleNamespace, str]:
+def _kernels(device: torch.device, fp8: bool = False) -> tuple[SimpleNamespace, str]:
+    if fp8:
+        if triton_usable(device):
+            ops = moe_ops_for(device, fp8=True)
+            if ops is triton_moe_ops():
+                return ops, "Triton FP8 kernels"
+            return ops, "Triton scatter with torch reference FP8 GEMMs (FP8 tensor cores need SM 8.9+)"
+        return reference_moe_ops(), "torch reference FP8 kernels (dequantize-then-matmul; Triton FP8 needs an SM 8.9+ GPU)"
     if triton_usable(device):
         return triton_moe_ops(), "Triton kernels"
     return reference_moe_ops(), "torch reference kernels (Triton needs a CUDA GPU)"
 
 
-def _hybrid(device: torch.device, dtype: torch.dtype, shape: LayerShape) -> tuple[ExpertExecutor, str]:
-    ops, which = _kernels(device)
+def _grouped(kind: type[ExpertExecutor], device: torch.device, fp8: bool) -> tuple[ExpertExecutor, str]:
+    """A contiguous or masked executor on this device's kernels."""
+    ops, which = _kernels(device, fp8)
+    executor = kind(ops)
+    if fp8 and device.type == "cuda" and ops is not triton_moe_ops():
+        executor.graph_safe = False  # the reference GEMMs read expert ids on the host
+    return executor, which
+
+
+def _hybrid(device: torch.device, dtype: torch.dtype, shape: LayerShape, fp8: bool = False) -> tuple[ExpertExecutor, str]:
     threshold, entry = hybrid_threshold(device, shape)
     note = " (provisional threshold, not yet measured)" if entry.get("provisional") else ""
-    large: ExpertExecutor = ContiguousExecutor(ops)
-    if entry.get("large") == "grouped_mm" and grouped_mm_usable(device, dtype, shape):
-        large = GroupedMMExecutor(ops)
-    return HybridExecutor(MaskedExecutor(ops), large, threshold), f"{which}, masked up to {threshold} tokens, {large.name} above{note}"
+    if fp8:
+        note += " (threshold measured for bf16 experts)"
+    small, which = _grouped(MaskedExecutor, device, fp8)
+    large, _ = _grouped(ContiguousExecutor, device, fp8)
+    if not fp8 and entry.get("large") == "grouped_mm" and grouped_mm_usable(device, dtype, shape):
+        large = GroupedMMExecutor(small.ops)
+    return HybridExecutor(small, large, threshold), f"{which}, masked up to {threshold} tokens, {large.name} above{note}"
 
 
-def _auto(device: torch.device, dtype: torch.dtype, shape: LayerShape) -> tuple[ExpertExecutor, str]:
+def _auto(device: torch.device, dtype: torch.dtype, shape: LayerShape, fp8: bool = False) -> tuple[ExpertExecutor, str]:
+    if fp8 and fp8_gemm_supported(device) and triton_usable(device):
+        executor, why = _hybrid(device, dtype, shape, fp8)
+        return executor, f"auto: FP8 experts, hybrid with {why}"
+    if fp8:
+        executor, which = _grouped(ContiguousExecutor, device, fp8)
+        return executor, f"auto: FP8 experts, contiguous with {which}"
     if triton_usable(device):
         executor, why = _hybrid(device, dtype, shape)
         return executor, f"auto: hybrid with {why}"
     return LoopExecutor(), f"auto: per-expert loop (no Triton-capable GPU: {device})"
 
 
-def select_executor(strategy: str, device: torch.device, dtype: torch.dtype, shape: LayerShape) -> Selection:
+def select_executor(strategy: str, device: torch.device, dtype: torch.dtype, shape: LayerShape, fp8: bool = False) -> Selection:
     """The executor for ``strategy`` on this device; explicit choices are honoured where
-    they can run, and a path that cannot (``grouped_mm`` off SM90) falls back to ``auto``."""
+    they can run, and a path that cannot (``grouped_mm`` off SM90; ``loop`` or
+    ``grouped_mm`` with FP8 experts) falls back to ``auto``."""
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown moe_strategy {strategy!r}; use one of {', '.join(STRATEGIES)}")
     if strategy == "auto":
-        executor, reason = _auto(device, dtype, shape)
+        executor, reason = _auto(device, dtype, shape, fp8)
+    elif fp8 and strategy in ("loop", "grouped_mm"):
+        executor, why = _auto(device, dtype, shape, fp8)
+        reason = f"{strategy} runs dense expert weights only; {why}"
     elif strategy == "loop":
         executor, reason = LoopExecutor(), "loop: per-expert torch matmuls"
     elif strategy == "hybrid":
-        executor, why = _hybrid(device, dtype, shape)
+        executor, why = _hybrid(device, dtype, shape, fp8)
         reason = f"hybrid: {why}"
     elif strategy in ("contiguous", "masked"):
-        ops, which = _kernels(device)
-        executor = ContiguousExecutor(ops) if strategy == "contiguous" else MaskedExecutor(ops)
+        executor, which = _grouped(ContiguousExecutor if strategy == "contiguous" else MaskedExecutor, device, fp8)
         reason = f"{strategy}: {which}"
     elif grouped_mm_usable(device, dtype, shape):
         ops, _ = _kernels(device)
