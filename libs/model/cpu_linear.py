@@ -38,14 +38,15 @@ def available() -> bool:
     return hasattr(ops, "_reorder_linear_weight") and hasattr(ops, "_linear_pointwise")
 
 
-class PackedLinear(nn.Module):
+class PackedLinear(nn.Linear):
     """``F.linear(x, weight, bias)`` with ``weight`` also held in oneDNN's blocked layout.
 
-    ``weight`` and ``bias`` are the original module's parameters (state dicts and weight
-    readers are unchanged); ``packed`` is derived from them at construction."""
+    Still an ``nn.Linear`` (a dense float32 layer): ``weight`` and ``bias`` are the original
+    module's parameters (state dicts and weight readers are unchanged); ``packed`` is
+    derived from them at construction."""
 
     def __init__(self, linear: nn.Linear):
-        super().__init__()
+        nn.Module.__init__(self)  # (nn.Linear's own would allocate a fresh weight)
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight
         self.bias = linear.bias

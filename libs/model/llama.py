@@ -265,7 +265,7 @@ class LlamaModel(nn.Module):
         n = pack_linears(self)
         for m in self._quantized_modules:  # quantized mode: their prompt rows, as the float32 model's
             m.pack_dense()
-        if self.quantized_head is None:
+        if self.quantized_head is None and self.packed_head is None:
             self.packed_head = pack(self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight)
         return n
 

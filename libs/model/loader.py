@@ -87,8 +87,8 @@ def load_model(
     slices, are read whole and cut).
 
     ``packed_linears``: on the CPU in float32, run the linear layers and the LM head
-    through oneDNN over weights packed once here (libs/model/cpu_linear.py); off: torch's
-    BLAS (``F.linear``)."""
+    through oneDNN over weights packed once here (libs/model/cpu_linear.py); off, and with
+    FP8 quantization (whose layers have their own path): torch's BLAS (``F.linear``)."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"unknown quantization {quantization!r}; use one of {', '.join(QUANTIZATIONS)}")
     if quantized_weights and quantization == "fp8":
@@ -130,7 +130,7 @@ def load_model(
     model.eval().requires_grad_(False)
     if quantized_weights:
         model.quantize_head()
-    if packed_linears and device.type == "cpu" and dtype == torch.float32:
+    if packed_linears and device.type == "cpu" and dtype == torch.float32 and not fp8:
         model.pack_linears()  # oneDNN over packed weights: decode and verify rows at the weights' bandwidth
     # 4-bit weights give different KV than dequantized ones, and FakeBalanceExpert's routing
     # different KV than the router's: never share blocks across modes.

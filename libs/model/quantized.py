@@ -97,7 +97,8 @@ class Int4Linear(nn.Module):
     def pack_dense(self) -> None:
         """Run the prompt rows as the float32 model's packed linears do (libs/model/cpu_linear.py),
         so they stay bit for bit the float32 model's; the unpacked copy is dropped."""
-        self.dense_packed, self.dense = pack(self.dense), None
+        if self.dense_packed is None:
+            self.dense_packed, self.dense = pack(self.dense), None
 
     def _dense(self, x: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.linear(x, self.dense) if self.dense_packed is None else packed_linear(x, self.dense_packed)
@@ -141,7 +142,8 @@ class Int8Linear(nn.Module):
 
     def pack_dense(self) -> None:
         """As ``Int4Linear.pack_dense``; ``dense`` stays (it is the embedding table)."""
-        self.dense_packed = pack(self.dense)
+        if self.dense_packed is None:
+            self.dense_packed = pack(self.dense)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n = min(self.decode_rows, x.shape[0])

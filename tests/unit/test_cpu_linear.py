@@ -54,6 +54,7 @@ def test_the_model_packs_its_plain_linears_and_computes_the_same():
     n = model.pack_linears()
     assert n == 4 * len(model.layers)  # qkv, o, gate_up, down
     assert all(type(m) is not nn.Linear for m in model.modules())
+    assert model.pack_linears() == 0  # packed layers are not packed again
     assert model.packed_head is not None
     got = model.compute_logits(model(ids, torch.arange(T), meta))
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-3)
