@@ -6,6 +6,8 @@ random weights of SmolLM2-135M's exact shape: speed does not depend on the value
 
 from __future__ import annotations
 
+import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -119,3 +121,13 @@ def table(headers: list[str], rows: list[list[object]]) -> str:
     out = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
     out += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
     return "\n".join(out)
+
+
+def save_results(results: dict, out: str | None) -> None:
+    """End of a CPU run: the load average after it (the box is shared; ``load_before`` is
+    the caller's), printed with the one before, and the JSON written to ``out`` if given."""
+    results["load_after"] = os.getloadavg()[0]
+    print(f"load average before/after: {results['load_before']:.2f} / {results['load_after']:.2f}")
+    if out:
+        with open(out, "w") as f:
+            json.dump(results, f, indent=1)

@@ -16,11 +16,14 @@ each figure is the median.
 - what a verify step costs against a decode step, for k = 1, 2, 4, 8 (drafts from a
   proposer that costs nothing, acceptance forced to 0: every step verifies ``k`` drafts
   and emits one token), batch 1 (``verify_cost``);
+- ``replay`` (no timing): the n-gram lookup replayed over the plain answers for k 2 / 4 / 8
+  and lookup ranges 1-4, 2-4, 3-5, 5-5 (vLLM's default): steps, the share of them that
+  find drafts, mean acceptance length; what a free verify step would give;
 - ``self_draft`` (the target's first layers) with and without a pruned draft vocabulary
   (built with the documented count over the model's own generations): mean acceptance
   length, speedup, and the draft head's cost with and without pruning (ms per call).
 
-    python -m bench.spec_bench [--threads 2] [--max-tokens 128] [--reps 3] [--out bench/results/spec_cpu.json]
+    python -m bench.spec_bench [--threads 2] [--max-tokens 128] [--reps 3] [--ngram-config JSON] [--out bench/results/spec_cpu.json]
 """
 
 from __future__ import annotations
@@ -33,9 +36,10 @@ import statistics
 import subprocess
 import time
 
+import numpy as np
 import torch
 
-from bench.common import table
+from bench.common import save_results, table
 from libs.engine import EngineConfig, LLM, SamplingParams
 from libs.engine.spec.proposer import Drafts
 from libs.engine.spec.vocab import DraftVocab, count_generations
@@ -191,6 +195,35 @@ def verify_cost(loaded, prompt: list[int], threads: int, ks=(1, 2, 4, 8), tokens
             **{f"verify_k{k}_over_decode": round(ms[f"k{k}"] / ms["off"], 2) for k in ks}}
 
 
+def lookup_replay(loaded, workloads: dict[str, list[list[int]]], configs: list[tuple[int, int, int]], max_tokens: int, threads: int) -> dict:
+    """The n-gram lookup replayed over the plain greedy answers (no timing): for each
+    ``(k, prompt_lookup_min, prompt_lookup_max)``, the steps speculation takes, the share of
+    them that verify drafts, and the mean acceptance length. A step emits the accepted
+    drafts plus one token, exactly as greedy verification does."""
+    from libs.engine.spec.ngram import ngram_lookup
+
+    eng = engine(loaded, None, threads)
+    out = {}
+    for name, prompts in workloads.items():
+        _, answers = decode_run(eng, prompts, max_tokens, 1)
+        plain = sum(len(a) - 1 for a in answers)
+        rows = {}
+        for k, lo, hi in configs:
+            steps = verifies = 0
+            for prompt, answer in zip(prompts, answers):
+                i = 1  # the first token is the prompt step's
+                while i < len(answer):
+                    d = ngram_lookup(np.asarray(prompt + answer[:i], dtype=np.int64), lo, hi, min(k, len(answer) - i))
+                    a = next((j for j, t in enumerate(d) if t != answer[i + j]), len(d))
+                    steps, verifies, i = steps + 1, verifies + bool(d), i + a + 1
+            rows[f"k{k}_lookup{lo}-{hi}"] = {"steps": steps, "verify_share": round(verifies / steps, 3),
+                                             "mean_acceptance_length": round(1 + (plain - steps) / max(verifies, 1), 2),
+                                             "tokens_per_step": round(plain / steps, 3)}
+        out[name] = {"plain_steps": plain, **rows}
+    eng.close()
+    return out
+
+
 def head_cost(loaded, vocab: DraftVocab, threads: int, reps: int = 50) -> dict:
     """ms per LM-head call of the draft at batch 1 and 8: full vocabulary vs pruned."""
     torch.set_num_threads(threads)
@@ -218,8 +251,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--vocab-size", type=int, default=8192)
     ap.add_argument("--self-draft-layers", type=int, nargs="+", default=[8, 16])
-    ap.add_argument("--only", nargs="*", default=None, help="run only these cases (copy, chat, mixed, verify_cost, self_draft)")
+    ap.add_argument("--only", nargs="*", default=None, help="run only these cases (copy, chat, mixed, verify_cost, self_draft, replay)")
     ap.add_argument("--min-acceptance-length", type=float, default=None, help="the n-gram cases' adaptive threshold (default: the config's, 1.3)")
+    ap.add_argument("--ngram-config", default=None, help="the n-gram cases' speculative config, JSON (default: the issue's example, k 4, lookup 2..4)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -227,13 +261,13 @@ def main() -> None:
     tok = base.tokenizer
     enc = lambda msgs: [tok.encode_chat([{"role": "user", "content": m}]) for m in msgs]  # noqa: E731
     copy, chat = enc(COPY), enc(CHAT)
-    ngram = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    ngram = json.loads(args.ngram_config) if args.ngram_config else {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
     if args.min_acceptance_length is not None:
         ngram["min_acceptance_length"] = args.min_acceptance_length
-    want = set(args.only or ["copy", "chat", "mixed", "verify_cost", "self_draft"])
+    want = set(args.only or ["copy", "chat", "mixed", "verify_cost", "replay", "self_draft"])
     results: dict = {
         "device": platform.processor() or platform.machine(), "threads": args.threads, "max_tokens": args.max_tokens,
-        "reps": args.reps, "min_acceptance_length": args.min_acceptance_length, "load_before": os.getloadavg()[0], "date": time.strftime("%Y-%m-%d %H:%M"),
+        "reps": args.reps, "min_acceptance_length": args.min_acceptance_length, "ngram_config": ngram, "load_before": os.getloadavg()[0], "date": time.strftime("%Y-%m-%d %H:%M"),
         "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
     }
     kw = dict(threads=args.threads, max_tokens=args.max_tokens, reps=args.reps)
@@ -252,6 +286,9 @@ def main() -> None:
     if "mixed" in want:
         record("ngram_mixed_batch", compare(base.loaded, copy[:3] + chat[:1], ngram, batch=4, **kw))
         record("ngram_chat_batch", compare(base.loaded, chat, ngram, batch=4, **kw))
+    if "replay" in want:
+        configs = [(k, lo, hi) for k in (2, 4, 8) for lo, hi in ((1, 4), (2, 4), (3, 5), (5, 5))]
+        record("lookup_replay", lookup_replay(base.loaded, {"copy": copy, "chat": chat}, configs, args.max_tokens, args.threads))
     if "verify_cost" in want:
         record("verify_cost", verify_cost(base.loaded, copy[0], args.threads))
     if "self_draft" in want:
@@ -270,15 +307,11 @@ def main() -> None:
                     spec["draft_vocab"] = path
                 name = f"self_draft_L{layers}" + ("_pruned" if pruned else "")
                 record(name, compare(base.loaded, chat[:2] + copy[:2], spec, batch=1, **{**kw, "reps": max(1, args.reps - 1)}))
-    results["load_after"] = os.getloadavg()[0]
     rows = [[k, v["off_tok_s"], v["on_tok_s"], f"{v['speedup']}x", v["mean_acceptance_length"]] for k, v in results.items() if isinstance(v, dict) and "speedup" in v]
     print(table(["case", "off tok/s", "on tok/s", "speedup", "mean acceptance length"], rows))
     if "draft_head_cost" in results:
         print(json.dumps({"vocab": results["vocab"], "draft_head_cost": results["draft_head_cost"]}))
-    print(f"load average before/after: {results['load_before']:.2f} / {results['load_after']:.2f}")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
+    save_results(results, args.out)
 
 
 if __name__ == "__main__":

@@ -42,6 +42,7 @@ def _build_parser() -> argparse.ArgumentParser:
     g.add_argument("--device", default="auto", help="cpu, cuda or auto (default)")
     g.add_argument("--dtype", default="auto", help="float32, bfloat16 or auto (default: float32 on CPU, bfloat16 on CUDA)")
     g.add_argument("--quantized", action="store_true", help="CPU + GGUF: decode with the file's 4-bit weights (faster, approximate)")
+    g.add_argument("--packed-linears", action=argparse.BooleanOptionalAction, default=True, help="CPU float32: linear layers through oneDNN over weights packed at load (default on; off: torch's BLAS)")
     g.add_argument("--moe-strategy", default="auto", choices=STRATEGIES, help="MoE models: how experts run (default auto)")
     g.add_argument("--moe-fake-balance", action="store_true", help="MoE models: FakeBalanceExpert routing (load benchmarks only; changes the output)")
     g.add_argument(
@@ -72,7 +73,7 @@ def _generate(args: argparse.Namespace) -> int:
     )
     parse_speculative_config(args.speculative_config)  # a bad config fails before loading
     engine = LLM(EngineConfig(
-        model=args.model, device=args.device, dtype=args.dtype, quantized_weights=args.quantized,
+        model=args.model, device=args.device, dtype=args.dtype, quantized_weights=args.quantized, packed_linears=args.packed_linears,
         moe_strategy=args.moe_strategy, moe_fake_balance=args.moe_fake_balance, quantization=args.quantization,
         tensor_parallel_size=args.tensor_parallel_size,
         async_scheduling=args.async_scheduling,

@@ -57,6 +57,9 @@ class EngineConfig:
     # CPU + GGUF only: run the file's 4-bit (Q4_0/Q4_1) linear weights natively instead of
     # dequantizing them (libs/model/quantized.py): ~4x less memory traffic per decode step.
     quantized_weights: bool = False
+    # CPU float32: linear layers and the LM head through oneDNN over weights packed at load
+    # (libs/model/cpu_linear.py); off: torch's BLAS. Same arithmetic, faster at small batches.
+    packed_linears: bool = True
     # Mixture-of-experts models (libs/model/moe): how experts run (auto, loop, contiguous,
     # masked, hybrid, grouped_mm), and FakeBalanceExpert routing for load benchmarks only.
     moe_strategy: str = "auto"
@@ -127,6 +130,21 @@ class EngineConfig:
             # Without chunking a whole prompt must fit in one step.
             budget = max(budget, max_model_len)
         return budget
+
+    def resolve_num_blocks(self, device: torch.device, block_nbytes: int) -> int:
+        """KV blocks of ``block_nbytes`` (every cache a block id addresses) to allocate:
+        ``num_blocks``, else ``kv_cache_gb``'s worth, else a share of the GPU's free memory
+        (1 GiB on the CPU)."""
+        if self.num_blocks is not None:
+            return self.num_blocks
+        if self.kv_cache_gb is not None:
+            budget = self.kv_cache_gb * 2**30
+        elif device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            budget = free * self.gpu_memory_utilization
+        else:
+            budget = 2**30
+        return max(16, int(budget // block_nbytes))
 
     def resolve_async_scheduling(self, device: torch.device) -> bool:
         if self.async_scheduling not in ("auto", "on", "off"):

@@ -1,9 +1,13 @@
 """The engine: requests in, tokens out, one ``step()`` at a time.
 
 ``LLMEngine`` glues the scheduler, block manager, persistent batch and model runner
-together (as nano-vllm's ``LLMEngine`` does); the offline API over it is ``LLM``
-(libs/engine/llm.py), PD export is libs/engine/kv_export.py and ``n > 1`` sampling
-libs/engine/forks.py. It is driven from one thread (services drive it from a worker
+together (as nano-vllm's ``LLMEngine`` does) and keeps the step loop and the requests'
+lifecycle; each other concept has its own module: the offline API ``LLM``
+(libs/engine/llm.py), admission checks (libs/engine/validation.py), the steps in flight
+and the batch's bookkeeping at launch (libs/engine/in_flight.py), output assembly
+(libs/engine/outputs.py), PD export (libs/engine/kv_export.py; imports run as a step's
+pre-ops, ``ModelRunner.import_all``), ``n > 1`` sampling (libs/engine/forks.py) and
+grammars (libs/structured). It is driven from one thread (services drive it from a worker
 thread, see ``AsyncEngine``); every public method validates its input and raises a typed
 ``InvalidRequestError`` before anything is queued.
 
@@ -11,9 +15,9 @@ A step has five host phases (libs/engine/step_timer.py): **schedule** (the sched
 changes), **prepare** (apply them to the persistent batch, libs/engine/input_batch.py,
 and lay out the step's inputs, libs/engine/step_inputs.py), **launch** (hand the device
 work to the device queue, libs/engine/device_queue.py, then advance the batch as if the
-step had run: computed counts, one token in flight per sampled row), **sample** (wait
-for a step's sampled ids: the one host sync) and **output** (append the ids, stop
-checks, request outputs).
+step had run: computed counts, one token in flight per sampled row,
+libs/engine/in_flight.py), **sample** (wait for a step's sampled ids: the one host
+sync) and **output** (append the ids, stop checks, request outputs).
 
 Async scheduling (``EngineConfig.async_scheduling``) changes only which step's ids are
 read: each call launches step N + 1 and then reads step N, so the device computes N + 1
@@ -35,7 +39,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections import deque
 from pathlib import Path
 from typing import Sequence as Seq
 
@@ -46,13 +49,14 @@ from kernels.swap import BlockSwapper
 from kernels.swap.heads import HeadSlice
 from libs.engine.block_manager import BlockManager
 from libs.engine.config import EngineConfig
-from libs.engine.device_queue import DeviceQueue, Pending
-from libs.engine.errors import DuplicateRequestError, InvalidRequestError, PromptTooLongError, TokenOutOfRangeError
+from libs.engine.device_queue import DeviceQueue
+from libs.engine.errors import DuplicateRequestError, InvalidRequestError
 from libs.engine.forks import Forks
 from libs.engine.input_batch import InputBatch
 from libs.engine.kv_export import ExportQueue
 from libs.engine.model_runner import ModelRunner, StepResult
-from libs.engine.outputs import CompletionOutput, RequestOutput
+from libs.engine.in_flight import InFlight
+from libs.engine.outputs import RequestOutput, aborted_output, family_done, request_output
 from libs.engine.params import SamplingParams
 from libs.engine import prompt_logprobs
 from libs.engine.sampler import logprob_lists
@@ -60,6 +64,7 @@ from libs.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from libs.engine.sequence import KVImport, Sequence, SequenceStatus
 from libs.engine.spec import create_spec_decoder, parse_speculative_config
 from libs.engine.step_inputs import Chunk, Step, StepBuilder
+from libs.engine.validation import validate_request
 from libs.engine.step_timer import HostPhases
 from libs.engine.tp.group import JoinInfo, TensorParallelGroup
 from libs.engine.tp.runner import TensorParallelRunner
@@ -94,7 +99,7 @@ class LLMEngine:
                 quantized_weights=config.quantized_weights, quantization=config.quantization,
                 moe=MoEOptions(strategy=config.moe_strategy, fake_balance=config.moe_fake_balance),
                 cache_dir=Path(config.weight_cache_dir) if config.weight_cache_dir else None,
-                tp=self.tp.group if self.tp is not None else None,
+                tp=self.tp.group if self.tp is not None else None, packed_linears=config.packed_linears,
             )
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
@@ -115,7 +120,7 @@ class LLMEngine:
 
             draft = load_draft(spec_cfg.model, loaded, make_backend(config.attention_backend, device))
             draft_block_nbytes = draft_layout(draft, config.block_size).block_nbytes
-        num_blocks = self._num_blocks(device, cache_layout, draft_block_nbytes or 0)
+        num_blocks = config.resolve_num_blocks(device, cache_layout.block_nbytes + (draft_block_nbytes or 0))
         if self.tp is not None:  # block ids must mean the same blocks on every rank
             self.tp.wait_loaded()
             num_blocks = self.tp.agree_min(num_blocks)
@@ -152,8 +157,11 @@ class LLMEngine:
         if device.type == "cuda" and config.cuda_graphs and loaded.model.layers[0].self_attn.backend.name == "triton" and join is None:
             self.enable_graphs()
         self.queue = DeviceQueue(device, asynchronous=self.async_scheduling)
-        self._in_flight: deque[tuple[Step, Pending]] = deque()
         self._pre_ops: list = []  # device work for the next step (fork copies)
+        self._in_flight = InFlight(
+            self.batch, self.scheduler, self.forks, async_scheduling=self.async_scheduling,
+            on_copy=lambda copy: self._pre_ops.append(lambda: self.runner.copy_blocks([copy])),
+        )
         self.timer = self.runner.timer
         self.phases = HostPhases()
         self.vocab_size = mc.vocab_size
@@ -168,8 +176,11 @@ class LLMEngine:
         # Counters (read by metrics).
         self.num_steps = 0
         self.num_generated_tokens = 0
-        self.num_prompt_tokens_computed = 0
         self.num_discarded_tokens = 0  # sampled one step past a stop (async scheduling)
+
+    @property
+    def num_prompt_tokens_computed(self) -> int:
+        return self._in_flight.num_prompt_tokens_computed
 
     def enable_graphs(self, *, emulate: bool = False) -> None:
         """Capture the decode and prefill graphs (on at start on CUDA). ``emulate`` runs
@@ -189,57 +200,14 @@ class LLMEngine:
             draft_graphs(max_batch=min(cfg.max_num_seqs, cfg.graph_max_batch), width=g.width, emulate=emulate)
             self.runner._bind()
 
-    def _num_blocks(self, device: torch.device, cache_layout: KVLayout, extra_block_nbytes: int = 0) -> int:
-        cfg = self.config
-        if cfg.num_blocks is not None:
-            return cfg.num_blocks
-        if cfg.kv_cache_gb is not None:
-            budget = cfg.kv_cache_gb * 2**30
-        elif device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(device)
-            budget = free * cfg.gpu_memory_utilization
-        else:
-            budget = 2**30
-        return max(16, int(budget // (cache_layout.block_nbytes + extra_block_nbytes)))
-
     # -- requests -----------------------------------------------------------------------
 
     def validate(self, prompt_token_ids: Seq[int], params: SamplingParams, *, num_output_tokens: int = 0) -> None:
-        """Raise a typed error if the request cannot be served. Nothing is queued."""
-        if not isinstance(params, SamplingParams):
-            raise InvalidRequestError("params must be SamplingParams", param="params")
-        if not prompt_token_ids:
-            raise InvalidRequestError("the prompt must contain at least one token", param="prompt")
-        bad = [t for t in prompt_token_ids if not (isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.vocab_size)]
-        if bad:  # (a list, not next(..., None): None itself is a bad token)
-            raise TokenOutOfRangeError(f"token id {bad[0]!r} is outside the vocabulary [0, {self.vocab_size})", param="prompt")
-        bad = next((t for t, _ in params.logit_bias if t >= self.vocab_size), None)
-        if bad is not None:
-            raise TokenOutOfRangeError(f"logit_bias token id {bad} is outside the vocabulary [0, {self.vocab_size})", param="logit_bias")
-        bad = next((t for t in params.stop_token_ids if t >= self.vocab_size), None)
-        if bad is not None:
-            raise TokenOutOfRangeError(f"stop token id {bad} is outside the vocabulary [0, {self.vocab_size})", param="stop_token_ids")
-        # ``prompt_token_ids`` may end with ``num_output_tokens`` already generated (an
-        # output prefix): they count toward max_tokens, not on top of it.
-        n_total = len(prompt_token_ids)
-        n_prompt = n_total - num_output_tokens
-        if n_total >= self.max_model_len:
-            raise PromptTooLongError(
-                f"this model's maximum context length is {self.max_model_len} tokens, but the prompt has {n_total}",
-                param="prompt",
-            )
-        if params.max_tokens is not None and n_prompt + params.max_tokens > self.max_model_len:
-            raise PromptTooLongError(
-                f"this model's maximum context length is {self.max_model_len} tokens; you requested "
-                f"{n_prompt + params.max_tokens} ({n_prompt} in the prompt, {params.max_tokens} to generate)",
-                param="max_tokens",
-            )
-        needed = -(-self.max_model_len // self.config.block_size) if params.max_tokens is None else -(-(n_prompt + params.max_tokens) // self.config.block_size)
-        if needed > self.block_manager.num_blocks:
-            raise PromptTooLongError(
-                f"the request needs up to {needed} KV blocks but the cache holds {self.block_manager.num_blocks}",
-                param="max_tokens",
-            )
+        """Raise a typed error if the request cannot be served (libs/engine/validation.py). Nothing is queued."""
+        validate_request(
+            prompt_token_ids, params, vocab_size=self.vocab_size, max_model_len=self.max_model_len,
+            block_size=self.config.block_size, num_blocks=self.block_manager.num_blocks, num_output_tokens=num_output_tokens,
+        )
 
     def add_request(
         self,
@@ -283,7 +251,7 @@ class LLMEngine:
             self.exports.stream(seq)
         self._requests[request_id] = [seq]
         self._params[request_id] = params
-        reason = self._stop_reason(seq) if output_prefix else None
+        reason = seq.check_stop(self.max_model_len) if output_prefix else None
         if reason is not None:
             # The prefix already ends the request (max_tokens 1, or the first token is EOS):
             # nothing to compute; report it at the next step.
@@ -307,17 +275,7 @@ class LLMEngine:
         """A fresh grammar state for a request, advanced by ``replay`` (tokens generated
         before: prefill's first token, a resumed stream's output). Raises ``GrammarError``
         (a malformed spec) or ``GrammarMismatchError`` (replayed tokens that do not follow)."""
-        compiled = grammar if isinstance(grammar, CompiledGrammar) else self.grammars.compile(grammar)
-        matcher = compiled.matcher()
-        matcher.replay(replay)
-        return matcher
-
-    def _stop_reason(self, seq: Sequence) -> str | None:
-        """Why ``seq`` stops after its last token: the usual reasons, or a complete grammar."""
-        reason = seq.check_stop(self.max_model_len)
-        if reason is None and seq.grammar is not None and seq.grammar.is_terminated:
-            reason = "stop"
-        return reason
+        return self.grammars.start(grammar, replay)
 
     def _new_sequence(self, request_id: str, index: int, prompt: list[int], params: SamplingParams) -> Sequence:
         child_params = params.for_child(index) if params.n > 1 else params
@@ -396,7 +354,8 @@ class LLMEngine:
         outputs.extend(self._drain_exports())
         touched: dict[str, None] = {}
         forward = 0.0
-        if self._in_flight and self._in_flight[-1][0].bitmask is not None:
+        newest = self._in_flight.newest
+        if newest is not None and newest.bitmask is not None:
             # Structured outputs: a grammar's next mask depends on the token in flight, so
             # that token is read before anything else is scheduled (no overlap for them).
             forward, _ = self._read(touched, outputs)
@@ -408,9 +367,7 @@ class LLMEngine:
             step, pre_ops = self._prepare(out)
             t2 = time.perf_counter()
             if step.num_tokens:
-                pending = self.queue.submit(lambda: self.runner.execute(step, pre_ops))
-                self._in_flight.append((step, pending))
-                self._advance(step)
+                self._in_flight.launch(step, self.queue.submit(lambda: self.runner.execute(step, pre_ops)))
             else:  # drafting failed every request of the step: nothing left to run
                 self._pre_ops[:0] = pre_ops
                 launched = False
@@ -434,7 +391,7 @@ class LLMEngine:
         """Wait for the oldest step in flight and process its ids (streamed KV pieces it
         completed go to ``outputs``). Returns its forward time and when its ids were on
         the host."""
-        done, pending = self._in_flight.popleft()
+        done, pending = self._in_flight.pop()
         try:
             res = pending.result()
         except BaseException:
@@ -455,14 +412,14 @@ class LLMEngine:
 
     def _prepare(self, out: SchedulerOutput) -> tuple[Step, list]:
         """Apply the scheduler's changes to the batch; lay out the step."""
-        b, runner = self.batch, self.runner
+        b = self.batch
         pre_ops, self._pre_ops = self._pre_ops, []
         for seq in out.preempted:
             if seq.batch is not None:
                 b.remove(seq)
         if out.imports:
             imports = list(out.imports)
-            pre_ops.append(lambda: self._import(imports))
+            pre_ops.append(lambda: self.runner.import_all(imports))
         now = time.monotonic()
         chunks: list[Chunk] = []
         new_decodes: list[Sequence] = []
@@ -547,46 +504,6 @@ class LLMEngine:
             prompt, output = list(seq.prompt_token_ids), list(seq.output_token_ids)
             pre_ops.append(lambda: state.init_penalties(slot, prompt, output))
 
-    def _advance(self, step: Step) -> None:
-        """Right after launch: the batch as if ``step`` had run (KV computed, one token in
-        flight per sampled row), prompts that reached their end start decoding, forks
-        attach, and (async) sequences at their length limit retire."""
-        b, sched = self.batch, self.scheduler
-        rows = step.decode_rows
-        b.num_computed[rows] += 1
-        b.num_tokens[rows] += 1
-        for seq in step.new_decodes or ():
-            sched.start_decoding(seq)
-        for c in step.chunks:
-            if c.verify:  # its computed tokens are known once its burst is read (settle)
-                continue
-            seq = c.seq
-            b.num_computed[seq.row] += c.num_tokens
-            if seq.num_computed_tokens <= seq.num_prompt_tokens:
-                self.num_prompt_tokens_computed += c.num_tokens
-            if not c.num_samples:
-                continue
-            b.num_tokens[seq.row] += 1
-            b.to_decode(seq)
-            sched.start_decoding(seq)
-            for child in c.children:
-                b.num_tokens[child.row] += 1
-                attached, copy = self.forks.attach(seq, child)
-                if not attached:  # no block for it now: it recomputes its prompt later
-                    b.remove(child)
-                    continue
-                if copy is not None:  # after this step has written the parent's last block
-                    self._pre_ops.append(lambda copy=copy: self.runner.copy_blocks([copy]))
-                b.sync_blocks(child)
-                b.to_decode(child)
-                sched.start_decoding(child)
-        if self.async_scheduling:
-            nd = b.num_decodes
-            for r in np.flatnonzero(b.num_tokens[:nd] >= b.max_len[:nd])[::-1].tolist():
-                seq = b.seqs[r]
-                sched.retire(seq)
-                b.remove(seq)
-
     def _process(self, step: Step, res: StepResult, touched: dict[str, None]) -> None:
         """A step's ids are on the host: append them, check stops, commit full blocks."""
         self.timer.account(res.timing)
@@ -634,7 +551,7 @@ class LLMEngine:
             if seq.grammar is not None and not seq.grammar.accept(t):
                 self._finish(seq, "error")  # cannot happen: the mask allowed it
             elif seq.grammar is not None or t in seq.stop_ids or len(seq.token_ids) >= seq.max_len:
-                reason = self._stop_reason(seq)
+                reason = seq.check_stop(self.max_model_len)
                 if reason is not None:
                     self._finish(seq, reason)
         self.num_generated_tokens += generated
@@ -661,14 +578,7 @@ class LLMEngine:
         not come back is aborted (reported at the next step), then the error propagates."""
         if self.spec is not None:
             self.spec.drain()
-        steps = [failed]
-        while self._in_flight:
-            step, pending = self._in_flight.popleft()
-            steps.append(step)
-            try:
-                pending.result()
-            except BaseException:  # noqa: BLE001 - the first error is the one raised
-                pass
+        steps = self._in_flight.drain(failed)
         victims = {s.request_id for st in steps for s in st.sample_seqs} | {c.seq.request_id for st in steps for c in st.chunks}
         for rid in victims:
             self.abort_request(rid)
@@ -683,13 +593,6 @@ class LLMEngine:
         if self.tp is not None:
             self.tp.close()
 
-    def _import(self, imports: list) -> None:
-        for imp, rows, blocks in imports:
-            try:
-                self.runner.import_blocks(imp, rows, blocks)
-            finally:
-                imp.release()
-
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq, reason)
         if self.spec is not None:
@@ -703,11 +606,7 @@ class LLMEngine:
 
     def _drain_exports(self) -> list[RequestOutput]:
         done = self.exports.drain()
-        return [self._request_output(s.request_id) for s in done if s.request_id in self._requests and self._all_done(s.request_id)]
-
-    def _all_done(self, request_id: str) -> bool:
-        family = self._requests[request_id]
-        return all(s.is_finished and not s.export_pending for s in family) and family[0].pending_forks == 0
+        return [self._request_output(s.request_id) for s in done if s.request_id in self._requests and family_done(self._requests[s.request_id])]
 
     @property
     def num_pending_exports(self) -> int:
@@ -719,41 +618,8 @@ class LLMEngine:
         self._capturing += 1
 
     def _request_output(self, request_id: str) -> RequestOutput:
-        family = self._requests[request_id]
-        if len(family) == 1:
-            seq = family[0]
-            ids, lps = seq.take_new()
-            outs = [CompletionOutput(0, ids, lps, seq.finish_reason, seq.num_output_tokens)] if ids or seq.is_finished else []
-            finished = seq.is_finished and not seq.export_pending and seq.pending_forks == 0
-        else:
-            outs = []
-            for seq in family:
-                ids, lps = seq.take_new()
-                if ids or seq.is_finished:
-                    outs.append(CompletionOutput(seq.index, ids, lps, seq.finish_reason, seq.num_output_tokens))
-            finished = self._all_done(request_id)
-        head = family[0]
-        metrics = {}
-        if finished:  # (reported once, with the final output)
-            if head.first_scheduled_time is not None:
-                metrics["queue_s"] = head.first_scheduled_time - head.arrival_time
-            if head.first_token_time is not None:
-                metrics["ttft_s"] = head.first_token_time - head.arrival_time
-        return RequestOutput(
-            request_id,
-            outs,
-            finished,
-            head.num_prompt_tokens,
-            head.num_cached_tokens,
-            head.num_imported_tokens,
-            self.exports.result(head) if finished else None,
-            metrics,
-            prompt_logprobs=prompt_logprobs.take_complete(head),
-        )
+        return request_output(request_id, self._requests[request_id], self.exports)
 
     def _aborted_output(self, request_id: str) -> RequestOutput:
-        family = self._requests.pop(request_id, [])
         self._params.pop(request_id, None)
-        head = family[0] if family else None
-        outs = [CompletionOutput(s.index, *s.take_new(), "abort", s.num_output_tokens) for s in family]
-        return RequestOutput(request_id, outs, True, head.num_prompt_tokens if head else 0, head.num_cached_tokens if head else 0)
+        return aborted_output(request_id, self._requests.pop(request_id, []))

@@ -170,6 +170,15 @@ class ModelRunner:
             dst = to_device([c[1] for c in copies], self.device)
             self.cache[dst] = self.cache[src]
 
+    def import_all(self, imports: list[tuple[KVImport, list[int], list[int]]]) -> None:
+        """A step's PD imports (the scheduler's ``(import, rows, block ids)``), each
+        import's staging released once its rows are in the cache, or on failure."""
+        for imp, rows, blocks in imports:
+            try:
+                self.import_blocks(imp, rows, blocks)
+            finally:
+                imp.release()
+
     @torch.inference_mode()
     def import_blocks(self, imp: KVImport, rows: list[int], block_ids: list[int]) -> None:
         """Copy rows ``rows`` of an import's staging (a contiguous range) into ``block_ids``."""

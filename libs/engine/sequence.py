@@ -174,7 +174,8 @@ class Sequence:
             self.new_logprobs.append(logprob)
 
     def check_stop(self, max_model_len: int) -> str | None:
-        """Why generation should stop after the last appended token, or None."""
+        """Why generation should stop after the last appended token, or None: the usual
+        reasons, or a grammar (structured outputs) that is complete."""
         p = self.params
         last = self.token_ids[-1]
         n_out = self.num_output_tokens
@@ -187,6 +188,8 @@ class Sequence:
             return "length"
         if self.num_tokens >= max_model_len:
             return "length"
+        if self.grammar is not None and self.grammar.is_terminated:  # a complete grammar
+            return "stop"
         return None
 
     def min_tokens_banned(self) -> list[int]:

@@ -29,6 +29,7 @@ from kernels.rope import reference as rope_reference
 from kernels.select import ops_for
 from libs.model.attention import AttentionMetadata, PagedAttention
 from libs.model.config import ModelConfig
+from libs.model.cpu_linear import available as cpu_linear_available, pack, pack_linears, packed_linear
 from libs.model.fp8 import Fp8Linear, Fp8Weight
 from libs.model.moe import MoEOptions
 from libs.model.moe.block import SparseMoeBlock
@@ -217,6 +218,7 @@ class LlamaModel(nn.Module):
         vocab_rows = tp.shard.vocab_size if tp else cfg.vocab_size
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, vocab_rows, bias=False)
         self.quantized_head: Int8Linear | None = None  # quantized-weights mode (CPU)
+        self.packed_head: torch.Tensor | None = None  # the head's weight packed for oneDNN (CPU float32)
         self._quantized: list[nn.Module] | None = None
 
     def bind_kv_cache(self, cache: torch.Tensor) -> None:
@@ -246,9 +248,26 @@ class LlamaModel(nn.Module):
         """fp32 logits ``[S, vocab]`` for the rows that are sampled."""
         if self.quantized_head is not None:
             return self.quantized_head(hidden).float()
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = F.linear(hidden, weight)
+        if self.packed_head is not None:
+            logits = packed_linear(hidden, self.packed_head)
+        else:
+            weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+            logits = F.linear(hidden, weight)
         return (self.tp.gather_vocab(logits) if self.tp is not None else logits).float()
+
+    @torch.no_grad()
+    def pack_linears(self) -> int:
+        """float32 on the CPU: every linear layer and the LM head through oneDNN with
+        packed weights (libs/model/cpu_linear.py); in quantized mode, the float32 rows of
+        the 4-bit and int8 layers. Returns how many plain linears were packed."""
+        if not cpu_linear_available():
+            return 0
+        n = pack_linears(self)
+        for m in self._quantized_modules:  # quantized mode: their prompt rows, as the float32 model's
+            m.pack_dense()
+        if self.quantized_head is None and self.packed_head is None:
+            self.packed_head = pack(self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight)
+        return n
 
     @torch.no_grad()
     def quantize_head(self) -> None:

@@ -67,6 +67,7 @@ def load_model(
     quantization: str = "auto",
     cache_dir: Path | None = None,
     tp: Group | None = None,
+    packed_linears: bool = True,
 ) -> LoadedModel:
     """Read weights and tokenizer from the same source, build the model on ``device``.
 
@@ -83,7 +84,11 @@ def load_model(
 
     ``tp``: this process is one rank of this tensor-parallel group (libs/model/parallel.py);
     it reads and keeps only its shard of the weights (GGUF files, which cannot be read in
-    slices, are read whole and cut)."""
+    slices, are read whole and cut).
+
+    ``packed_linears``: on the CPU in float32, run the linear layers and the LM head
+    through oneDNN over weights packed once here (libs/model/cpu_linear.py); off, and with
+    FP8 quantization (whose layers have their own path): torch's BLAS (``F.linear``)."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"unknown quantization {quantization!r}; use one of {', '.join(QUANTIZATIONS)}")
     if quantized_weights and quantization == "fp8":
@@ -125,6 +130,8 @@ def load_model(
     model.eval().requires_grad_(False)
     if quantized_weights:
         model.quantize_head()
+    if packed_linears and device.type == "cpu" and dtype == torch.float32 and not fp8:
+        model.pack_linears()  # oneDNN over packed weights: decode and verify rows at the weights' bandwidth
     # 4-bit weights give different KV than dequantized ones, and FakeBalanceExpert's routing
     # different KV than the router's: never share blocks across modes.
     modes = ("+q4" if quantized_weights else "") + ("+fakebalance" if moe.fake_balance and cfg.moe else "")

@@ -29,6 +29,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from libs.model.cpu_linear import pack, packed_linear
+
 GROUP = 32
 
 
@@ -90,15 +92,25 @@ class Int4Linear(nn.Module):
         zero = weight.minimum + 8 * weight.scale
         self.register_buffer("scale_zeros", torch.stack([weight.scale.t(), zero.t()], dim=-1).to(torch.bfloat16).contiguous())
         self.register_buffer("bias", None if bias is None else bias.float())
+        self.dense_packed: torch.Tensor | None = None  # ``dense`` in oneDNN's layout (pack_dense)
+
+    def pack_dense(self) -> None:
+        """Run the prompt rows as the float32 model's packed linears do (libs/model/cpu_linear.py),
+        so they stay bit for bit the float32 model's; the unpacked copy is dropped."""
+        if self.dense_packed is None:
+            self.dense_packed, self.dense = pack(self.dense), None
+
+    def _dense(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x, self.dense) if self.dense_packed is None else packed_linear(x, self.dense_packed)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n = min(self.decode_rows, x.shape[0])
         if n == x.shape[0]:
             y = self._int4(x)
         elif n == 0:
-            y = torch.nn.functional.linear(x, self.dense)
+            y = self._dense(x)
         else:
-            y = torch.cat([self._int4(x[:n]), torch.nn.functional.linear(x[n:], self.dense)])
+            y = torch.cat([self._int4(x[:n]), self._dense(x[n:])])
         return y if self.bias is None else y + self.bias
 
     def _int4(self, x: torch.Tensor) -> torch.Tensor:
@@ -126,15 +138,22 @@ class Int8Linear(nn.Module):
         q = torch.round(weight.float() / scale[:, None]).clamp(-127, 127).to(torch.int8)
         self.register_buffer("q", q.contiguous())
         self.register_buffer("scale", scale.to(torch.bfloat16))
+        self.dense_packed: torch.Tensor | None = None  # ``dense`` in oneDNN's layout (pack_dense)
+
+    def pack_dense(self) -> None:
+        """As ``Int4Linear.pack_dense``; ``dense`` stays (it is the embedding table)."""
+        if self.dense_packed is None:
+            self.dense_packed = pack(self.dense)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n = min(self.decode_rows, x.shape[0])
         int8 = lambda rows: torch.ops.aten._weight_int8pack_mm(rows.to(torch.bfloat16), self.q, self.scale).to(x.dtype)  # noqa: E731
+        dense = lambda rows: torch.nn.functional.linear(rows, self.dense) if self.dense_packed is None else packed_linear(rows, self.dense_packed)  # noqa: E731
         if n == x.shape[0]:
             return int8(x)
         if n == 0:
-            return torch.nn.functional.linear(x, self.dense)
-        return torch.cat([int8(x[:n]), torch.nn.functional.linear(x[n:], self.dense)])
+            return dense(x)
+        return torch.cat([int8(x[:n]), dense(x[n:])])
 
     def _apply(self, fn, recurse=True):  # never cast with the model
         q, scale = self.q, self.scale

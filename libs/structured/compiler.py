@@ -28,7 +28,7 @@ import json
 import threading
 from collections import OrderedDict
 from concurrent.futures import Executor
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
 from libs.structured.matcher import GrammarMatcher
 from libs.structured.spec import GrammarError, GrammarSpec
@@ -130,6 +130,15 @@ class GrammarCompiler:
             while len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
         return compiled
+
+    def start(self, grammar: GrammarSpec | CompiledGrammar, replay: "Sequence[int]" = ()) -> GrammarMatcher:
+        """A fresh grammar state for a request, advanced by ``replay`` (tokens generated
+        before: prefill's first token, a resumed stream's output). Raises ``GrammarError``
+        (a malformed spec) or ``GrammarMismatchError`` (replayed tokens that do not follow)."""
+        compiled = grammar if isinstance(grammar, CompiledGrammar) else self.compile(grammar)
+        matcher = compiled.matcher()
+        matcher.replay(replay)
+        return matcher
 
     async def compile_async(self, spec: GrammarSpec, executor: Executor | None = None) -> CompiledGrammar:
         """:meth:`compile` on a thread, for callers on an event loop."""

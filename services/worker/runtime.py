@@ -156,6 +156,7 @@ class WorkerRuntime:
             enable_prefix_caching=settings.enable_prefix_caching,
             attention_backend=settings.attention_backend,
             quantized_weights=settings.quantized_weights,
+            packed_linears=settings.packed_linears,
             moe_strategy=settings.moe_strategy,
             moe_fake_balance=settings.moe_fake_balance,
             quantization=settings.quantization,

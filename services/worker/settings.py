@@ -31,6 +31,7 @@ class WorkerSettings(BaseSettings):
         "(a warm start skips conversion); auto: $XDG_CACHE_HOME/tidepool or ~/.cache/tidepool; none: off",
     )
     quantized_weights: bool = setting(False, help="CPU + GGUF: decode with the file's 4-bit weights (approximate, ~2x faster decode)")
+    packed_linears: bool = setting(True, help="CPU float32: linear layers through oneDNN over weights packed at load (off: torch's BLAS)")
     moe_strategy: Literal[STRATEGIES] = setting("auto", help="MoE models: how experts run (libs/model/moe/strategy.py)")
     moe_fake_balance: bool = setting(False, help="MoE models: FakeBalanceExpert routing, for load benchmarks only (changes the output)")
     quantization: Literal["auto", "none", "fp8"] = setting(

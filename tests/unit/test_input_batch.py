@@ -94,7 +94,7 @@ def test_every_step_is_laid_out_as_its_sequences_say():
     eng = tiny_engine(num_blocks=200, max_num_batched_tokens=48, max_num_seqs=8)
     bs = eng.config.block_size
     rng = random.Random(3)
-    advance = eng._advance
+    advance = eng._in_flight.advance
     checked = {"decode": 0, "mixed": 0, "fork": 0}
 
     def check(step):
@@ -129,7 +129,7 @@ def test_every_step_is_laid_out_as_its_sequences_say():
         check(step)  # the batch still holds the step's "before" state here
         advance(step)
 
-    eng._advance = spy_advance
+    eng._in_flight.advance = spy_advance
     for i in range(10):
         prompt = [rng.randint(5, 3000) for _ in range(rng.randint(5, 60))]
         p = SamplingParams(temperature=rng.choice([0, 0.7]), top_k=rng.choice([-1, 20]), n=rng.choice([1, 1, 2]), seed=i, max_tokens=rng.randint(3, 20), ignore_eos=True)

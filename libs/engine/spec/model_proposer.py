@@ -46,6 +46,7 @@ from libs.engine.spec.proposer import DraftRequest, Drafts
 from libs.engine.step_inputs import Layout, StepStaging
 from libs.engine.spec.vocab import DraftVocab
 from libs.model.attention import AttentionMetadata
+from libs.model.cpu_linear import pack, packed_linear
 from libs.model.llama import LlamaModel
 
 
@@ -58,11 +59,19 @@ class DraftNetwork(nn.Module):
         self.model = model
         self.num_layers = num_layers
         self.head_weight = head_weight  # [N or V, hidden]: pruned rows, or the model's head itself
+        # Where the model runs its linears through oneDNN (libs/model/cpu_linear.py), so does
+        # the draft head: the model's own packed head, or the pruned rows packed here.
+        self.head_packed: torch.Tensor | None = None
+        if model.packed_head is not None:
+            own = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+            self.head_packed = model.packed_head if head_weight is own else pack(head_weight)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         return self.model(input_ids, positions, meta, num_layers=self.num_layers)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.head_packed is not None:
+            return packed_linear(hidden, self.head_packed).float()
         return F.linear(hidden, self.head_weight).float()
 
 
