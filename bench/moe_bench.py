@@ -207,27 +207,52 @@ def markdown(results: list[dict]) -> str:
     return table(headers, rows)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def common_args(p: argparse.ArgumentParser) -> None:
+    """The flags both MoE benches take (this one and moe_fp8_bench): grid, timing, output."""
     p.add_argument("--toy", action="store_true", help="small shapes and token counts (checks the script on a CPU)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--shapes", default=None, help="comma-separated subset of the shapes")
     p.add_argument("--tokens", default=None, help="comma-separated token counts")
-    p.add_argument("--routing", default="topk,balanced", help="topk, balanced or both")
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--write-thresholds", action="store_true", help="measure the hybrid's crossover first and store it")
-    p.add_argument("--thresholds-path", type=Path, default=strategy.THRESHOLDS_PATH, help="where --write-thresholds writes (default: the file the hybrid reads)")
     p.add_argument("--out", type=Path, default=None, help="write the rows and the machine's description as JSON")
     p.add_argument("--markdown", type=Path, default=None)
-    args = p.parse_args(argv)
-    device = torch.device(args.device)
+
+
+def grid(args: argparse.Namespace, tokens: list[int], toy_tokens: list[int]) -> tuple[dict, list[int]]:
+    """The shapes and token counts ``args`` select (``tokens``/``toy_tokens`` by default)."""
     shapes = TOY_SHAPES if args.toy else SHAPES
     if args.shapes:
         shapes = {k: v for k, v in shapes.items() if k in args.shapes.split(",")}
-    tokens = [int(t) for t in args.tokens.split(",")] if args.tokens else (TOY_TOKENS if args.toy else TOKENS)
+    counts = [int(t) for t in args.tokens.split(",")] if args.tokens else (toy_tokens if args.toy else tokens)
+    return shapes, counts
+
+
+def head_commit() -> str:
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+
+
+def report(args: argparse.Namespace, device: torch.device, commit: str, results: list[dict], md: str) -> None:
+    """Print the table; write the rows and the run's description where ``args`` asks."""
+    print(md)
+    meta = {"device": device_name(device), "date": str(datetime.date.today()), "commit": commit, "torch": torch.__version__, "command": " ".join(sys.argv)}
+    if args.out:
+        args.out.write_text(json.dumps({"meta": meta, "rows": results}, indent=1) + "\n")
+    if args.markdown:
+        args.markdown.write_text(f"{json.dumps(meta)}\n\n{md}\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    common_args(p)
+    p.add_argument("--routing", default="topk,balanced", help="topk, balanced or both")
+    p.add_argument("--write-thresholds", action="store_true", help="measure the hybrid's crossover first and store it")
+    p.add_argument("--thresholds-path", type=Path, default=strategy.THRESHOLDS_PATH, help="where --write-thresholds writes (default: the file the hybrid reads)")
+    args = p.parse_args(argv)
+    device = torch.device(args.device)
+    shapes, tokens = grid(args, TOKENS, TOY_TOKENS)
     time_ms = timer(device, args.reps, args.warmup)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = head_commit()
     if args.write_thresholds:
         if device.type != "cuda" and args.thresholds_path == strategy.THRESHOLDS_PATH:
             print("the shipped thresholds are a GPU's crossover: on the CPU, write elsewhere (--thresholds-path)", file=sys.stderr)
@@ -235,13 +260,7 @@ def main(argv: list[str] | None = None) -> int:
         grids = (TOY_TOKENS, TOY_TOKENS[-1:]) if args.toy else (THRESHOLD_TOKENS, LARGE_TOKENS)
         write_thresholds(measure_thresholds(shapes, device, time_ms, *grids), device, commit, args.thresholds_path)
     results = run(shapes, tokens, args.routing.split(","), device, time_ms)
-    md = markdown(results)
-    print(md)
-    meta = {"device": device_name(device), "date": str(datetime.date.today()), "commit": commit, "torch": torch.__version__, "command": " ".join(sys.argv)}
-    if args.out:
-        args.out.write_text(json.dumps({"meta": meta, "rows": results}, indent=1) + "\n")
-    if args.markdown:
-        args.markdown.write_text(f"{json.dumps(meta)}\n\n{md}\n")
+    report(args, device, commit, results, markdown(results))
     return 0
 
 

@@ -31,9 +31,7 @@ CPU check of the script (toy shapes, torch reference kernels): ``python -m bench
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import subprocess
 import sys
 from pathlib import Path
 from typing import Callable
@@ -43,11 +41,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import table  # noqa: E402
-from bench.moe_bench import SHAPES, TOY_SHAPES, Layer, rel_err, timer  # noqa: E402
+from bench.moe_bench import Layer, common_args, grid, head_commit, rel_err, report, timer  # noqa: E402
 from kernels.select import ops_for  # noqa: E402
 from libs.model.fp8 import Fp8Experts  # noqa: E402
 from libs.model.moe import executors as ex  # noqa: E402
-from libs.model.moe.strategy import LayerShape, device_name, select_executor  # noqa: E402
+from libs.model.moe.strategy import LayerShape, select_executor  # noqa: E402
 
 TOKENS = [1, 8, 64, 256, 1024, 4096, 16384]
 TOY_TOKENS = [1, 8, 64]
@@ -142,29 +140,12 @@ def markdown(results: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--toy", action="store_true", help="small shapes and token counts (checks the script on a CPU)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--shapes", default=None, help="comma-separated subset of the shapes")
-    p.add_argument("--tokens", default=None, help="comma-separated token counts")
-    p.add_argument("--reps", type=int, default=10)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--out", type=Path, default=None, help="write the rows and the machine's description as JSON")
-    p.add_argument("--markdown", type=Path, default=None)
+    common_args(p)
     args = p.parse_args(argv)
     device = torch.device(args.device)
-    shapes = TOY_SHAPES if args.toy else SHAPES
-    if args.shapes:
-        shapes = {k: v for k, v in shapes.items() if k in args.shapes.split(",")}
-    tokens = [int(t) for t in args.tokens.split(",")] if args.tokens else (TOY_TOKENS if args.toy else TOKENS)
+    shapes, tokens = grid(args, TOKENS, TOY_TOKENS)
     results = run(shapes, tokens, device, timer(device, args.reps, args.warmup))
-    md = markdown(results)
-    print(md)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    meta = {"device": device_name(device), "date": str(datetime.date.today()), "commit": commit, "torch": torch.__version__, "command": " ".join(sys.argv)}
-    if args.out:
-        args.out.write_text(json.dumps({"meta": meta, "rows": results}, indent=1) + "\n")
-    if args.markdown:
-        args.markdown.write_text(f"{json.dumps(meta)}\n\n{md}\n")
+    report(args, device, head_commit(), results, markdown(results))
     return 0
 
 

@@ -36,41 +36,26 @@ from kernels.moe.scatter import reference as scatter_ref  # noqa: E402
 from kernels.moe.select import reference_moe_ops  # noqa: E402
 from libs.model.fp8 import Fp8Experts  # noqa: E402
 from libs.model.moe import executors as ex  # noqa: E402
-from libs.model.moe.routing import select_topk  # noqa: E402
-from libs.model.moe.strategy import LayerShape, select_executor  # noqa: E402
+from libs.model.moe.strategy import select_executor  # noqa: E402
+from tests.gpu.test_moe_gpu import SHAPES, TOKENS, random_layer, rel_err, routed_tokens  # noqa: E402
 
 CUDA = torch.device("cuda")
 FP8_GPU = fp8_gemm_supported(CUDA)
 needs_fp8 = pytest.mark.skipif(not FP8_GPU, reason="needs FP8 tensor cores (SM 8.9+)")
-SHAPES = {
-    "mixtral": LayerShape(num_experts=8, top_k=2, hidden=4096, intermediate=14336),
-    "qwen3": LayerShape(num_experts=128, top_k=8, hidden=2048, intermediate=768),
-}
-TOKENS = [1, 13, 64, 1031]
-
-
-def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-6)).item()
 
 
 @pytest.fixture(scope="module", params=list(SHAPES))
 def layer(request):
     shape = SHAPES[request.param]
-    g = torch.Generator(device=CUDA).manual_seed(0)
-    w13 = (torch.randn(shape.num_experts, 2 * shape.intermediate, shape.hidden, generator=g, device=CUDA) / shape.hidden**0.5).bfloat16()
-    w2 = (torch.randn(shape.num_experts, shape.hidden, shape.intermediate, generator=g, device=CUDA) / shape.intermediate**0.5).bfloat16()
-    gate = (torch.randn(shape.num_experts, shape.hidden, generator=g, device=CUDA) / shape.hidden**0.5).bfloat16()
+    w13, w2, gate = random_layer(shape)
     return shape, w13, w2, Fp8Experts.quantize(w13, parts=2), Fp8Experts.quantize(w2), gate
 
 
 def routed(layer, num_tokens: int, seed: int = 1):
     shape, *_, gate = layer
-    g = torch.Generator(device=CUDA).manual_seed(seed + num_tokens)
-    x = torch.randn(num_tokens, shape.hidden, generator=g, device=CUDA).bfloat16()
-    return x, select_topk(x @ gate.T, shape.top_k, renormalize=True)
+    return routed_tokens(shape, gate, num_tokens, seed)
 
 
-@needs_fp8
 @pytest.mark.parametrize("fuse", [False, True], ids=["plain", "fused_silu"])
 @pytest.mark.parametrize("num_tokens", TOKENS)
 def test_fp8_grouped_gemms_equal_reference(layer, num_tokens, fuse):
@@ -86,7 +71,7 @@ def test_fp8_grouped_gemms_equal_reference(layer, num_tokens, fuse):
     assert torch.equal(a_q[used].view(torch.uint8), r_q[used].view(torch.uint8)) and torch.equal(a_s[used], r_s[used])
     ref = gemm_ref.grouped_gemm_contiguous_fp8(a_q, a_s, w.q, w.scale, lay.m_indices, 64, n=n, fuse_silu_and_mul=fuse, out_dtype=torch.bfloat16)
     tri = gemm_tri.grouped_gemm_contiguous_fp8(a_q, a_s, w.q, w.scale, lay.m_indices, 64, n=n, fuse_silu_and_mul=fuse, out_dtype=torch.bfloat16)
-    assert _rel_err(tri[used], ref[used]) < 1e-2
+    assert rel_err(tri[used], ref[used]) < 1e-2
     masked = scatter_ref.scatter_masked(a, routing.ids, shape.num_experts)
     e, max_m, k = masked.x.shape
     m_q, m_s = triton_quant.per_token_group_quant(masked.x.reshape(e * max_m, k))
@@ -96,7 +81,7 @@ def test_fp8_grouped_gemms_equal_reference(layer, num_tokens, fuse):
     raw = gemm_tri.grouped_gemm_masked_fp8(masked.x, None, w.q, w.scale, masked.counts, n=n, fuse_silu_and_mul=fuse, out_dtype=torch.bfloat16)
     for i, c in enumerate(masked.counts.tolist()):
         if c:
-            assert _rel_err(tri[i, :c], ref[i, :c]) < 1e-2
+            assert rel_err(tri[i, :c], ref[i, :c]) < 1e-2
             assert torch.equal(raw[i, :c], tri[i, :c])  # quantized inside the GEMM: the same bits
 
 
@@ -113,8 +98,8 @@ def test_fp8_executors_equal_reference_and_stay_near_bf16(layer, name, num_token
     out = sel.executor(x, routing, q13, q2)
     assert out.shape == x.shape and out.dtype == torch.bfloat16
     if num_tokens:
-        assert _rel_err(out, ex.ContiguousExecutor(reference_moe_ops())(x, routing, q13, q2)) < 2e-2
-        assert _rel_err(out, ex.LoopExecutor()(x, routing, w13, w2)) < 0.15
+        assert rel_err(out, ex.ContiguousExecutor(reference_moe_ops())(x, routing, q13, q2)) < 2e-2
+        assert rel_err(out, ex.LoopExecutor()(x, routing, w13, w2)) < 0.15
 
 
 @needs_fp8
@@ -159,7 +144,7 @@ def test_engine_runs_fp8_experts_under_cuda_graphs(tmp_path_factory):
     assert block.w13.q.dtype == torch.float8_e4m3fn and block.w13.q.device.type == "cuda"
     tok = hf_gguf_tokenizer()
     prompts = [[int(t) for t in tok.encode(p, add_special_tokens=False)] for p in RAW_PROMPTS[:4]]
-    rel = sorted(_rel_err(fp8.first_step_logits(ids), bf16.first_step_logits(ids)) for ids in prompts)
+    rel = sorted(rel_err(fp8.first_step_logits(ids), bf16.first_step_logits(ids)) for ids in prompts)
     assert rel[len(rel) // 2] < 0.25  # the bound of tests/unit/test_moe_models.py
     assert "Triton FP8" in block.selection.reason
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)

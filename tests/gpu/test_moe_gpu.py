@@ -37,25 +37,35 @@ SHAPES = {"mixtral": MIXTRAL, "qwen3": QWEN3}
 TOKENS = [1, 13, 64, 1031]
 
 
-def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-6)).item()
+
+
+def random_layer(shape: LayerShape) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(w13, w2, gate)`` of one MoE layer of ``shape``: bf16, seeded, on the GPU."""
+    g = torch.Generator(device=CUDA).manual_seed(0)
+    w13 = (torch.randn(shape.num_experts, 2 * shape.intermediate, shape.hidden, generator=g, device=CUDA) / shape.hidden**0.5).bfloat16()
+    w2 = (torch.randn(shape.num_experts, shape.hidden, shape.intermediate, generator=g, device=CUDA) / shape.intermediate**0.5).bfloat16()
+    gate = (torch.randn(shape.num_experts, shape.hidden, generator=g, device=CUDA) / shape.hidden**0.5).bfloat16()
+    return w13, w2, gate
+
+
+def routed_tokens(shape: LayerShape, gate: torch.Tensor, num_tokens: int, seed: int = 1):
+    """``num_tokens`` random bf16 rows and their top-k routing by ``gate``."""
+    g = torch.Generator(device=CUDA).manual_seed(seed + num_tokens)
+    x = torch.randn(num_tokens, shape.hidden, generator=g, device=CUDA).bfloat16()
+    return x, select_topk(x @ gate.T, shape.top_k, renormalize=True)
 
 
 @pytest.fixture(scope="module", params=list(SHAPES))
 def layer(request):
     shape = SHAPES[request.param]
-    g = torch.Generator(device=CUDA).manual_seed(0)
-    w13 = (torch.randn(shape.num_experts, 2 * shape.intermediate, shape.hidden, generator=g, device=CUDA) / shape.hidden**0.5).bfloat16()
-    w2 = (torch.randn(shape.num_experts, shape.hidden, shape.intermediate, generator=g, device=CUDA) / shape.intermediate**0.5).bfloat16()
-    gate = (torch.randn(shape.num_experts, shape.hidden, generator=g, device=CUDA) / shape.hidden**0.5).bfloat16()
-    return request.param, shape, w13, w2, gate
+    return (request.param, shape, *random_layer(shape))
 
 
 def routed(layer, num_tokens: int, balanced: bool, seed: int = 1):
     _, shape, _, _, gate = layer
-    g = torch.Generator(device=CUDA).manual_seed(seed + num_tokens)
-    x = torch.randn(num_tokens, shape.hidden, generator=g, device=CUDA).bfloat16()
-    routing = select_topk(x @ gate.T, shape.top_k, renormalize=True)
+    x, routing = routed_tokens(shape, gate, num_tokens, seed)
     if balanced:
         routing = FakeBalanceExpert(shape.num_experts)(routing)
     return x, routing
@@ -92,13 +102,13 @@ def test_grouped_gemms_equal_reference(layer, num_tokens, fuse):
     used = lay.m_indices >= 0
     ref = gemm_ref.grouped_gemm_contiguous(lay.x, w, lay.m_indices, 64, fuse)
     tri = gemm_tri.grouped_gemm_contiguous(lay.x, w, lay.m_indices, 64, fuse)
-    assert _rel_err(tri[used], ref[used]) < 1e-2
+    assert rel_err(tri[used], ref[used]) < 1e-2
     masked = scatter_ref.scatter_masked(x, routing.ids, shape.num_experts)
     ref = gemm_ref.grouped_gemm_masked(masked.x, w, masked.counts, fuse)
     tri = gemm_tri.grouped_gemm_masked(masked.x, w, masked.counts, fuse)
     for e, c in enumerate(masked.counts.tolist()):
         if c:
-            assert _rel_err(tri[e, :c], ref[e, :c]) < 1e-2
+            assert rel_err(tri[e, :c], ref[e, :c]) < 1e-2
 
 
 @pytest.mark.parametrize("name", ["contiguous", "masked", "hybrid", "grouped_mm"])
@@ -115,7 +125,7 @@ def test_executors_equal_the_loop(layer, name, num_tokens, balanced):
     out = sel.executor(x, routing, w13, w2)
     assert out.shape == x.shape and out.dtype == torch.bfloat16
     if num_tokens:
-        assert _rel_err(out, ex.LoopExecutor()(x, routing, w13, w2)) < 2e-2
+        assert rel_err(out, ex.LoopExecutor()(x, routing, w13, w2)) < 2e-2
 
 
 @pytest.mark.parametrize("num_tokens", [1, 13, 128])
