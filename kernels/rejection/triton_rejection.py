@@ -21,6 +21,9 @@ import triton.language as tl
 from kernels.rejection.reference import PLACEHOLDER
 
 _BLOCK_V = 1024
+# A jitted kernel may read a module global only as a constexpr (compiled Triton refuses a
+# plain int; the interpreter does not notice).
+_PLACEHOLDER = tl.constexpr(PLACEHOLDER)
 
 
 @triton.jit
@@ -83,7 +86,7 @@ def _rejection_kernel(
 
     for i in range(0, K + 1):
         d = tl.load(draft_ptr + b * K + i, mask=i < K, other=0).to(tl.int64)
-        tok = tl.where(i < a, d, tl.where(i == a, final, PLACEHOLDER))
+        tok = tl.where(i < a, d, tl.where(i == a, final, _PLACEHOLDER))
         tl.store(out_ptr + b * (K + 1) + i, tok)
 
 

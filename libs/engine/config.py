@@ -14,18 +14,16 @@ if TYPE_CHECKING:
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 
 
-# Where "auto" turns async scheduling on: only where a benchmark showed it faster at every
-# batch size (bench/RESULTS.md, issue 10's section; python -m bench.async_scheduling).
+# Where "auto" turns async scheduling on: where a benchmark showed it faster (bench/RESULTS.md,
+# issue 10's section; python -m bench.async_scheduling).
 # CPU: measured, not faster at batch 1 (the worker thread and the engine thread share the
 # GIL and, on small machines, the cores), so off. CUDA (H100, 2026-11-23): SmolLM2-135M's
 # shape decodes 1.33-1.57x faster at batch 1, 8 and 64 (bench.async_scheduling; 1.45x and
-# 1.55x in bench.gpu_engine), but it stays off there until the H100 re-runs
-# tests/gpu/test_engine_gpu.py: that run found greedy rows that differed between the modes.
-# The cause was a graph replay reading stale inputs when a step's bans overflowed the graph
-# buffers (both modes; fixed in step_inputs.py, reproduced and tested on the CPU with
-# emulated graphs), but the fix has not run on a GPU yet. A 2-layer toy model, whose steps
-# are too short to hide anything behind, runs 0.94-0.98x.
-ASYNC_SCHEDULING_DEFAULTS: dict[str, bool] = {"cuda": False, "cpu": False}
+# 1.55x in bench.gpu_engine), and tests/gpu/test_engine_gpu.py (async equals sync token for
+# token through aborts and preemption, nothing emitted past a stop) passed on the H100 at
+# 487b0ac, so on. A 2-layer toy model, whose 0.35 ms steps leave nothing to hide behind,
+# runs 0.94-0.98x: the one case where it does not pay.
+ASYNC_SCHEDULING_DEFAULTS: dict[str, bool] = {"cuda": True, "cpu": False}
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,9 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from libs.engine import SamplingParams
+import torch
+
+from libs.engine import EngineConfig, SamplingParams
 from tests.models import tiny_engine
 from tests.unit.test_sampler import penalized
 
@@ -196,3 +198,11 @@ def test_structured_outputs_and_logit_bias_equal_sync():
         runs[mode] = (got, reasons)
         eng.close()
     assert runs["off"] == runs["on"]
+
+
+def test_auto_turns_async_scheduling_on_where_it_was_measured_faster():
+    """bench/RESULTS.md: faster on the H100 at every SmolLM2 batch size, not on the CPU."""
+    cfg = EngineConfig(async_scheduling="auto")
+    assert cfg.resolve_async_scheduling(torch.device("cuda")) is True
+    assert cfg.resolve_async_scheduling(torch.device("cpu")) is False
+    assert EngineConfig(async_scheduling="off").resolve_async_scheduling(torch.device("cuda")) is False
