@@ -20,6 +20,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels.rope import reference as rope_reference
+
 
 def store_kv(
     key: torch.Tensor,
@@ -39,6 +41,24 @@ def store_kv(
     offsets = slot_mapping - blocks * block_size
     k_cache[blocks, offsets] = key.to(k_cache.dtype)
     v_cache[blocks, offsets] = value.to(v_cache.dtype)
+
+
+def rotary_store_kv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary on ``q`` and ``k`` (kernels/rope), then the rotated K and V into their slots;
+    returns the rotated ``(q, k)``."""
+    q, k = rope_reference.apply_rotary(q, k, positions, cos, sin)
+    store_kv(k, v, k_cache, v_cache, slot_mapping)
+    return q, k
 
 
 def _gather_context(cache: torch.Tensor, table: torch.Tensor, length: int) -> torch.Tensor:

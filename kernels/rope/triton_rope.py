@@ -42,11 +42,13 @@ def _round(x, like_ptr):
 
 
 @triton.jit
-def _rotate_heads(
+def rotate_heads(
     x_ptr, stride_h, stride_d, cos_lo, cos_hi, sin_lo, sin_hi,
     NUM_HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
 ):
-    """Rotate the ``NUM_HEADS`` heads of one token at ``x_ptr`` in place."""
+    """Rotate the ``NUM_HEADS`` heads of one token at ``x_ptr`` in place; returns the rotated
+    ``(lo, hi)`` halves as stored (``[BLOCK_H, BLOCK_HALF]``, in ``x``'s dtype) for a caller
+    that also writes them elsewhere (the fused KV store, kernels/attention)."""
     h = tl.arange(0, BLOCK_H)[:, None]
     d = tl.arange(0, BLOCK_HALF)[None, :]
     mask = (h < NUM_HEADS) & (d < HALF)
@@ -58,8 +60,33 @@ def _rotate_heads(
     # each product and the sum rounded to the dtype like the reference's separate ops.
     out_lo = _round(lo * cos_lo, x_ptr) + _round(-hi * sin_lo, x_ptr)
     out_hi = _round(hi * cos_hi, x_ptr) + _round(lo * sin_hi, x_ptr)
-    tl.store(lo_ptr, out_lo.to(x_ptr.dtype.element_ty), mask=mask)
-    tl.store(hi_ptr, out_hi.to(x_ptr.dtype.element_ty), mask=mask)
+    out_lo = out_lo.to(x_ptr.dtype.element_ty)
+    out_hi = out_hi.to(x_ptr.dtype.element_ty)
+    tl.store(lo_ptr, out_lo, mask=mask)
+    tl.store(hi_ptr, out_hi, mask=mask)
+    return out_lo, out_hi
+
+
+@triton.jit
+def table_rows(
+    positions_ptr, cos_ptr, sin_ptr, like_ptr, token,
+    stride_pos, stride_cos_p, stride_cos_d, stride_sin_p, stride_sin_d,
+    HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
+):
+    """``token``'s cos and sin rows, each half as a ``[1, BLOCK_HALF]`` tile rounded to
+    ``like_ptr``'s dtype. Both halves of each row are read, as the reference uses the full
+    row (in the HF layout they are equal, but nothing here relies on it); like the
+    reference, the rows are cast to the query dtype before use (k shares it)."""
+    pos = tl.load(positions_ptr + token * stride_pos).to(tl.int64)
+    d = tl.arange(0, BLOCK_HALF)[None, :]
+    d_mask = d < HALF
+    cos_row = cos_ptr + pos * stride_cos_p
+    sin_row = sin_ptr + pos * stride_sin_p
+    cos_lo = _round(tl.load(cos_row + d * stride_cos_d, mask=d_mask, other=0.0), like_ptr)
+    cos_hi = _round(tl.load(cos_row + (d + HALF) * stride_cos_d, mask=d_mask, other=0.0), like_ptr)
+    sin_lo = _round(tl.load(sin_row + d * stride_sin_d, mask=d_mask, other=0.0), like_ptr)
+    sin_hi = _round(tl.load(sin_row + (d + HALF) * stride_sin_d, mask=d_mask, other=0.0), like_ptr)
+    return cos_lo, cos_hi, sin_lo, sin_hi
 
 
 @triton.jit
@@ -72,25 +99,17 @@ def _rotary_kernel(
     BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)  # token * stride overflows int32 on long prefills
-    pos = tl.load(positions_ptr + token * stride_pos).to(tl.int64)
-    d = tl.arange(0, BLOCK_HALF)[None, :]
-    d_mask = d < HALF
-    cos_row = cos_ptr + pos * stride_cos_p
-    sin_row = sin_ptr + pos * stride_sin_p
-    # Both halves of each table row are read, as the reference uses the full row (in the HF
-    # layout they are equal, but nothing here relies on it). Like the reference, the rows
-    # are cast to the query dtype before use (k shares it).
-    cos_lo = _round(tl.load(cos_row + d * stride_cos_d, mask=d_mask, other=0.0), q_ptr)
-    cos_hi = _round(tl.load(cos_row + (d + HALF) * stride_cos_d, mask=d_mask, other=0.0), q_ptr)
-    sin_lo = _round(tl.load(sin_row + d * stride_sin_d, mask=d_mask, other=0.0), q_ptr)
-    sin_hi = _round(tl.load(sin_row + (d + HALF) * stride_sin_d, mask=d_mask, other=0.0), q_ptr)
-    _rotate_heads(q_ptr + token * stride_qt, stride_qh, stride_qd, cos_lo, cos_hi, sin_lo, sin_hi,
+    cos_lo, cos_hi, sin_lo, sin_hi = table_rows(
+        positions_ptr, cos_ptr, sin_ptr, q_ptr, token, stride_pos, stride_cos_p, stride_cos_d, stride_sin_p, stride_sin_d,
+        HALF, BLOCK_HALF,
+    )
+    rotate_heads(q_ptr + token * stride_qt, stride_qh, stride_qd, cos_lo, cos_hi, sin_lo, sin_hi,
                   NUM_Q_HEADS, HALF, BLOCK_HQ, BLOCK_HALF)
-    _rotate_heads(k_ptr + token * stride_kt, stride_kh, stride_kd, cos_lo, cos_hi, sin_lo, sin_hi,
+    rotate_heads(k_ptr + token * stride_kt, stride_kh, stride_kd, cos_lo, cos_hi, sin_lo, sin_hi,
                   NUM_K_HEADS, HALF, BLOCK_HK, BLOCK_HALF)
 
 
-def _check(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+def check_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     if q.dim() != 3 or k.dim() != 3:
         raise ValueError(f"q and k must be [T, heads, head_dim], got {tuple(q.shape)} and {tuple(k.shape)}")
     num_tokens, _, head_dim = q.shape
@@ -107,7 +126,7 @@ def _check(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch
             raise ValueError(f"{name} must be [max_positions, {head_dim}], got shape {tuple(table.shape)}")
 
 
-def _num_warps(num_heads: int, half: int) -> int:
+def rotary_num_warps(num_heads: int, half: int) -> int:
     # One warp covers a small model's token (SmolLM2: 12 heads x 32 pairs); four for wide ones.
     return 1 if triton.next_power_of_2(num_heads) * triton.next_power_of_2(half) <= 1024 else 4
 
@@ -116,7 +135,7 @@ def apply_rotary(
     q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate ``q`` and ``k`` in place by each token's position; returns ``(q, k)`` themselves."""
-    _check(q, k, positions, cos, sin)
+    check_rotary(q, k, positions, cos, sin)
     num_tokens, num_q_heads, head_dim = q.shape
     if num_tokens == 0:
         return q, k
@@ -127,7 +146,7 @@ def apply_rotary(
         NUM_Q_HEADS=num_q_heads, NUM_K_HEADS=k.shape[1], HALF=half,
         BLOCK_HQ=triton.next_power_of_2(num_q_heads), BLOCK_HK=triton.next_power_of_2(k.shape[1]),
         BLOCK_HALF=triton.next_power_of_2(half),
-        num_warps=_num_warps(num_q_heads + k.shape[1], half),
+        num_warps=rotary_num_warps(num_q_heads + k.shape[1], half),
         # No fused multiply-adds: fp32 results stay bit-identical to torch's separate mul and add.
         enable_fp_fusion=False,
     )

@@ -59,17 +59,24 @@ class AttentionBackend(Protocol):
 
 
 class PagedAttention:
-    """Store this step's K/V, then run the decode kernel on the decode rows and the prefill
-    kernel on the rest. ``kernels`` is a module-like object with the three functions."""
+    """Store this step's K/V (rotating q and k first, in the same kernel, when given the
+    rotary tables), then run the decode kernel on the decode rows and the prefill kernel on
+    the rest."""
 
-    def __init__(self, name: str, store_kv: Callable, decode: Callable, prefill: Callable):
+    def __init__(self, name: str, store_kv: Callable, decode: Callable, prefill: Callable, rotary_store_kv: Callable):
         self.name = name
         self._store_kv = store_kv
+        self._rotary_store_kv = rotary_store_kv
         self._decode = decode
         self._prefill = prefill
 
-    def __call__(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        self._store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    def __call__(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, rope: tuple | None = None) -> torch.Tensor:
+        """``rope``: ``(positions, cos, sin)`` when ``q`` and ``k`` are not rotated yet; the
+        rotation then happens with the KV store (one kernel on CUDA)."""
+        if rope is None:
+            self._store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        else:
+            q, k = self._rotary_store_kv(q, k, v, *rope, k_cache, v_cache, meta.slot_mapping)
         nd = meta.num_decodes
         if meta.num_prefill_tokens == 0:
             return self._decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
@@ -88,13 +95,13 @@ class PagedAttention:
 def torch_backend() -> PagedAttention:
     from kernels.attention import reference as ref
 
-    return PagedAttention("torch", ref.store_kv, ref.paged_decode_attention, ref.paged_prefill_attention)
+    return PagedAttention("torch", ref.store_kv, ref.paged_decode_attention, ref.paged_prefill_attention, ref.rotary_store_kv)
 
 
 def triton_backend() -> PagedAttention:
     from kernels.attention import triton_attention as tri
 
-    return PagedAttention("triton", tri.store_kv, tri.paged_decode_attention, tri.paged_prefill_attention)
+    return PagedAttention("triton", tri.store_kv, tri.paged_decode_attention, tri.paged_prefill_attention, tri.rotary_store_kv)
 
 
 def make_backend(name: str, device: torch.device) -> PagedAttention:

@@ -138,14 +138,15 @@ class Attention(nn.Module):
             if self.q_norm is not None:
                 qk = torch.cat(self.norm_heads(*qk.split([self.num_heads, self.num_kv_heads], dim=1)), dim=1)
             q, k = rotary.rotate_heads(positions, qk).split([self.num_heads, self.num_kv_heads], dim=1)
-        else:
+            rope = None
+        else:  # rotated with the KV store: one kernel (kernels/attention rotary_store_kv)
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q, k = q.view(T, self.num_heads, self.head_dim), k.view(T, self.num_kv_heads, self.head_dim)
             if self.q_norm is not None:
                 q, k = self.norm_heads(q, k)
-            q, k = rotary(positions, q, k)
+            rope = (positions, rotary.cos, rotary.sin)
         v = v.view(T, self.num_kv_heads, self.head_dim)
-        o = self.backend(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
+        o = self.backend(q, k, v, self.k_cache, self.v_cache, meta, self.scale, rope)
         out = self.o_proj(o.reshape(T, self.q_size))
         return self.tp.reduce(out) if self.tp is not None else out
 

@@ -201,6 +201,44 @@ def test_apply_rotary_matches_reference_in_place(num_tokens, shape, dtype):
         torch.testing.assert_close(got_k, expected_k, **ROPE_INTERPRETED_BF16)
 
 
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("shape", ROPE_SHAPES, ids=ROPE_SHAPE_IDS)
+@pytest.mark.parametrize("num_tokens", [0, 1, 13], ids=["T0", "T1", "T13"])
+def test_rotary_store_kv_equals_rotary_then_store(num_tokens, shape, dtype):
+    """The fused kernel (the model's CUDA path) rotates q and k in place exactly as
+    apply_rotary does and writes exactly the slots store_kv writes, padding skipped."""
+    from kernels.attention import reference as attn_ref
+    from kernels.attention import triton_attention as attn_tri
+
+    num_heads, num_kv_heads, head_dim = shape
+    block_size, num_blocks = 16, 4
+    qkv, q, k, v = _qkv(num_tokens, num_heads, num_kv_heads, head_dim, dtype, seed=head_dim + num_tokens + 1)
+    positions = _positions(num_tokens, seed=num_tokens + 1)
+    rotary = _rotary(head_dim)
+    slots = torch.randperm(num_blocks * block_size, generator=_gen(num_tokens))[:num_tokens].to(DEVICE)
+    if num_tokens > 1:
+        slots[1] = -1  # padding: rotated, never stored
+    # The engine's block-major cache: per-layer K and V are strided views.
+    cache = _randn((num_blocks, 2, 2, block_size, num_kv_heads, head_dim), dtype, seed=9)
+    expected_cache = cache.clone()
+    ref_q, ref_k = attn_ref.rotary_store_kv(q.clone(), k.clone(), v, positions, rotary.cos, rotary.sin,
+                                            expected_cache[:, 1, 0], expected_cache[:, 1, 1], slots)
+    # The reference is the composition of the two references.
+    q2, k2 = rope_ref.apply_rotary(q, k, positions, rotary.cos, rotary.sin)
+    assert torch.equal(ref_q, q2) and torch.equal(ref_k, k2)
+    got_q, got_k = attn_tri.rotary_store_kv(q, k, v, positions, rotary.cos, rotary.sin, cache[:, 1, 0], cache[:, 1, 1], slots)
+    assert got_q is q and got_k is k  # in place, inside the fused buffer
+    if _bit_exact(dtype):
+        assert torch.equal(got_q, ref_q) and torch.equal(got_k, ref_k) and torch.equal(cache, expected_cache)
+    else:
+        torch.testing.assert_close(got_q, ref_q, **ROPE_INTERPRETED_BF16)
+        torch.testing.assert_close(got_k, ref_k, **ROPE_INTERPRETED_BF16)
+        torch.testing.assert_close(cache, expected_cache, **ROPE_INTERPRETED_BF16)
+    # Layer 0 untouched, and the padded token's slot was not written.
+    assert torch.equal(cache[:, 0], expected_cache[:, 0])
+
+
 def test_apply_rotary_uses_both_halves_of_the_tables():
     # HF tables repeat their first half; tables whose halves differ show that each half of
     # a head rotates with its own half of the row, as in the reference.
