@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kernels.argmax import argmax_op
 from kernels.select import bitmask_op
 from libs.engine.params import SamplingParams
 from libs.engine.sequence import TokenLogprob
@@ -164,6 +165,7 @@ class Sampler:
         self.vocab_size = vocab_size
         self.device = device
         self._apply_bitmask = bitmask_op(device)
+        self._argmax = argmax_op(device)  # one launch over many SMs on CUDA (kernels/argmax)
 
     @torch.no_grad()
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
@@ -212,12 +214,12 @@ class Sampler:
         """One token per row of processed ``logits``: the argmax on greedy rows, the
         exponential race over ``probs`` (default ``self.probs``) with ``noise`` (default
         ``self.noise``) on the others."""
-        greedy_tokens = logits.argmax(dim=-1) if st.any_greedy else None
+        greedy_tokens = self._argmax(logits) if st.any_greedy else None
         if st.all_greedy:
             return greedy_tokens
         probs = self.probs(logits, st) if probs is None else probs
         noise = self.noise(probs, st) if noise is None else noise
-        tokens = (probs / noise).argmax(dim=-1)
+        tokens = self._argmax(probs / noise)
         if greedy_tokens is not None:
             tokens = torch.where(st.temperature < _GREEDY_TEMPERATURE, greedy_tokens, tokens)
         return tokens

@@ -112,7 +112,7 @@ def test_decode_cuda_graph_replays_with_new_inputs(batch, max_context):
     width = p.block_tables.shape[1]
     splits = tri.decode_num_splits(batch, 3, width * p.block_size, p.q.device)
     if batch == 1:
-        assert splits > 1  # the graph covers the split-K path and its reduce kernel
+        assert splits > 1  # the graph covers the split-K path and its in-launch merge
     key = torch.zeros((batch, 3, 64), dtype=torch.bfloat16, device="cuda")
     value = torch.zeros_like(key)
     slots = torch.full((batch,), -1, dtype=torch.int64, device="cuda")
@@ -152,3 +152,52 @@ def test_decode_cuda_graph_replays_with_new_inputs(batch, max_context):
         torch.cuda.synchronize()
         assert torch.equal(p.cache, expected_cache)
         torch.testing.assert_close(out, expected, **TOLERANCE[torch.bfloat16])
+
+
+def test_rotary_store_kv_and_argmax_cuda_graphs_replay_new_inputs():
+    """The decode step's fused rotary + KV store and the sampler's argmax, captured once and
+    replayed on new positions, slots, K/V and logits: each replay equals the references."""
+    from kernels.argmax import reference as argmax_ref
+    from kernels.argmax import triton_argmax as argmax_tri
+    from kernels.split_counters import all_counters_zero
+
+    gen = torch.Generator().manual_seed(11)
+    T, heads, kv_heads, d, block_size, num_blocks = 8, 9, 3, 64, 16, 64
+    cos = torch.randn((4096, d), generator=gen).cuda()
+    sin = torch.randn((4096, d), generator=gen).cuda()
+    qkv = torch.zeros((T, (heads + 2 * kv_heads) * d), dtype=torch.bfloat16, device="cuda")
+    q, k, v = (t.view(T, -1, d) for t in qkv.split([heads * d, kv_heads * d, kv_heads * d], -1))
+    positions = torch.zeros(T, dtype=torch.int64, device="cuda")
+    slots = torch.full((T,), -1, dtype=torch.int64, device="cuda")
+    cache = torch.zeros((num_blocks, 1, 2, block_size, kv_heads, d), dtype=torch.bfloat16, device="cuda")
+    logits = torch.zeros((4, 128256), device="cuda")
+
+    def step():
+        tri.rotary_store_kv(q, k, v, positions, cos, sin, cache[:, 0, 0], cache[:, 0, 1], slots)
+        return argmax_tri.argmax(logits)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        tokens = step()
+    for _ in range(3):
+        fresh = torch.randn(qkv.shape, generator=gen).to(torch.bfloat16).cuda()
+        qkv.copy_(fresh)
+        positions.copy_(torch.randint(0, 4096, (T,), generator=gen))
+        new_slots = torch.randperm(num_blocks * block_size, generator=gen)[:T]
+        new_slots[3] = -1
+        slots.copy_(new_slots)
+        logits.copy_(torch.randn(logits.shape, generator=gen))
+        logits[1, 70000] = logits[1, 9] = 99.0  # a tie across chunks: the first index
+        expected_cache = cache.clone()
+        eq, ek = ref.rotary_store_kv(*(t.view(T, -1, d) for t in fresh.cuda().split([heads * d, kv_heads * d, kv_heads * d], -1)),
+                                     positions, cos, sin, expected_cache[:, 0, 0], expected_cache[:, 0, 1], slots)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(q, eq) and torch.equal(k, ek) and torch.equal(cache, expected_cache)
+        assert torch.equal(tokens, argmax_ref.argmax(logits))
+    assert all_counters_zero()
