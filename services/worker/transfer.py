@@ -72,6 +72,7 @@ class StoreResult:
     bytes_written: int = 0
     fail_reasons: dict[str, int] = field(default_factory=dict)
     seconds: float = 0.0
+    staged_s: float = 0.0  # of ``seconds``: waiting for the export's device copies (before any write)
     written: set[str] = field(default_factory=set)  # str(BlockKey) of each block written
 
     def add(self, other: "StoreResult") -> None:
@@ -81,6 +82,7 @@ class StoreResult:
         self.bytes_written += other.bytes_written
         self.fail_reasons = dict(Counter(self.fail_reasons) + Counter(other.fail_reasons))
         self.written |= other.written
+        self.staged_s = max(self.staged_s, other.staged_s)
 
 
 def wanted_blocks(rt: WorkerRuntime, keys: list[BlockKey], start: int, max_tokens: int) -> list[BlockKey]:
@@ -364,6 +366,7 @@ async def store_blocks(
     try:
         # Waits for the device copies; then one numpy view per staging buffer (no torch call per block).
         blocks = (await asyncio.to_thread(_slots, rt.codec, exported))[first - exported.first_block :]
+        result.staged_s = time.perf_counter() - t0
         assert rt.writer is not None
         session = rt.writer.begin(lease_id=lease_id, on_written=on_written)
         try:
