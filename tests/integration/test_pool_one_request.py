@@ -52,15 +52,14 @@ async def test_one_call_spreads_over_every_socket_and_acknowledges_each_block(po
 
 
 async def test_overlapping_fetches_commit_in_order_and_a_gap_ends_the_run(pool_url: str) -> None:
-    swapper = BlockSwapper(LAYOUT.allocate(16), max_blocks=4, num_buffers=4)
+    swapper = BlockSwapper(LAYOUT.allocate(16), max_blocks=4, num_buffers=4)  # a run spans several buffers
+    exporter = BlockSwapper(LAYOUT.allocate(16), max_blocks=16, num_buffers=1)
     pool = RedisPool(PoolConfig(url=pool_url, key_prefix=unique_prefix()))
     rt = runtime(pool, swapper)
     try:
         tokens = 16 * 10
         keys = block_keys(NS, list(range(7, 7 + tokens)))
-        exported, data = export(swapper, tokens, 1)
-        exported_more, _ = export(swapper, 16, 2)  # (unused staging: the run must share what it takes)
-        exported_more.release()
+        exported, data = export(exporter, tokens, 1)
         stored = await store_blocks(rt, exported, keys, 0, None)
         assert stored.blocks_written == len(keys)
 
@@ -101,3 +100,4 @@ async def test_overlapping_fetches_commit_in_order_and_a_gap_ends_the_run(pool_u
         await rt.writer.close()
         await pool.close()
         swapper.close()
+        exporter.close()
