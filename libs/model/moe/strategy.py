@@ -16,8 +16,8 @@ saying why (logged once per layer shape). Strategies (``MoEOptions.strategy``):
 executors run them. Their GEMMs are Triton where the GPU has FP8 tensor cores
 (``kernels.fp8.fp8_gemm_supported``: SM 8.9+), the dequantize-then-matmul references
 elsewhere (the CPU; an older GPU keeps its Triton scatter and combine). ``auto`` is the
-hybrid with the Triton FP8 GEMMs on such a GPU (the bf16 layer's measured threshold, until
-bench/moe_bench.py measures FP8's), else ``contiguous`` on the references, which on the CPU
+hybrid with the Triton FP8 GEMMs on such a GPU (its own ``fp8_max_masked_tokens`` crossover,
+contiguous only until one is measured), else ``contiguous`` on the references, which on the CPU
 costs about what the loop does. ``loop`` and ``grouped_mm`` fall back to ``auto`` and say so.
 Off FP8 tensor cores on CUDA the reference GEMMs read expert ids on the host, so those
 executors are marked not capturable in a CUDA graph.
@@ -218,7 +218,11 @@ def _hybrid(device: torch.device, dtype: torch.dtype, shape: LayerShape, fp8: bo
     threshold, entry = hybrid_threshold(device, shape)
     note = " (provisional threshold, not yet measured)" if entry.get("provisional") else ""
     if fp8:
-        note += " (threshold measured for bf16 experts)"
+        # FP8 experts have their own crossover ("fp8_max_masked_tokens") once measured; until
+        # then contiguous only: the bf16 crossover sent Mixtral's 1-token FP8 layer to the
+        # masked FP8 GEMM, 4.24 ms against 0.94 ms contiguous at 8 tokens (H100, 2026-11-23).
+        threshold = int(entry.get("fp8_max_masked_tokens", 0))
+        note += "" if "fp8_max_masked_tokens" in entry else " (FP8 crossover not measured: contiguous only)"
     small, which = _grouped(MaskedExecutor, device, fp8)
     large, _ = _grouped(ContiguousExecutor, device, fp8)
     if not fp8 and entry.get("large") == "grouped_mm" and grouped_mm_usable(device, dtype, shape):
