@@ -40,7 +40,9 @@ cache_store sees every block although no bytes pass through it:
   nothing: Redis discards a MULTI without EXEC, and a SET whose value did not fully arrive
   never runs. The account script goes with EVAL, not EVALSHA: a NOSCRIPT inside EXEC
   (after a Redis restart) would leave the SET applied without its bookkeeping; the script
-  is 1 kB against a value of hundreds of kB.
+  is 1 kB against a value of hundreds of kB. Each block is acknowledged to the caller
+  (``put_blocks``' ``on_written``) the moment its ``EXEC`` reply is parsed, while the rest
+  of its pipeline is still in flight.
 - get (bulk path): per partition one pipeline ``GET...; EVAL touch``: the values land in
   the caller's memory, then the touch script (same connection, same node, after the GETs)
   bumps the LRU of the blocks that exist (``ZADD XX``: never re-inserts one evicted in
