@@ -10,8 +10,10 @@ K and V caches are strided views, and for GQA models with few KV heads:
   each K/V tile of its sequence once and serves all ``group`` query heads of that KV head as
   the rows of one ``[group padded to 16, head_dim]`` query tile, so the tensor cores do the
   GQA fan-out instead of re-reading the cache per query head. With few sequences the
-  context is split across programs (flash-decoding); a second kernel merges the splits by
-  their log-sum-exp. The split count comes from host ints only (tensor shapes and the SM
+  context is split across programs (flash-decoding); the last split of a (sequence, KV
+  head) to finish merges the splits by their log-sum-exp, in split order, in the same
+  launch (kernels/split_counters.py): a separate merge kernel cost a launch per layer.
+  The split count comes from host ints only (tensor shapes and the SM
   count); each program sizes its own split from its sequence's actual length, so a loose
   block-table width costs no extra work beyond empty programs.
 - ``paged_prefill_attention``: flash-attention over the paged context. One program per
@@ -48,6 +50,8 @@ import functools
 import torch
 import triton
 import triton.language as tl
+
+from kernels.split_counters import split_counters
 
 _LOG2E = 1.4426950408889634
 
@@ -163,7 +167,7 @@ def _attend_tile(
 @triton.jit
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
-    out_ptr, part_out_ptr, part_lse_ptr,
+    out_ptr, part_out_ptr, part_lse_ptr, count_ptr,
     qk_scale,
     stride_qb, stride_qh, stride_qd,
     stride_kb, stride_kt, stride_kh, stride_kd,
@@ -176,7 +180,7 @@ def _decode_kernel(
     BLOCK_SIZE: tl.constexpr,
 ):
     # num_splits is a runtime int (one compiled kernel serves every split count); SPLIT says
-    # whether it is above 1, i.e. whether to write partials for the reduce kernel.
+    # whether it is above 1, i.e. whether to write partials and merge them.
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -215,36 +219,36 @@ def _decode_kernel(
                  o.to(out_ptr.dtype.element_ty), mask=q_mask)
     else:
         # Partials are [B, num_heads, num_splits, BLOCK_D] fp32 and their log2-sum-exp2.
-        # Empty splits store zeros and -inf so the reduction weighs them 0 without NaNs.
-        row = (seq * num_heads + head) * num_splits + split
-        tl.store(part_out_ptr + row[:, None] * BLOCK_D + d[None, :], o, mask=q_mask)
+        # Empty splits store zeros and -inf so the merge weighs them 0 without NaNs.
+        base = (seq * num_heads + head) * num_splits
+        tl.store(part_out_ptr + (base + split)[:, None] * BLOCK_D + d[None, :], o, mask=q_mask)
         lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
-        tl.store(part_lse_ptr + row, lse, mask=g < GROUP)
-
-
-@triton.jit
-def _decode_reduce_kernel(
-    part_out_ptr, part_lse_ptr, out_ptr,
-    stride_ob, stride_oh, stride_od,
-    num_heads, num_splits,
-    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
-):
-    """Merge one (sequence, head)'s split partials: softmax-weighted by their log-sum-exp."""
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
-    s = tl.arange(0, BLOCK_S)
-    d = tl.arange(0, BLOCK_D)
-    row = (seq * num_heads + head) * num_splits + s
-    lse = tl.load(part_lse_ptr + row, mask=s < num_splits, other=float("-inf"))
-    m = tl.max(lse, axis=0)
-    m = tl.where(m == float("-inf"), 0.0, m)  # every split empty: all weights 0
-    w = tl.exp2(lse - m)
-    live = lse > float("-inf")
-    o = tl.load(part_out_ptr + row[:, None] * BLOCK_D + d[None, :], mask=live[:, None], other=0.0)
-    total = tl.sum(w, axis=0)
-    o = tl.sum(o * w[:, None], axis=0) / tl.where(total == 0.0, 1.0, total)
-    tl.store(out_ptr + seq * stride_ob + head * stride_oh + d * stride_od,
-             o.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+        tl.store(part_lse_ptr + base + split, lse, mask=g < GROUP)
+        # The last split of this (sequence, KV head) to arrive merges all of them, in split
+        # order (kernels/split_counters.py): no second launch.
+        tl.debug_barrier()  # every thread's partial is stored before the counter says so
+        counter = count_ptr + seq * tl.num_programs(1) + kv_head
+        arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+        if arrived == num_splits - 1:
+            tl.debug_barrier()
+            live_g = g < GROUP
+            m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+            for s in range(0, num_splits):
+                m = tl.maximum(m, tl.load(part_lse_ptr + base + s, mask=live_g, other=float("-inf"), cache_modifier=".cg"))
+            m = tl.where(m == float("-inf"), 0.0, m)  # every split empty: all weights 0
+            total = tl.zeros([BLOCK_G], tl.float32)
+            merged = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+            for s in range(0, num_splits):
+                lse_s = tl.load(part_lse_ptr + base + s, mask=live_g, other=float("-inf"), cache_modifier=".cg")
+                w = tl.exp2(lse_s - m)
+                part = tl.load(part_out_ptr + (base + s)[:, None] * BLOCK_D + d[None, :],
+                               mask=q_mask & (lse_s > float("-inf"))[:, None], other=0.0, cache_modifier=".cg")
+                merged += part * w[:, None]
+                total += w
+            merged = merged / tl.where(total == 0.0, 1.0, total)[:, None]
+            tl.store(out_ptr + seq * stride_ob + head[:, None] * stride_oh + d[None, :] * stride_od,
+                     merged.to(out_ptr.dtype.element_ty), mask=q_mask)
+            tl.atomic_xchg(counter, 0)
 
 
 @triton.jit
@@ -433,10 +437,11 @@ def paged_decode_attention_splits(
         part_out = torch.empty((batch, num_heads, num_splits, block_d), dtype=torch.float32,
                                device=q.device)
         part_lse = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
+        counts = split_counters(q.device, batch * num_kv_heads)
     else:  # unused by the kernel without SPLIT
-        part_out = part_lse = out
+        part_out = part_lse = counts = out
     _decode_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse,
+        q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse, counts,
         scale * _LOG2E,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(), *out.stride(),
         num_heads, num_splits,
@@ -445,12 +450,6 @@ def paged_decode_attention_splits(
         BLOCK_D=block_d, BLOCK_SIZE=k_cache.shape[1],
         num_warps=_DECODE_NUM_WARPS, num_stages=_DECODE_NUM_STAGES,
     )
-    if num_splits > 1:
-        _decode_reduce_kernel[(batch, num_heads)](
-            part_out, part_lse, out, *out.stride(), num_heads, num_splits,
-            HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
-            num_warps=1 if block_d <= 64 else 2,
-        )
     return out
 
 

@@ -16,8 +16,7 @@ One kernel; a ``GemmPlan`` (kernels/fp8/plan.py) picks its tiles and which of th
   partial in a workspace and bumps the tile's counter; the one that finds it was last
   sums the partials in split order (so the result does not depend on which finished
   last: CUDA-graph replays and eager calls agree to the bit), writes Y and resets the
-  counter for the next launch. The counters live in a per-(device, stream) buffer that is
-  never freed (a captured graph keeps its address);
+  counter for the next launch (kernels/split_counters.py);
 - fused quantization (``fuse_quant``): the kernel reads the unquantized activations and
   quantizes each ``[tokens, 128]`` group in registers with the quantization kernel's own
   arithmetic (``triton_quant.quantize_groups``): one launch per linear layer instead of
@@ -47,6 +46,7 @@ import triton.language as tl
 from kernels.fp8.layout import BLOCK, E4M3_MAX, FP32_MAX, SCALE_EPS, check_fused_operands, check_gemm_operands
 from kernels.fp8.plan import GemmPlan, plan_gemm
 from kernels.fp8.triton_quant import per_token_group_quant, quantize_groups
+from kernels.split_counters import split_counters
 
 
 @triton.jit
@@ -177,21 +177,6 @@ def _fp8_gemm_kernel(
             tl.atomic_xchg(count_ptr + tile, 0)
 
 
-# Split-K tile counters, one buffer per (device, stream): launches on one stream run one
-# after another, so a tile's counter is back at 0 before the next launch reads it.
-# Buffers are never freed: a captured CUDA graph keeps their addresses.
-_COUNTERS: dict[tuple[str, int], list[torch.Tensor]] = {}
-
-
-def _split_counters(device: torch.device, tiles: int) -> torch.Tensor:
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (str(device), stream)
-    held = _COUNTERS.setdefault(key, [])
-    if not held or held[-1].numel() < tiles:
-        held.append(torch.zeros(max(tiles, 4096, 2 * held[-1].numel() if held else 0), dtype=torch.int32, device=device))
-    return held[-1]
-
-
 def _launch(
     x: torch.Tensor, x_s: torch.Tensor | None, w_q: torch.Tensor, w_s: torch.Tensor,
     m: int, n: int, k: int, t_rows: int, out_dtype: torch.dtype, plan: GemmPlan,
@@ -202,7 +187,7 @@ def _launch(
     tiles = triton.cdiv(t_rows, plan.token_tile) * (n_pad // plan.weight_tile)
     if plan.split_k > 1:
         part = torch.empty((plan.split_k, tiles * plan.token_tile * plan.weight_tile), dtype=torch.float32, device=device)
-        counts = _split_counters(device, tiles)
+        counts = split_counters(device, tiles)
     else:
         part, counts = y, y  # unused
     x_arg, w_arg = x, w_q

@@ -45,6 +45,7 @@ from kernels.fp8.layout import (
 )
 from kernels.fp8.plan import GemmPlan, plan_gemm, swap_ab_max_m
 from kernels.fp8 import triton_gemm, triton_quant
+from kernels.split_counters import all_counters_zero
 
 INTERPRETED_M = [1, 3, 16, 64, 65]
 K, N = 320, 200  # 2.5 and ~1.6 blocks: partial blocks on both axes
@@ -257,7 +258,7 @@ def test_split_k_sums_partials_deterministically_and_resets_its_counters(split_k
     assert ((y - y_ref).abs() <= summation_tolerance(x_q, x_s, w_q, w_s, m)).all()
     assert (y != 0).all()
     assert torch.equal(y, triton_gemm.block_scaled_mm(x_q, x_s, w_q, w_s, m=m, n=N, plan=split))  # fixed order
-    assert all(not c.any() for held in triton_gemm._COUNTERS.values() for c in held)  # ready for the next launch
+    assert all_counters_zero()  # ready for the next launch
 
 
 @pytest.mark.parametrize("swap_ab", [False, True])
