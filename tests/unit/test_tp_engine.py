@@ -146,7 +146,8 @@ def test_handoff_tp2_to_tp1_and_back_equals_tp1(tp_engine, engine):
     first1, values1 = export_values(engine, p2)  # TP=1 prefill ...
     tokens, imported = import_and_continue(tp_engine, p2, first1, values1)  # ... -> TP=2 decode
     assert imported == len(p2) and tokens[:N] == engine.generate([p2], GREEDY)[0].token_ids
-    p3 = tok.encode(LONG + " Once more, in 1969,")  # tp_engine has LONG's leading blocks
+    tp_engine.generate([tok.encode(LONG)], GREEDY)  # tp_engine caches LONG's leading blocks (whatever ran before)
+    p3 = tok.encode(LONG + " Once more, in 1969,")
     first3, values3 = export_values(engine, p3)
     tokens, imported = import_and_continue(tp_engine, p3, first3, values3)
     assert 0 < imported < len(p3) and tokens[:N] == engine.generate([p3], GREEDY)[0].token_ids
