@@ -9,7 +9,12 @@ M in {1, 4, 16, 64, 128, 256, 1024, 4096}, all in one run on one GPU:
 - ``torch._scaled_mm`` with rowwise scales (one per token, one per output channel: the
   closest cuBLAS FP8 GEMM; a coarser format than 128 x 128 blocks), on operands
   quantized beforehand: its figure leaves out the activation quantization;
+- ours through cuBLASLt's block-scaled FP8 GEMM (kernels/fp8/cublas_gemm.py; the same
+  format, activation quantization included), where this GPU and torch have it (SM90);
 - bf16 ``torch.matmul``.
+
+"Ours as served" is what ``Fp8Linear`` runs at that M: cuBLAS from ``cublas_min_m`` up
+where usable, else the Triton plan (swap-AB up to its threshold).
 
 Ours is timed as a linear layer runs it, ``triton_gemm.fp8_linear``: the activation
 quantization included, whether the plan fuses it into the GEMM or launches the
@@ -20,7 +25,9 @@ CUDA-graph replay with the weights cold in L2 (bench/gpu_timing.py says why not
 
 ``--write-threshold`` stores, in kernels/fp8/swap_ab_threshold.json, the largest M of the
 sweep up to which swap-AB is faster on every shape (geometric mean), with the device,
-date and timings: ``plan_gemm`` reads it. Every variant's output is checked against the
+date and timings: ``plan_gemm`` reads it; and in kernels/fp8/cublas_threshold.json the
+smallest M from which cuBLAS beats our best Triton variant at every larger M of the sweep
+(geometric mean over the shapes). Every variant's output is checked against the
 reference before it is timed.
 
 ``--toy`` runs tiny shapes on the CPU in Triton's interpreter: it checks that the script
@@ -99,7 +106,7 @@ def scaled_mm_rowwise(x: torch.Tensor, w: torch.Tensor, n_copies: int) -> list[C
 
 
 def run(device: torch.device, shapes: list[tuple[int, int]], ms: list[int]) -> list[dict]:
-    from kernels.fp8 import triton_gemm, triton_quant
+    from kernels.fp8 import cublas_gemm, triton_gemm, triton_quant
 
     time_of = timer(device)
     out_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -122,12 +129,19 @@ def run(device: torch.device, shapes: list[tuple[int, int]], ms: list[int]) -> l
                 row[name] = time_of([lambda q=q, p=p: triton_gemm.fp8_linear(x, *q, n=n, out_dtype=out_dtype, plan=p) for q in wqs])
                 row[f"plan_{name}"] = p.label
             row["quant"] = time_of([lambda: triton_quant.per_token_group_quant(x, row_multiple=16)])
+            row["cublas_block"] = None
+            if cublas_gemm.cublas_block_fp8_usable(device, n, k):
+                got = cublas_gemm.fp8_linear(x, w_q, w_s, n=n, out_dtype=out_dtype).float()
+                assert (got - expected).norm() <= 2.0**-7 * expected.norm(), f"cuBLAS block wrong at m={m} n={n} k={k}"
+                row["cublas_block"] = time_of([lambda q=q: cublas_gemm.fp8_linear(x, *q, n=n, out_dtype=out_dtype) for q in wqs])
             scaled = scaled_mm_rowwise(x, w, c)
             row["scaled_mm_rowwise"] = time_of(scaled) if scaled is not None else None
             c16 = copies(device, w16)
             w16s = [w16] + [w16.clone() for _ in range(c16 - 1)]
             row["bf16"] = time_of([lambda v=v: torch.matmul(x, v.t()) for v in w16s])
             row["ours_best"] = min(("swap_ab", "normal"), key=lambda v: row[v])
+            triton_served = "swap_ab" if m <= plan.swap_ab_max_m() else "normal"
+            row["served"] = "cublas_block" if row["cublas_block"] is not None and m >= plan.cublas_min_m() else triton_served
             rows.append(row)
             print(json.dumps(row), flush=True)
     return rows
@@ -146,19 +160,36 @@ def choose_threshold(rows: list[dict]) -> int:
     return threshold
 
 
+def choose_cublas_threshold(rows: list[dict]) -> int | None:
+    """The smallest M of the sweep from which cuBLAS's block-scaled GEMM beats our best
+    Triton variant at that M and every larger one (geometric mean over the shapes); None
+    where it never does or did not run."""
+    if any(r["cublas_block"] is None for r in rows):
+        return None
+    best = None
+    for m in sorted({r["m"] for r in rows}, reverse=True):
+        at_m = [r for r in rows if r["m"] == m]
+        if math.exp(sum(math.log(r[r["ours_best"]] / r["cublas_block"]) for r in at_m) / len(at_m)) <= 1.0:
+            break
+        best = m
+    return best
+
+
 def report(rows: list[dict]) -> str:
     def ratio(a: float | None, b: float | None) -> str:
         return "n/a" if a is None or b is None else f"{a / b:.2f}x"
 
-    headers = ["N x K", "M", "swap-AB ms", "normal ms", "quant kernel ms", "scaled_mm ms (no quant)", "bf16 ms",
-               "swap/normal", "bf16/ours", "scaled_mm/ours", "best plan"]
+    headers = ["N x K", "M", "swap-AB ms", "normal ms", "cuBLAS block ms", "quant kernel ms", "scaled_mm ms (no quant)", "bf16 ms",
+               "swap/normal", "bf16/ours Triton", "bf16/ours as served", "served", "scaled_mm/ours", "best plan"]
     body = []
     for r in rows:
         best = r[r["ours_best"]]
         body.append([
-            f"{r['n']} x {r['k']}", r["m"], f"{r['swap_ab']:.4f}", f"{r['normal']:.4f}", f"{r['quant']:.4f}",
+            f"{r['n']} x {r['k']}", r["m"], f"{r['swap_ab']:.4f}", f"{r['normal']:.4f}",
+            "n/a" if r["cublas_block"] is None else f"{r['cublas_block']:.4f}", f"{r['quant']:.4f}",
             "n/a" if r["scaled_mm_rowwise"] is None else f"{r['scaled_mm_rowwise']:.4f}", f"{r['bf16']:.4f}",
-            ratio(r["normal"], r["swap_ab"]), ratio(r["bf16"], best), ratio(r["scaled_mm_rowwise"], best), r["plan_" + r["ours_best"]],
+            ratio(r["normal"], r["swap_ab"]), ratio(r["bf16"], best), ratio(r["bf16"], r[r["served"]]), r["served"],
+            ratio(r["scaled_mm_rowwise"], best), r["plan_" + r["ours_best"]],
         ])
     return table(headers, body)
 
@@ -175,6 +206,16 @@ def write_threshold(rows: list[dict], device: torch.device) -> int:
         "timings_ms": {f"{r['n']}x{r['k']}@{r['m']}": {"swap_ab": r["swap_ab"], "normal": r["normal"]} for r in rows},
     }
     Path(plan.THRESHOLD_FILE).write_text(json.dumps(data, indent=2) + "\n")
+    cublas = choose_cublas_threshold(rows)
+    if cublas is not None:
+        Path(plan.CUBLAS_THRESHOLD_FILE).write_text(json.dumps({
+            "cublas_min_m": cublas,
+            "provisional": False,
+            "source": f"bench/fp8_gemm_bench.py --write-threshold at commit {commit}: smallest M of the sweep from which cuBLASLt's block-scaled GEMM beats our best Triton variant at every larger M on the Llama-3-8B shapes (geometric mean)",
+            "device": data["device"],
+            "date": data["date"],
+            "timings_ms": {f"{r['n']}x{r['k']}@{r['m']}": {"cublas_block": r["cublas_block"], "triton_best": r[r["ours_best"]]} for r in rows},
+        }, indent=2) + "\n")
     plan.reload()
     return value
 
@@ -191,6 +232,7 @@ def main() -> None:
     rows = run(device, TOY_SHAPES if args.toy else SHAPES, TOY_MS if args.toy else MS)
     print(report(rows))
     print(f"swap-AB faster up to M = {choose_threshold(rows)} (stored: {plan.swap_ab_max_m()})")
+    print(f"cuBLAS block-scaled faster from M = {choose_cublas_threshold(rows)} (stored: {plan.cublas_min_m()})")
     if args.write_threshold:
         print(f"wrote swap_ab_max_m = {write_threshold(rows, device)} to {plan.THRESHOLD_FILE}")
     if args.out:

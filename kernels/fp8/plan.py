@@ -38,6 +38,7 @@ import torch
 from kernels.fp8.layout import BLOCK, padded
 
 THRESHOLD_FILE = Path(__file__).with_name("swap_ab_threshold.json")
+CUBLAS_THRESHOLD_FILE = Path(__file__).with_name("cublas_threshold.json")
 CONFIGS_FILE = Path(__file__).with_name("gemm_configs.json")
 CONFIGS_FORMAT = 1
 VARIANTS = ("swap_ab", "normal")
@@ -133,6 +134,17 @@ def swap_ab_max_m() -> int:
     value = data["swap_ab_max_m"]
     if not isinstance(value, int) or value < 0:
         raise ValueError(f"{THRESHOLD_FILE}: swap_ab_max_m must be a non-negative int, got {value!r}")
+    return value
+
+
+@lru_cache(maxsize=1)
+def cublas_min_m() -> int:
+    """The smallest M that takes cuBLASLt's block-scaled GEMM (kernels/fp8/cublas_gemm.py)
+    where it runs: data, written by ``bench/fp8_gemm_bench.py --write-threshold``."""
+    data = json.loads(CUBLAS_THRESHOLD_FILE.read_text())
+    value = data["cublas_min_m"]
+    if not isinstance(value, int) or value < 1:
+        raise ValueError(f"{CUBLAS_THRESHOLD_FILE}: cublas_min_m must be a positive int, got {value!r}")
     return value
 
 
@@ -236,7 +248,7 @@ def plan_gemm(
 
 def reload() -> None:
     """Forget the data files read so far (the tuner and the benchmark rewrite them)."""
-    for cached in (swap_ab_max_m, tuned_configs, _plan_gemm):
+    for cached in (swap_ab_max_m, cublas_min_m, tuned_configs, _plan_gemm):
         cached.cache_clear()
 
 

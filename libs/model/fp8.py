@@ -44,7 +44,10 @@ On FP8 tensor cores a layer is one call of ``kernels.fp8.triton_gemm.fp8_linear`
 the plan ``plan_gemm`` picks for its token count, padded weight shape and GPU (tuned
 tiles where ``bench/fp8_tune.py`` measured them): for decode-sized batches the plan
 fuses the activation quantization into the GEMM, one launch per layer like a bf16
-matmul, instead of a quantization kernel and a GEMM.
+matmul, instead of a quantization kernel and a GEMM. From ``cublas_min_m()`` tokens up
+(prefill sizes; data in kernels/fp8/cublas_threshold.json) a layer runs cuBLASLt's
+block-scaled FP8 GEMM instead (``kernels.fp8.cublas_gemm``) where it runs (SM90 with a
+torch that has it): the same format and numbers, at Hopper's FP8 speed.
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.fp8 import BLOCK, FP8_DTYPE, fp8_gemm_supported, plan_gemm
+from kernels.fp8.plan import cublas_min_m
 from kernels.fp8 import reference as fp8_ref
 from kernels.fp8.layout import check_expert_weight, check_weight, padded
 
@@ -210,9 +214,11 @@ class Fp8Linear(_Fp8Module):
         return y.reshape(*lead, self.out_features)
 
     def _fp8_gemm(self, x: torch.Tensor, n: int) -> torch.Tensor:
-        from kernels.fp8 import triton_gemm
+        from kernels.fp8 import cublas_gemm, triton_gemm
 
         n_pad, k_pad = self.weight_q.shape
+        if x.shape[0] >= cublas_min_m() and cublas_gemm.cublas_block_fp8_usable(x.device, n_pad, k_pad):
+            return cublas_gemm.fp8_linear(x, self.weight_q, self.weight_scale, n=n, out_dtype=x.dtype)
         plan = plan_gemm(x.shape[0], n=n_pad, k=k_pad, device=x.device)
         return triton_gemm.fp8_linear(x, self.weight_q, self.weight_scale, n=n, out_dtype=x.dtype, plan=plan)
 

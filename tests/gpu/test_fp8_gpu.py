@@ -168,6 +168,40 @@ def test_fp8_linear_runs_the_kernels_and_captures_in_a_cuda_graph():
     assert torch.equal(static_y, layer(static_x))
 
 
+
+@pytest.mark.parametrize("m", [2048, 2050, 4096])
+@pytest.mark.parametrize("nk", [(4096, 4096), (14336, 4096), (4096, 14336)])
+def test_cublas_block_gemm_matches_reference_and_serves_large_m(m, nk):
+    """cuBLASLt's block-scaled GEMM (kernels/fp8/cublas_gemm.py) on Hopper: usable at the
+    Llama shapes, equal to the reference within the GEMM tolerance, what Fp8Linear runs
+    from cublas_min_m tokens up, and capturable in a CUDA graph."""
+    import libs.model.fp8 as fp8
+    from kernels.fp8 import cublas_gemm
+    from kernels.fp8.plan import cublas_min_m
+
+    n, k = nk
+    if torch.cuda.get_device_capability() != (9, 0):
+        assert not cublas_gemm.cublas_block_fp8_usable("cuda", n, k)
+        pytest.skip("cuBLASLt's block-scaled FP8 recipes are SM90-only in torch")
+    assert cublas_gemm.cublas_block_fp8_usable("cuda", n, k), f"torch {torch.__version__}: block-scaled scaled_mm unavailable"
+    w_q, w_s = ref.quantize_weight(rand(n, k, seed=n + k, dtype=torch.float32) * 0.02)
+    x = rand(m, k, seed=m)
+    want = ref.fp8_linear(x, w_q, w_s, n=n, out_dtype=torch.float32)
+    got = cublas_gemm.fp8_linear(x, w_q, w_s, n=n, out_dtype=torch.bfloat16)
+    assert got.shape == (m, n) and got.dtype == torch.bfloat16
+    assert (got.float() - want).norm() <= 2.0**-7 * want.norm()
+    layer = fp8.Fp8Linear(fp8.Fp8Weight(w_q, w_s, (n, k))).cuda()
+    if m >= cublas_min_m():
+        assert torch.equal(layer(x), got)  # the layer took the cuBLAS path
+    static_x = x.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_y = cublas_gemm.fp8_linear(static_x, w_q, w_s, n=n, out_dtype=torch.bfloat16)
+    static_x.copy_(rand(m, k, seed=m + 1))
+    graph.replay()
+    assert torch.equal(static_y, cublas_gemm.fp8_linear(static_x, w_q, w_s, n=n, out_dtype=torch.bfloat16))
+
+
 def test_engine_with_fp8_weights_decodes_with_cuda_graphs():
     """Random SmolLM2-shaped weights (the GGUF does not travel to GPU machines), FP8 at load:
     decode through CUDA graphs gives the eager engine's tokens."""

@@ -359,3 +359,38 @@ def test_capability_is_false_here_and_never_raises(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", broken)
     assert fp8_gemm_supported("cuda") is False
+
+
+def test_cublas_block_path_is_a_question_and_data():
+    """kernels/fp8/cublas_gemm.py: usable answers False (never raises) off CUDA, for a bad
+    device and for shapes cuBLAS refuses; its M threshold is data; Fp8Linear takes it from
+    that M up where usable, the Triton path below."""
+    from kernels.fp8 import cublas_gemm
+    from kernels.fp8.plan import CUBLAS_THRESHOLD_FILE, cublas_min_m
+
+    assert cublas_gemm.cublas_block_fp8_usable("cpu", 4096, 4096) is False
+    assert cublas_gemm.cublas_block_fp8_usable("not a device", 4096, 4096) is False
+    assert cublas_gemm.shape_ok(4096, 14336) and not cublas_gemm.shape_ok(640, 640)  # 5 K blocks
+    assert not cublas_gemm.shape_ok(4000, 4096)
+    import json
+
+    assert cublas_min_m() == json.loads(CUBLAS_THRESHOLD_FILE.read_text())["cublas_min_m"] >= 1
+
+
+def test_fp8_linear_dispatches_large_m_to_cublas_where_usable(monkeypatch):
+    import libs.model.fp8 as fp8
+    from kernels.fp8 import cublas_gemm, triton_gemm
+    from kernels.fp8.plan import cublas_min_m
+
+    layer = fp8.Fp8Linear(fp8.Fp8Weight.quantize(torch.randn(256, 512) * 0.02))
+    calls: list[str] = []
+    monkeypatch.setattr(cublas_gemm, "cublas_block_fp8_usable", lambda device, n, k: True)
+    monkeypatch.setattr(cublas_gemm, "fp8_linear", lambda x, *a, **kw: calls.append("cublas") or x.new_zeros(x.shape[0], 256))
+    monkeypatch.setattr(triton_gemm, "fp8_linear", lambda x, *a, **kw: calls.append("triton") or x.new_zeros(x.shape[0], 256))
+    m = cublas_min_m()
+    layer._fp8_gemm(torch.randn(m, 512), 256)
+    layer._fp8_gemm(torch.randn(m - 1, 512), 256)
+    assert calls == ["cublas", "triton"]
+    monkeypatch.setattr(cublas_gemm, "cublas_block_fp8_usable", lambda device, n, k: False)
+    layer._fp8_gemm(torch.randn(m, 512), 256)
+    assert calls[-1] == "triton"
