@@ -11,6 +11,7 @@ value (its first occurrence wins), both as torch does.
 
 from __future__ import annotations
 
+import os
 from typing import Callable
 
 import torch
@@ -19,8 +20,10 @@ from kernels.argmax.reference import argmax
 
 
 def argmax_op(device: torch.device | str) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The Triton kernel on CUDA, the torch reference elsewhere."""
-    if torch.device(device).type == "cuda":
+    """The Triton kernel on CUDA, the torch reference elsewhere. ``TIDEPOOL_ARGMAX=torch``
+    keeps torch's on CUDA too (to compare them: the sampler runs outside the CUDA graphs,
+    so the kernel's launch cost is host time)."""
+    if torch.device(device).type == "cuda" and os.environ.get("TIDEPOOL_ARGMAX", "triton") != "torch":
         from kernels.argmax.triton_argmax import argmax as triton_argmax
 
         return triton_argmax

@@ -78,9 +78,8 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     block = min(_BLOCK, triton.next_power_of_2(cols))
     chunks = triton.cdiv(cols, block)
     if chunks > 1:
-        vals = torch.empty(rows * chunks, dtype=torch.float32, device=x.device)
-        idx = torch.empty(rows * chunks, dtype=torch.int32, device=x.device)
-        nans = torch.empty(rows * chunks, dtype=torch.int32, device=x.device)
+        parts = torch.empty((3, rows * chunks), dtype=torch.int32, device=x.device)  # one allocation
+        vals, idx, nans = parts[0].view(torch.float32), parts[1], parts[2]
         counts = split_counters(x.device, rows)
     else:  # unused with one chunk
         vals = idx = nans = counts = out

@@ -221,9 +221,9 @@ def _decode_kernel(
     num_heads, num_splits,
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, SPLIT: tl.constexpr, NATIVE_DOT: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
-    # num_splits is a runtime int (one compiled kernel serves every split count); SPLIT says
+    # num_splits is a runtime int (BLOCK_S, its power-of-two bound, is compiled in); SPLIT says
     # whether it is above 1, i.e. whether to write partials and merge them.
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -275,23 +275,22 @@ def _decode_kernel(
         arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
         if arrived == num_splits - 1:
             tl.debug_barrier()
-            live_g = g < GROUP
-            m = tl.full([BLOCK_G], float("-inf"), tl.float32)
-            for s in range(0, num_splits):
-                m = tl.maximum(m, tl.load(part_lse_ptr + base + s, mask=live_g, other=float("-inf"), cache_modifier=".cg"))
-            m = tl.where(m == float("-inf"), 0.0, m)  # every split empty: all weights 0
-            total = tl.zeros([BLOCK_G], tl.float32)
-            merged = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-            for s in range(0, num_splits):
-                lse_s = tl.load(part_lse_ptr + base + s, mask=live_g, other=float("-inf"), cache_modifier=".cg")
+            # Per query head, all splits at once ([BLOCK_S, BLOCK_D] loads that do not wait
+            # on each other), softmax-weighted by their log-sum-exp.
+            sp = tl.arange(0, BLOCK_S)
+            for gi in tl.static_range(GROUP):
+                rows = (seq * num_heads + kv_head * GROUP + gi) * num_splits + sp
+                lse_s = tl.load(part_lse_ptr + rows, mask=sp < num_splits, other=float("-inf"), cache_modifier=".cg")
+                m = tl.max(lse_s, axis=0)
+                m = tl.where(m == float("-inf"), 0.0, m)  # every split empty: all weights 0
                 w = tl.exp2(lse_s - m)
-                part = tl.load(part_out_ptr + (base + s)[:, None] * BLOCK_D + d[None, :],
-                               mask=q_mask & (lse_s > float("-inf"))[:, None], other=0.0, cache_modifier=".cg")
-                merged += part * w[:, None]
-                total += w
-            merged = merged / tl.where(total == 0.0, 1.0, total)[:, None]
-            tl.store(out_ptr + seq * stride_ob + head[:, None] * stride_oh + d[None, :] * stride_od,
-                     merged.to(out_ptr.dtype.element_ty), mask=q_mask)
+                parts = tl.load(part_out_ptr + rows[:, None] * BLOCK_D + d[None, :],
+                                mask=(lse_s > float("-inf"))[:, None] & (d[None, :] < HEAD_DIM), other=0.0,
+                                cache_modifier=".cg")
+                total = tl.sum(w, axis=0)
+                merged = tl.sum(parts * w[:, None], axis=0) / tl.where(total == 0.0, 1.0, total)
+                tl.store(out_ptr + seq * stride_ob + (kv_head * GROUP + gi) * stride_oh + d * stride_od,
+                         merged.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
             tl.atomic_xchg(counter, 0)
 
 
@@ -523,7 +522,7 @@ def paged_decode_attention_splits(
         num_heads, num_splits,
         HEAD_DIM=head_dim, GROUP=group, SPLIT=num_splits > 1, NATIVE_DOT=_native_dot(q, k_cache),
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=_DECODE_BLOCK_N,
-        BLOCK_D=block_d, BLOCK_SIZE=k_cache.shape[1],
+        BLOCK_D=block_d, BLOCK_SIZE=k_cache.shape[1], BLOCK_S=triton.next_power_of_2(num_splits),
         num_warps=_DECODE_NUM_WARPS, num_stages=_DECODE_NUM_STAGES,
     )
     return out
