@@ -113,6 +113,7 @@ def main(argv: list[str] | None = None) -> None:
     loaded = random_loaded(args.shape, torch.device("cuda"), torch.bfloat16)
     eng = engine(loaded, async_scheduling=args.async_scheduling)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {args.shape}, bf16, async scheduling {args.async_scheduling}")
+    decode(eng, 2, steps=16)  # warm-up: compile every kernel and settle allocations first
     for b in (int(x) for x in args.decode_batches.split(",") if x):
         profile_decode(eng, b, args.steps, args.raw)
     if not args.no_prefill:
