@@ -1,4 +1,4 @@
-"""Arrival counters for kernels whose last program reduces (split-K, flash-decoding).
+"""Arrival counters for kernels whose last program reduces (the FP8 split-K GEMM, argmax).
 
 A kernel that splits one output over several programs can merge the partials without a
 second launch: each program stores its partial, bumps the output's counter, and the one

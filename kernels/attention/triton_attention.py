@@ -12,11 +12,11 @@ K and V caches are strided views, and for GQA models with few KV heads:
   each K/V tile of its sequence once and serves all ``group`` query heads of that KV head as
   the rows of one ``[group padded to 16, head_dim]`` query tile, so the tensor cores do the
   GQA fan-out instead of re-reading the cache per query head. With few sequences the
-  context is split across programs (flash-decoding); the last split of a (sequence, KV
-  head) to finish merges the splits by their log-sum-exp, in split order, in the same
-  launch (kernels/split_counters.py): a separate merge kernel cost a launch per layer.
-  The split count comes from host ints only (tensor shapes and the SM
-  count); each program sizes its own split from its sequence's actual length, so a loose
+  context is split across programs (flash-decoding); a second kernel merges the splits by
+  their log-sum-exp (merging inside the same launch, by the last split to arrive, was
+  measured slower on the H100: 230 vs 151 us per SmolLM2 batch-1 step, 370 vs 248 at
+  batch 64; bench/RESULTS.md). The split count comes from host ints only (tensor shapes
+  and the SM count); each program sizes its own split from its sequence's actual length, so a loose
   block-table width costs no extra work beyond empty programs.
 - ``paged_prefill_attention``: flash-attention over the paged context. One program per
   (query tile, KV head); a query tile packs ``BLOCK_M // group`` consecutive query tokens
@@ -54,7 +54,6 @@ import triton
 import triton.language as tl
 
 from kernels.rope.triton_rope import check_rotary, rotary_num_warps, rotate_heads, table_rows
-from kernels.split_counters import split_counters
 
 _LOG2E = 1.4426950408889634
 
@@ -211,7 +210,7 @@ def _attend_tile(
 @triton.jit
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
-    out_ptr, part_out_ptr, part_lse_ptr, count_ptr,
+    out_ptr, part_out_ptr, part_lse_ptr,
     qk_scale,
     stride_qb, stride_qh, stride_qd,
     stride_kb, stride_kt, stride_kh, stride_kd,
@@ -221,10 +220,10 @@ def _decode_kernel(
     num_heads, num_splits,
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, SPLIT: tl.constexpr, NATIVE_DOT: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_S: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
 ):
-    # num_splits is a runtime int (BLOCK_S, its power-of-two bound, is compiled in); SPLIT says
-    # whether it is above 1, i.e. whether to write partials and merge them.
+    # num_splits is a runtime int (one compiled kernel serves every split count); SPLIT says
+    # whether it is above 1, i.e. whether to write partials for the reduce kernel.
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -263,35 +262,36 @@ def _decode_kernel(
                  o.to(out_ptr.dtype.element_ty), mask=q_mask)
     else:
         # Partials are [B, num_heads, num_splits, BLOCK_D] fp32 and their log2-sum-exp2.
-        # Empty splits store zeros and -inf so the merge weighs them 0 without NaNs.
-        base = (seq * num_heads + head) * num_splits
-        tl.store(part_out_ptr + (base + split)[:, None] * BLOCK_D + d[None, :], o, mask=q_mask)
+        # Empty splits store zeros and -inf so the reduction weighs them 0 without NaNs.
+        row = (seq * num_heads + head) * num_splits + split
+        tl.store(part_out_ptr + row[:, None] * BLOCK_D + d[None, :], o, mask=q_mask)
         lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
-        tl.store(part_lse_ptr + base + split, lse, mask=g < GROUP)
-        # The last split of this (sequence, KV head) to arrive merges all of them, in split
-        # order (kernels/split_counters.py): no second launch.
-        tl.debug_barrier()  # every thread's partial is stored before the counter says so
-        counter = count_ptr + seq * tl.num_programs(1) + kv_head
-        arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-        if arrived == num_splits - 1:
-            tl.debug_barrier()
-            # Per query head, all splits at once ([BLOCK_S, BLOCK_D] loads that do not wait
-            # on each other), softmax-weighted by their log-sum-exp.
-            sp = tl.arange(0, BLOCK_S)
-            for gi in tl.static_range(GROUP):
-                rows = (seq * num_heads + kv_head * GROUP + gi) * num_splits + sp
-                lse_s = tl.load(part_lse_ptr + rows, mask=sp < num_splits, other=float("-inf"), cache_modifier=".cg")
-                m = tl.max(lse_s, axis=0)
-                m = tl.where(m == float("-inf"), 0.0, m)  # every split empty: all weights 0
-                w = tl.exp2(lse_s - m)
-                parts = tl.load(part_out_ptr + rows[:, None] * BLOCK_D + d[None, :],
-                                mask=(lse_s > float("-inf"))[:, None] & (d[None, :] < HEAD_DIM), other=0.0,
-                                cache_modifier=".cg")
-                total = tl.sum(w, axis=0)
-                merged = tl.sum(parts * w[:, None], axis=0) / tl.where(total == 0.0, 1.0, total)
-                tl.store(out_ptr + seq * stride_ob + (kv_head * GROUP + gi) * stride_oh + d * stride_od,
-                         merged.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
-            tl.atomic_xchg(counter, 0)
+        tl.store(part_lse_ptr + row, lse, mask=g < GROUP)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    part_out_ptr, part_lse_ptr, out_ptr,
+    stride_ob, stride_oh, stride_od,
+    num_heads, num_splits,
+    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Merge one (sequence, head)'s split partials: softmax-weighted by their log-sum-exp."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    row = (seq * num_heads + head) * num_splits + s
+    lse = tl.load(part_lse_ptr + row, mask=s < num_splits, other=float("-inf"))
+    m = tl.max(lse, axis=0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # every split empty: all weights 0
+    w = tl.exp2(lse - m)
+    live = lse > float("-inf")
+    o = tl.load(part_out_ptr + row[:, None] * BLOCK_D + d[None, :], mask=live[:, None], other=0.0)
+    total = tl.sum(w, axis=0)
+    o = tl.sum(o * w[:, None], axis=0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(out_ptr + seq * stride_ob + head * stride_oh + d * stride_od,
+             o.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
 @triton.jit
@@ -512,19 +512,24 @@ def paged_decode_attention_splits(
         part_out = torch.empty((batch, num_heads, num_splits, block_d), dtype=torch.float32,
                                device=q.device)
         part_lse = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
-        counts = split_counters(q.device, batch * num_kv_heads)
     else:  # unused by the kernel without SPLIT
-        part_out = part_lse = counts = out
+        part_out = part_lse = out
     _decode_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse, counts,
+        q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse,
         scale * _LOG2E,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(), *out.stride(),
         num_heads, num_splits,
         HEAD_DIM=head_dim, GROUP=group, SPLIT=num_splits > 1, NATIVE_DOT=_native_dot(q, k_cache),
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=_DECODE_BLOCK_N,
-        BLOCK_D=block_d, BLOCK_SIZE=k_cache.shape[1], BLOCK_S=triton.next_power_of_2(num_splits),
+        BLOCK_D=block_d, BLOCK_SIZE=k_cache.shape[1],
         num_warps=_DECODE_NUM_WARPS, num_stages=_DECODE_NUM_STAGES,
     )
+    if num_splits > 1:
+        _decode_reduce_kernel[(batch, num_heads)](
+            part_out, part_lse, out, *out.stride(), num_heads, num_splits,
+            HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
+            num_warps=1 if block_d <= 64 else 2,
+        )
     return out
 
 

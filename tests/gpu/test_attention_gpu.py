@@ -112,7 +112,7 @@ def test_decode_cuda_graph_replays_with_new_inputs(batch, max_context):
     width = p.block_tables.shape[1]
     splits = tri.decode_num_splits(batch, 3, width * p.block_size, p.q.device)
     if batch == 1:
-        assert splits > 1  # the graph covers the split-K path and its in-launch merge
+        assert splits > 1  # the graph covers the split-K path and its reduce kernel
     key = torch.zeros((batch, 3, 64), dtype=torch.bfloat16, device="cuda")
     value = torch.zeros_like(key)
     slots = torch.full((batch,), -1, dtype=torch.int64, device="cuda")

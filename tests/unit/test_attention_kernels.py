@@ -16,7 +16,6 @@ pytest.importorskip("triton")
 from kernels.attention import reference as ref  # noqa: E402
 from kernels.attention import triton_attention as tri  # noqa: E402
 from kernels.attention.problems import PagedProblem, make_decode_problem, make_problem  # noqa: E402
-from kernels.split_counters import all_counters_zero  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -56,10 +55,7 @@ def test_decode_split_k_matches_reference(num_splits, dtype):
     expected = ref.paged_decode_attention(*p.decode_args())
     got = tri.paged_decode_attention_splits(*p.decode_args(), num_splits=num_splits)
     torch.testing.assert_close(got, expected, **TOLERANCE[dtype])
-    # The last split to arrive merges in the same launch and resets its counter: a second
-    # launch (a graph replay) merges again, to the same bits.
-    assert all_counters_zero()
-    assert torch.equal(tri.paged_decode_attention_splits(*p.decode_args(), num_splits=num_splits), got)
+    assert torch.equal(tri.paged_decode_attention_splits(*p.decode_args(), num_splits=num_splits), got)  # deterministic
 
 
 def test_decode_picks_split_k_for_one_long_sequence():
