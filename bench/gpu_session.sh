@@ -80,6 +80,6 @@ for s in "$@"; do
     esac
 done
 
-tar czf "$OUT/results.tgz" bench/results kernels/fp8/swap_ab_threshold.json kernels/fp8/gemm_configs.json kernels/fp8/gemm_configs.json \
+tar czf "$OUT/results.tgz" bench/results kernels/fp8/swap_ab_threshold.json kernels/fp8/cublas_threshold.json kernels/fp8/gemm_configs.json \
     libs/model/moe/hybrid_thresholds.json 2>/dev/null
 echo "done" | tee -a "$LOG"
