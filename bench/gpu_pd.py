@@ -148,7 +148,6 @@ async def one(session: aiohttp.ClientSession, url: str, model: str, prompt: list
         "engine_step_s": pre["worker"].get("engine_step_s", 0.0),
         "device_busy_s": pre["worker"].get("device_busy_s", 0.0),
         "write_exposed_s": t.get("write_s", 0.0),
-        "write_staged_s": pre.get("worker", {}).get("write_staged_s", 0.0),
         "read_s": dec.get("load_s", 0.0),
         "read_exposed_s": read_exposed,
         "pool_exposed_s": max(0.0, dec.get("load_done_at", 0.0) - pre["worker"].get("compute_done_at", 0.0)),
@@ -187,33 +186,6 @@ def cluster_config(args: argparse.Namespace, model: str | None, chunk: int, redi
     )
 
 
-def redis_probe(cluster: LocalCluster) -> str:
-    """What the pool's Redis server itself spent (INFO commandstats, summed over nodes) and
-    its minor page faults per GB moved: tells a slow server (its GET copying values into
-    fresh reply memory, its SETs growing the heap page by page) from a slow client."""
-    import redis as redis_py
-
-    urls = ([f"redis://127.0.0.1:{p}/0" for p in cluster.redis_nodes.ports] if cluster.redis_nodes is not None
-            else [cluster.redis_url])
-    calls: dict[str, list[float]] = {}
-    faults = moved = 0
-    for url in urls:
-        with redis_py.Redis.from_url(url) as r:
-            for name, st in r.info("commandstats").items():
-                c = calls.setdefault(name.removeprefix("cmdstat_"), [0, 0.0])
-                c[0] += st["calls"]
-                c[1] += st["usec"]
-            info = r.info()
-            moved += info["total_net_input_bytes"] + info["total_net_output_bytes"]
-            try:
-                faults += int(Path(f"/proc/{info['process_id']}/stat").read_text().rsplit(")", 1)[1].split()[7])
-            except (OSError, IndexError, ValueError):
-                pass
-    per = lambda n: f"{calls[n][1] / calls[n][0]:.1f}" if calls.get(n, [0])[0] else "-"  # noqa: E731
-    return (f"Redis server, us per call: GET {per('get')}, EXEC (SET + account script) {per('exec')}, "
-            f"EVAL {per('eval')}, EVALSHA {per('evalsha')}; minor page faults {faults / max(1, moved) * 1e9:,.0f} per GB moved")
-
-
 def med(rows: list[dict], key: str) -> float:
     return statistics.median(r[key] for r in rows)
 
@@ -246,15 +218,6 @@ def report(args: argparse.Namespace, colo: dict[str, list[dict]], rows: list[dic
                              f"{ms(med(sel, 'pool_exposed_s'))} ({ms(med(sel, 'write_exposed_s'))} + {ms(med(sel, 'read_exposed_s'))})",
                              ms(med(sel, "read_s")), f"{100 * med(sel, 'early_share'):.0f}%"])
     out.append(table(headers, body))
-    for nodes in args.redis_nodes:
-        for chunk in args.prefill_chunks:
-            sel = [r for r in rows if r["chunk"] == chunk and not r["stream_handoff"] and r["redis_nodes"] == nodes]
-            if sel:  # serial: every block is written after compute, so this is one request's write rate
-                staged, writes = med(sel, "write_staged_s"), med(sel, "write_exposed_s")
-                out.append(f"\n{pool_name(nodes)}, {chunk}-token chunks, serial: writes after compute {ms(writes)} ms, of which "
-                           f"{ms(staged)} waiting for the export's device copies; one request's pool write rate "
-                           f"{med(sel, 'bytes_written') / max(1e-9, writes - staged) / 1e9:.2f} GB/s, read rate "
-                           f"{med(sel, 'bytes_read') / max(1e-9, med(sel, 'read_s')) / 1e9:.2f} GB/s.")
     out.append(f"\nKV moved per request: {med(rows, 'bytes_written') / 1e6:.1f} MB written, {med(rows, 'bytes_read') / 1e6:.1f} MB read. "
                "Goals (H100, 2048 tokens): client time to the second token <= 60 ms and <= 1.5x the co-located TTFT + one step.")
     return "\n".join(out)
@@ -290,22 +253,18 @@ def main() -> None:
         return
     colo = colocated(args)
     rows = []
-    server_notes: list[str] = []
     for nodes in args.redis_nodes:
         for chunk in args.prefill_chunks:
             with LocalCluster(cluster_config(args, model, chunk, nodes)) as cluster:
                 got = [{"redis_nodes": nodes, **r} for r in asyncio.run(drive(cluster.url, args, chunk))]
-                probe = redis_probe(cluster)
             rows += got
-            print(f"{pool_name(nodes)}, {chunk}-token chunks: {probe}", flush=True)
-            server_notes.append(f"{pool_name(nodes)}, {chunk}-token chunks: {probe}.")
             # As it goes, so that a run cut short by a time limit still says something.
             print(f"{pool_name(nodes)}, {chunk}-token chunks: client 2nd token median "
                   + ", ".join(f"{'streamed' if m else 'serial'} {1e3 * med([r for r in got if r['stream_handoff'] == m], 'client_second_token_s'):.1f} ms"
                               for m in (True, False)), flush=True)
     assert all(r["decision"] == "prefill" and r["streamed"] == r["stream_handoff"] for r in rows), rows
     device = torch.cuda.get_device_name() if cuda else f"CPU ({platform.machine()}, {os.cpu_count()} cores)"
-    text = report(args, colo, rows, device) + "\n\n" + "\n".join(server_notes)
+    text = report(args, colo, rows, device)
     print(text)
     if args.out:
         Path(args.out).write_text(json.dumps({"args": {k: v for k, v in vars(args).items()}, "colocated": colo, "pd": rows, "report": text}, indent=1))

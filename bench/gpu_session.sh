@@ -58,8 +58,6 @@ for s in "$@"; do
         handoff) # the pool's rate on one Redis and 1/4-node clusters, then the PD path (issue 8)
              step pool 90 python3 bench/pool_throughput.py --redis-bin /tmp/redis-root/usr/bin --redis-args "--io-threads 4" \
                 --reps 3 --cluster-sizes 1,4 --markdown bench/results/pool_h100_r3.md --json bench/results/pool_h100_r3.json
-             step pool_one 50 python3 bench/pool_throughput.py --redis-bin /tmp/redis-root/usr/bin --redis-args "--io-threads 4" \
-                --one-request --reps 3 --markdown bench/results/pool_one_h100.md --json bench/results/pool_one_h100.json
              step gpu_pd 100 python3 -m bench.gpu_pd --tokenizer "$TOK" --prompt-len 2048 --requests 6 \
                 --prefill-chunks 512,2048 --out bench/results/gpu_pd_h100_r3.json ;;
         moe) step moe 240 python3 -m bench.moe_bench --write-thresholds --reps 5 --warmup 2 \

@@ -69,7 +69,6 @@ from libs.kvpool.config import BULK_MODELS, PoolConfig  # noqa: E402
 from libs.kvpool.header import HEADER_NBYTES, PendingValue  # noqa: E402
 from libs.kvpool.layout import KVLayout  # noqa: E402
 from libs.kvpool.redis_pool import RedisPool  # noqa: E402
-from libs.kvpool.writer import AsyncWriter  # noqa: E402
 from services.launch.processes import Child, free_port  # noqa: E402
 from services.launch.redis_cluster import LocalRedisCluster  # noqa: E402
 
@@ -309,127 +308,6 @@ async def on_cluster(url: str, port: int, nodes: int, args: argparse.Namespace) 
     return samples
 
 
-class OneRequest:
-    """One prompt as the services move it (``--one-request``): what one request gets of the pool.
-
-    - ``write``: prefill's store (services/worker/transfer.py ``store_blocks``): every block a
-      pending value submitted to an ``AsyncWriter`` session (its default shape, as the
-      services build it), GB/s to the last acknowledgement;
-    - ``read``: decode's load of the whole prompt at once (the serial handoff, or the tail
-      of the streamed one): one ``get_blocks_into``, each block verified as it lands;
-    - ``handoff``: both at once, as the streamed handoff overlaps them: a reader follows the
-      session's durable watermark (``on_written``) and reads each newly durable run as it is
-      announced, without waiting for the previous run (services/decode/handoff.py); ms from
-      the first submit to the last block verified in the reader's staging, and GB/s of the
-      prompt over that time.
-
-    Same pool settings as the other rows; runs against any tree that has the writer's
-    public API, so the same script measures a base tree (``PYTHONPATH``) for before/after.
-    """
-
-    def __init__(self, url: str, model: str, args: argparse.Namespace) -> None:
-        self.pool = RedisPool(PoolConfig(
-            url=url, key_prefix=f"bench-one-{model}", pipeline_blocks=args.pipeline_blocks, max_parallel=args.max_parallel,
-            max_connections=max(args.max_parallel, 4) * 4, bulk_model=model,
-        ))
-        self.prompt = Prompt(100)
-        self.writer: AsyncWriter | None = None
-
-    async def write(self, on_written: Callable[[str], None] | None = None) -> None:
-        p = self.prompt
-        if self.writer is None:
-            self.writer = AsyncWriter(self.pool)
-        await self.pool.delete_blocks(p.ns, p.keys)  # a fresh write each time, as for a new prompt
-        session = self.writer.begin(on_written=on_written)
-        for key, row in zip(p.keys, p.src_rows):
-            await session.submit(p.ns, key, p.codec.encode_pending(row, 16))
-        await session.wait_all_done()
-
-    async def read(self) -> None:
-        await self.prompt.get_decode(self.pool)
-
-    async def handoff(self) -> float:
-        """Seconds from the first submit to the last block landed and verified."""
-        p = self.prompt
-        index = {str(k): i for i, k in enumerate(p.keys)}
-        durable = [False] * len(p.keys)
-        state = {"watermark": 0, "requested": 0}
-        changed = asyncio.Event()
-        reads: list[asyncio.Task[None]] = []
-        bad: list[int] = []
-
-        def written(key: str) -> None:
-            durable[index[key]] = True
-            w = state["watermark"]
-            while w < len(durable) and durable[w]:
-                w += 1
-            if w != state["watermark"]:
-                state["watermark"] = w
-                changed.set()
-
-        async def fetch(lo: int, hi: int) -> None:
-            def verify(i: int) -> None:
-                p.codec.verify_landed(memoryview(p.headers[lo + i]), p.dst_rows[lo + i], 16)
-
-            outcomes = await self.pool.get_blocks_into(p.ns, p.keys[lo:hi], p.dests[lo:hi], on_landed=verify)
-            bad.extend(lo + i for i, o in enumerate(outcomes) if o is not None)
-
-        async def follow() -> None:
-            while state["requested"] < len(p.keys):
-                await changed.wait()
-                changed.clear()
-                lo, hi = state["requested"], state["watermark"]
-                if hi > lo:
-                    state["requested"] = hi
-                    reads.append(asyncio.create_task(fetch(lo, hi)))
-
-        await self.pool.delete_blocks(p.ns, p.keys)
-        start = time.perf_counter()
-        follower = asyncio.create_task(follow())
-        await self.write(on_written=written)
-        await follower
-        await asyncio.gather(*reads)
-        took = time.perf_counter() - start
-        assert not bad, f"blocks {bad[:8]} missed"
-        return took
-
-    async def close(self) -> None:
-        self.prompt.check()
-        if self.writer is not None:
-            await self.writer.close()
-        await self.pool.close()
-
-
-async def one_request(url: str, port: int, args: argparse.Namespace) -> Samples:
-    samples = Samples()
-    ours = {model: OneRequest(url, model, args) for model in args.models}
-    try:
-        for rows in ours.values():
-            for _ in range(args.warmup):
-                await rows.write()
-                await rows.read()
-                await rows.handoff()
-        nbytes = next(iter(ours.values())).prompt.nbytes
-        for _ in range(args.reps):
-            theirs = redis_benchmark(args.redis_benchmark, port, args.max_parallel, args.pipeline_blocks, args.bench_requests, False)
-            for test, gbps in theirs.items():
-                samples.add(f"redis-benchmark {test}", gbps)
-            for model, rows in ours.items():
-                w = await timed(rows.write, nbytes, args.rounds)
-                r = await timed(rows.read, nbytes, args.rounds)
-                h = statistics.median([await rows.handoff() for _ in range(args.rounds)])
-                samples.add(f"{model} write", w)
-                samples.add(f"{model} write ratio", w / theirs["SET"])
-                samples.add(f"{model} read", r)
-                samples.add(f"{model} read ratio", r / theirs["GET"])
-                samples.add(f"{model} handoff ms", h * 1e3)
-                samples.add(f"{model} handoff", nbytes / h / 1e9)
-    finally:
-        for rows in ours.values():
-            await rows.close()
-    return samples
-
-
 def start_redis(args: argparse.Namespace, workdir: str) -> tuple[Child, int]:
     port = free_port()
     proc = Child(
@@ -461,8 +339,6 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=4, help="prompts in flight at once on the clusters")
     parser.add_argument("--redis-bin", default="", help="folder with redis-server, redis-cli, redis-benchmark (default: PATH)")
     parser.add_argument("--redis-args", default="", help="extra redis-server flags, e.g. '--io-threads 4'")
-    parser.add_argument("--one-request", action="store_true",
-                        help="only one prompt as the services move it: writer session, whole read, streamed handoff (OneRequest)")
     parser.add_argument("--markdown", type=Path, help="also write the tables to this file")
     parser.add_argument("--json", type=Path, help="also write every sample to this file")
     args = parser.parse_args()
@@ -479,40 +355,23 @@ def main() -> None:
     raw: dict[str, dict[str, list[float]]] = {}
     redis, port = start_redis(args, workdir)
     try:
-        run = one_request if args.one_request else single_redis
-        single = uvloop.run(run(f"redis://127.0.0.1:{port}/0", port, args))
+        single = uvloop.run(single_redis(f"redis://127.0.0.1:{port}/0", port, args))
     finally:
         redis.kill()
-    raw["one-request" if args.one_request else "single"] = single.values
-    if args.one_request:
-        args.cluster_sizes = ""
-        lines += [
-            "| one request, one Redis | GB/s | ratio to redis-benchmark |",
-            "|---|---:|---:|",
-        ]
-        for model in args.models:
-            lines += [
-                f"| {model}: write (writer session) | {single.spread(f'{model} write')} | **{single.spread(f'{model} write ratio')}** (SET) |",
-                f"| {model}: read (one get_blocks_into) | {single.spread(f'{model} read')} | **{single.spread(f'{model} read ratio')}** (GET) |",
-                f"| {model}: streamed handoff, write + overlapped reads | {single.spread(f'{model} handoff')} "
-                f"({single.spread(f'{model} handoff ms')} ms) | |",
-            ]
-        for test in ("SET", "GET"):
-            lines.append(f"| redis-benchmark {test} | {single.spread('redis-benchmark ' + test)} | |")
-    else:
-        lines += [
-            "| one Redis | GB/s | ratio to redis-benchmark | codec share: CPU / wall | syscalls per block |",
-            "|---|---:|---:|---:|---:|",
-        ]
-        for model in args.models:
-            for label, test in BASELINE.items():
-                lines.append(
-                    f"| {model}: {label} | {single.spread(f'{model} {label}')} | **{single.spread(f'{model} {label} ratio')}** "
-                    f"| {100 * single.median(f'{model} {label} codec'):.1f}% / {100 * single.median(f'{model} {label} codec wall'):.1f}% "
-                    f"| {single.median(f'{model} {label} syscalls'):.1f} |"
-                )
-        for test in ("SET", "GET"):
-            lines.append(f"| redis-benchmark {test} | {single.spread('redis-benchmark ' + test)} | | | |")
+    raw["single"] = single.values
+    lines += [
+        "| one Redis | GB/s | ratio to redis-benchmark | codec share: CPU / wall | syscalls per block |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for model in args.models:
+        for label, test in BASELINE.items():
+            lines.append(
+                f"| {model}: {label} | {single.spread(f'{model} {label}')} | **{single.spread(f'{model} {label} ratio')}** "
+                f"| {100 * single.median(f'{model} {label} codec'):.1f}% / {100 * single.median(f'{model} {label} codec wall'):.1f}% "
+                f"| {single.median(f'{model} {label} syscalls'):.1f} |"
+            )
+    for test in ("SET", "GET"):
+        lines.append(f"| redis-benchmark {test} | {single.spread('redis-benchmark ' + test)} | | | |")
     sizes = [int(n) for n in args.cluster_sizes.split(",") if n]
     if sizes:
         lines += [

@@ -163,17 +163,11 @@ class _BlockingConnection:
         self._send([ep.hello])
         ep.check_hello(self._receive())
 
-    def exchange(
-        self, iov: Sequence[Buffer], sinks: Sequence[Sink | None], seals: Sequence[Callable[[], object]] = (),
-        seal_at: Sequence[int] = (),
-    ) -> list[Any]:
-        """Send ``iov``, sealing each pending value (its checksum, here on this thread) right
-        before its own bytes (``seal_at``: where each starts in ``iov``), then read one
-        reply per sink. Raises TransportError (and closes) on any failure.
-
-        Sealing value by value instead of all first keeps the socket busy: the server
-        drains what was sent while the next value is hashed, and the first bytes leave
-        after one checksum, not a pipeline's worth."""
+    def exchange(self, iov: Sequence[Buffer], sinks: Sequence[Sink | None], seals: Sequence[Callable[[], object]] = ()) -> list[Any]:
+        """Seal the pending values (checksums, here on this thread), send ``iov``, then read
+        one reply per sink. Raises TransportError (and closes) on any failure."""
+        for seal in seals:
+            seal()
         try:
             if self.sock is None:
                 try:
@@ -183,7 +177,7 @@ class _BlockingConnection:
                 except (OSError, ConnectionClosed, TimeoutError) as exc:
                     raise _connect_error(exc, self.endpoint.node) from exc
             self.parser.expect_many(sinks)
-            self._send_sealed(iov, seals, seal_at)
+            self._send(iov)
             return self._receive()
         except TransportError as exc:
             exc.replies = self.parser.take() if not exc.replies else exc.replies
@@ -193,20 +187,6 @@ class _BlockingConnection:
             replies = self.parser.take()
             self.close()
             raise _classify(exc, self.endpoint.node, replies) from exc
-
-    def _send_sealed(self, iov: Sequence[Buffer], seals: Sequence[Callable[[], object]], seal_at: Sequence[int]) -> None:
-        if len(seal_at) != len(seals):  # no positions: seal everything first
-            for seal in seals:
-                seal()
-            self._send(iov)
-            return
-        pos = 0
-        for seal, at in zip(seals, seal_at):
-            if at > pos:
-                self._send(iov[pos:at])
-                pos = at
-            seal()
-        self._send(iov[pos:])
 
     def _send(self, iov: Sequence[Buffer]) -> None:
         sock = self.sock
@@ -502,7 +482,7 @@ class BulkClient:
                 for seal in frames.seals:  # on the loop: hashing a pipeline's values (~15 us a block)
                     seal()
                 return await conn.exchange(iov, sinks)
-            return await _in_thread(self._executor, conn, lambda: conn.exchange(iov, sinks, frames.seals, frames.seal_at))
+            return await _in_thread(self._executor, conn, lambda: conn.exchange(iov, sinks, frames.seals))
         except TransportError:
             self.counters["failures"] += 1
             pool.drop_idle()

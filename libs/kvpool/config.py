@@ -25,10 +25,9 @@ class PoolConfig:
     """Connection, batching and retry settings of a :class:`~libs.kvpool.redis_pool.RedisPool`.
 
     ``key_prefix`` separates pools sharing one Redis (tests, staging): every key the pool
-    touches starts with ``<key_prefix>:``. One call spreads its blocks over the
-    ``max_parallel`` sockets of each node, one pipeline each, of at most
-    4 x ``pipeline_blocks`` blocks (more pipelines queue on the sockets; libs/kvpool/redis_pool.py,
-    ``_transfer``); ``max_connections`` bounds the control plane's connections. A dropped
+    touches starts with ``<key_prefix>:``. ``pipeline_blocks`` blocks go in one pipelined
+    round trip, and one call runs up to ``max_parallel`` such pipelines at once on separate
+    pooled connections (``max_connections`` bounds the whole process). A dropped
     connection or a timeout is retried ``retries`` times with exponential backoff from
     ``retry_backoff_s``: every pool operation is idempotent, so a retry after a lost reply
     is safe.

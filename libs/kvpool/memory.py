@@ -81,16 +81,9 @@ class MemoryPool(BlockPool):
                 self._counters["bytes_read"] += len(value)
         return values
 
-    async def _put_blocks(
-        self, pairs: list[tuple[str, Value]], lease_id: str | None, on_written: Callable[[int], None] | None = None
-    ) -> list[PutError | None]:
+    async def _put_blocks(self, pairs: list[tuple[str, Value]], lease_id: str | None) -> list[PutError | None]:
         await self._enter("put_blocks", [bid for bid, _ in pairs])
-        results = []
-        for i, (bid, value) in enumerate(pairs):
-            results.append(self._put_one(bid, value, lease_id))
-            if results[-1] is None and on_written is not None:
-                on_written(i)
-        return results
+        return [self._put_one(bid, value, lease_id) for bid, value in pairs]
 
     def _put_one(self, bid: str, value: Value, lease_id: str | None) -> PutError | None:
         old = self._data.get(bid)

@@ -239,25 +239,18 @@ class BlockPool(ABC):
         items: Sequence[tuple[KeyLike, Value]],
         *,
         lease_id: str | None = None,
-        on_written: Callable[[int], None] | None = None,
     ) -> list[PutError | None]:
         """Write blocks; per block ``None`` (written) or the :class:`PutError` that refused it.
 
         With ``lease_id`` each written block is pinned by that lease in the same atomic
         step; an unknown or expired lease refuses the block (reason ``"lease"``).
-
-        ``on_written(i)`` is called on the event loop for each block ``items[i]`` as soon as
-        its write is acknowledged, while the others are still in flight (the streamed
-        handoff announces it durable from there). A block it named is written whatever
-        the call returns or raises afterwards (a later block's failure says nothing about
-        it). It must be quick and must not raise.
         """
         if lease_id is not None and not LEASE_ID_RE.match(lease_id):
             raise ValueError(f"malformed lease id {lease_id!r}")
         ids = block_ids(ns, [k for k, _ in items])
         if not ids:
             return []
-        return await self._put_blocks(list(zip(ids, (v for _, v in items))), lease_id, on_written)
+        return await self._put_blocks(list(zip(ids, (v for _, v in items))), lease_id)
 
     async def delete_blocks(self, ns: NamespaceLike, keys: Sequence[KeyLike]) -> int:
         """Delete blocks (leased or not); returns how many existed."""
@@ -360,9 +353,7 @@ class BlockPool(ABC):
         return out
 
     @abstractmethod
-    async def _put_blocks(
-        self, pairs: list[tuple[str, Value]], lease_id: str | None, on_written: Callable[[int], None] | None = None
-    ) -> list[PutError | None]: ...
+    async def _put_blocks(self, pairs: list[tuple[str, Value]], lease_id: str | None) -> list[PutError | None]: ...
 
     @abstractmethod
     async def _delete_blocks(self, ids: list[str]) -> int: ...

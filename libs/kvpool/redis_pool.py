@@ -40,9 +40,7 @@ cache_store sees every block although no bytes pass through it:
   nothing: Redis discards a MULTI without EXEC, and a SET whose value did not fully arrive
   never runs. The account script goes with EVAL, not EVALSHA: a NOSCRIPT inside EXEC
   (after a Redis restart) would leave the SET applied without its bookkeeping; the script
-  is 1 kB against a value of hundreds of kB. Each block is acknowledged to the caller
-  (``put_blocks``' ``on_written``) the moment its ``EXEC`` reply is parsed, while the rest
-  of its pipeline is still in flight.
+  is 1 kB against a value of hundreds of kB.
 - get (bulk path): per partition one pipeline ``GET...; EVAL touch``: the values land in
   the caller's memory, then the touch script (same connection, same node, after the GETs)
   bumps the LRU of the blocks that exist (``ZADD XX``: never re-inserts one evicted in
@@ -84,8 +82,7 @@ from __future__ import annotations
 
 import asyncio
 import heapq
-import threading
-from collections import Counter, defaultdict
+from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -96,7 +93,7 @@ from libs.kvpool.config import PoolConfig
 from libs.kvpool.control import RETRY_CODES, ControlPlane, ask_target, gather_all
 from libs.kvpool.header import Buffer, Value
 from libs.kvpool.pool import BlockPool, EvictResult, PoolError, PoolStats, PoolUnavailable, PutError
-from libs.kvpool.resp import Discarded, Frames, Notify, ReplyError, Sink
+from libs.kvpool.resp import Discarded, Frames, ReplyError, Sink
 from libs.kvpool.scripts import (
     ACCOUNT_LUA,
     COUNT_LUA,
@@ -112,16 +109,6 @@ from libs.kvpool.topology import CLUSTER_PARTITIONS, Node, SlotMap, partition_of
 
 # Entries an evict-candidates script scans past pinned blocks at most (bounds Redis' pause).
 _CANDIDATE_SCAN = 5000
-
-
-# A pipeline holds at most DEPTH_FACTOR * pipeline_blocks blocks (_transfer).
-DEPTH_FACTOR = 4
-
-
-def stripes(items: list[int], ways: int, max_depth: int) -> list[list[int]]:
-    """``items`` dealt round-robin into ``ways`` pipelines (more if one would exceed ``max_depth``)."""
-    n = max(min(ways, len(items)), -(-len(items) // max(1, max_depth)))
-    return [items[j::n] for j in range(n)] if items else []
 
 
 class Partition:
@@ -194,39 +181,6 @@ def _put_outcome(replies: Sequence[Any]) -> PutError | _Retry | None:
     return None
 
 
-def _exec_ok(reply: Any) -> bool:
-    """Whether a block's ``EXEC`` reply says it was written (``_put_outcome`` is ``None``)."""
-    return isinstance(reply, list) and len(reply) == 2 and not isinstance(reply[1], ReplyError)
-
-
-class _LoopRelay:
-    """Calls ``fn(i)`` on the event loop for each ``put(i)`` from any thread, coalescing the
-    wake-ups: a pipeline's acknowledgements cost one loop wake-up per burst, not one each."""
-
-    def __init__(self, fn: Callable[[int], None]) -> None:
-        self._fn = fn
-        self._loop = asyncio.get_running_loop()
-        self._thread = threading.get_ident()
-        self._lock = threading.Lock()
-        self._queued: list[int] = []
-
-    def put(self, i: int) -> None:
-        if threading.get_ident() == self._thread:  # the asyncio bulk model parses on the loop
-            self._fn(i)
-            return
-        with self._lock:
-            first = not self._queued
-            self._queued.append(i)
-        if first:
-            self._loop.call_soon_threadsafe(self._flush)
-
-    def _flush(self) -> None:
-        with self._lock:
-            queued, self._queued = self._queued, []
-        for i in queued:
-            self._fn(i)
-
-
 def _get_outcome(reply: Any) -> str | _Retry | None:
     if isinstance(reply, int):
         return None
@@ -282,15 +236,7 @@ class RedisPool(BlockPool):
         build: Callable[[Partition, list[int], Frames, list[Sink | None], bool], list[int]],
         outcome: Callable[[int, list[Any]], Any],
     ) -> tuple[list[Any], dict[int, str]]:
-        """Pipelines of ``ids``, one partition's blocks each, spread over the node's sockets.
-
-        One call uses all of a node's ``max_parallel`` sockets at once (shared among the
-        partitions the call has on that node), each with one deep pipeline: a request's
-        blocks are striped over them (block ``k`` of the group to pipeline ``k % ways``),
-        so that each socket has work from the first block to the last, the server never
-        waits for a round trip between batches, and blocks are acknowledged (or land) in
-        about their order. A group beyond ``DEPTH_FACTOR * pipeline_blocks`` blocks per
-        socket takes more pipelines, queued on the sockets.
+        """Pipelines of ``ids``, one partition's blocks each, ``pipeline_blocks`` at most.
 
         ``build(partition, items, frames, sinks, asking)`` adds each item's commands (each
         behind ``ASKING`` when ``asking``) and returns how many replies each item has (in
@@ -316,13 +262,10 @@ class RedisPool(BlockPool):
             groups: dict[tuple[int, Node | None], list[int]] = defaultdict(list)
             for i in todo:
                 groups[(partition_of(ids[i], len(parts)), asking.get(i))].append(i)
-            targets = {(p, ask): ask or slots.node_for(parts[p].lru) for p, ask in groups}
-            per_node = Counter(targets.values())
             for (p, ask), items in groups.items():
-                node = targets[(p, ask)]
-                ways = max(1, self.config.max_parallel // per_node[node])
-                for stripe in stripes(items, ways, size * DEPTH_FACTOR):
-                    runs.append(self._pipeline(node, parts[p], stripe, build, outcome, ask is not None))
+                node = ask or slots.node_for(parts[p].lru)
+                for k in range(0, len(items), size):
+                    runs.append(self._pipeline(node, parts[p], items[k : k + size], build, outcome, ask is not None))
             again: list[int] = []
             moved = False
             for chunk in await gather_all(runs):
@@ -428,19 +371,9 @@ class RedisPool(BlockPool):
                 raise PoolError(f"redis GET of block {ids[i]} failed: {result}")
         return values
 
-    async def _put_blocks(
-        self, pairs: list[tuple[str, Value]], lease_id: str | None, on_written: Callable[[int], None] | None = None
-    ) -> list[PutError | None]:
+    async def _put_blocks(self, pairs: list[tuple[str, Value]], lease_id: str | None) -> list[PutError | None]:
         lease = lease_id or ""
         ids = [bid for bid, _ in pairs]
-        relay = _LoopRelay(on_written) if on_written is not None else None
-
-        def acked(i: int) -> Sink | None:
-            # The EXEC reply's sink: a block is written the moment its EXEC says so, while
-            # the rest of its pipeline is still being sent or executed.
-            if relay is None:
-                return None
-            return Notify(lambda reply: relay.put(i) if _exec_ok(reply) else None)
 
         def build(part: Partition, items: list[int], frames: Frames, sinks: list[Sink | None], asking: bool) -> list[int]:
             lease_set = part.lease_prefix + lease
@@ -454,7 +387,7 @@ class RedisPool(BlockPool):
                     part.leases, lease_set, bid, lease,
                 )
                 frames.command("EXEC")
-                sinks.extend((None, None, None, acked(i)))
+                sinks.extend((None, None, None, None))
             return [4] * len(items)
 
         results, failed = await self._transfer(ids, build, lambda i, r: _put_outcome(r))

@@ -50,7 +50,7 @@ MAX_GENERIC = 64 << 20  # a reply without a sink is buffered whole; this bounds 
 MIN_DIRECT = 4096  # a sink view smaller than this is filled from the parser's buffer instead
 
 Arg = Union[bytes, str, int, Value]
-Sink = Union[Callable[[int], "Sequence[memoryview] | None"], "Notify"]
+Sink = Callable[[int], "Sequence[memoryview] | None"]
 
 
 class ReplyError:
@@ -73,18 +73,6 @@ class ReplyError:
 
     def __hash__(self) -> int:
         return hash(self.message)
-
-
-class Notify:
-    """A sink for a reply that is not a payload (an ``EXEC``'s array, a status): the parser
-    calls ``done(value)`` as soon as that reply is complete, from whatever thread feeds it,
-    while later replies of the pipeline are still on their way (the pool acknowledges each
-    block's write from there: libs/kvpool/redis_pool.py). ``done`` must be quick and must not raise."""
-
-    __slots__ = ("done",)
-
-    def __init__(self, done: Callable[[Any], None]) -> None:
-        self.done = done
 
 
 class Discarded:
@@ -117,9 +105,6 @@ class Frames:
         # PendingValue.seal of each pending value referenced by the iovecs: the sender
         # calls them before the bytes go out (on its own thread: hashing releases the GIL).
         self.seals: list[Callable[[], object]] = []
-        # seal_at[k]: the index in ``iov`` where the value of ``seals[k]`` starts, so a
-        # sender can hash a value right before its own bytes go out (not all of them first).
-        self.seal_at: list[int] = []
         self._small = bytearray()
 
     def command(self, *args: Arg) -> "Frames":
@@ -141,8 +126,11 @@ class Frames:
                 small += data
                 small += CRLF
             else:  # a value: one buffer, a list/tuple of parts, or a PendingValue
-                pending = isinstance(arg, PendingValue) and arg.nbytes >= INLINE_MAX
-                parts = arg.parts if pending else value_parts(arg)  # a pending one: sealed by the sender
+                if isinstance(arg, PendingValue) and arg.nbytes >= INLINE_MAX:
+                    parts = arg.parts  # sealed by the sender, just before it goes out
+                    self.seals.append(arg.seal)
+                else:
+                    parts = value_parts(arg)
                 size = sum(p.nbytes for p in parts)
                 small += b"$%d\r\n" % size
                 if size < INLINE_MAX:
@@ -150,9 +138,6 @@ class Frames:
                         small += p
                 else:
                     self._flush()
-                    if pending:
-                        self.seals.append(arg.seal)  # type: ignore[union-attr]
-                        self.seal_at.append(len(self.iov))
                     self.iov.extend(p for p in parts if p.nbytes)
                     self.nbytes += size
                 small += CRLF
@@ -315,11 +300,9 @@ class ReplyParser:
                 raise ProtocolError(f"{self._end - self._start} bytes nobody asked for")
             sink = self._expect[0]
             try:
-                if sink is None or isinstance(sink, Notify):
+                if sink is None:
                     value, self._start = self._value(self._start)
                     self._complete(value)
-                    if sink is not None:
-                        sink.done(value)
                 else:
                     self._bulk_header(sink)
             except _Incomplete:

@@ -23,15 +23,8 @@ batches. Rules, each from a bug in the system this is modelled on (seeds/000):
 - Sessions are independent: each keeps its own pending count and report; a failure of
   one session's block is not charged to another's.
 - Progress is visible per block: a session's ``on_written(key)`` hears of each block as
-  soon as the pool acknowledges that block (``BlockPool.put_blocks``' ``on_written``),
-  not its whole batch, long before ``wait_all_done`` (the streamed handoff announces
-  durable blocks from there, so decode reads them while the rest is written).
-- One request uses the pool's full parallelism. Batches are large (``batch_blocks``, a
-  2048-token prompt's 128 blocks in two) because the pool stripes one call's blocks
-  over all its sockets, one deep pipeline each (libs/kvpool/redis_pool.py, ``_transfer``):
-  small batches would leave sockets idle for a round trip between them, and since each
-  block is acknowledged on its own, a large batch delays no announcement. A batch's
-  blocks of different sessions are written concurrently, not one session after another.
+  soon as its batch is acknowledged, long before ``wait_all_done`` (the streamed handoff
+  announces durable blocks from there, so decode reads them while the rest is written).
 """
 
 from __future__ import annotations
@@ -263,8 +256,8 @@ class AsyncWriter:
         pool: BlockPool,
         *,
         workers: int = 4,
-        queue_size: int = 256,
-        batch_blocks: int = 64,
+        queue_size: int = 64,
+        batch_blocks: int = 8,
         op_timeout_s: float | None = 60.0,
     ) -> None:
         if not isinstance(pool, BlockPool):
@@ -383,23 +376,18 @@ class AsyncWriter:
                 self._record(item, SessionCancelled("session was cancelled before the block was written"))
             else:
                 groups.setdefault((item.ns, item.session.lease_id), []).append(item)
-        await asyncio.gather(*(self._put(ns, lease_id, items) for (ns, lease_id), items in groups.items()))
-
-    async def _put(self, ns: str, lease_id: str | None, items: list[_Item]) -> None:
-        """One session's blocks of a batch: each recorded written as soon as the pool
-        acknowledges it (``on_written``), the rest when the call ends."""
-        self.counters["batches"] += 1
-        results: list[Any]
-        try:
-            async with asyncio.timeout(self.op_timeout_s):
-                results = await self.pool.put_blocks(
-                    ns, [(it.key, it.value) for it in items], lease_id=lease_id,
-                    on_written=lambda i: self._record(items[i], None),
-                )
-            if len(results) != len(items):
-                raise PoolError(f"pool answered {len(results)} results for {len(items)} blocks")
-        except Exception as exc:
-            self.counters["batch_errors"] += 1
-            results = [exc] * len(items)
-        for item, result in zip(items, results):
-            self._record(item, result)  # no-op for a block already recorded written
+        for (ns, lease_id), items in groups.items():
+            self.counters["batches"] += 1
+            results: list[Any]
+            try:
+                async with asyncio.timeout(self.op_timeout_s):
+                    results = await self.pool.put_blocks(
+                        ns, [(it.key, it.value) for it in items], lease_id=lease_id
+                    )
+                if len(results) != len(items):
+                    raise PoolError(f"pool answered {len(results)} results for {len(items)} blocks")
+            except Exception as exc:
+                self.counters["batch_errors"] += 1
+                results = [exc] * len(items)
+            for item, result in zip(items, results):
+                self._record(item, result)

@@ -5,9 +5,7 @@ lease (docs/HANDOFF.md). Decode registers a :class:`HandoffWait` under the reque
 answers the stream's headers; the router then posts :class:`HandoffUpdate` messages to
 ``POST /v1/handoff``, each carrying the leading run of blocks that are durable in the pool.
 :func:`load_streamed` fetches each newly durable run into one :class:`StagedRun` (so the
-loads of one request share staging rows in order) as soon as it is announced, without
-waiting for the previous run to arrive (the reads overlap and are committed in order),
-and stops waiting at the last update:
+loads of one request share staging rows in order), and stops waiting at the last update:
 
 - with a first token: it loads the rest (the last chunk's blocks and the partial tail),
   and the request generates after that token;
@@ -34,7 +32,6 @@ from libs.protocol import json_error, read_message
 from libs.protocol.messages import HandoffUpdate, TokenLogprobs
 from services.worker.app import RUNTIME
 from services.worker.runtime import WorkerRuntime
-from libs.kvpool.bulk import settle
 from services.worker.transfer import LoadResult, StagedRun, finish_load, wanted_blocks
 
 
@@ -115,38 +112,22 @@ async def load_streamed(rt: WorkerRuntime, wait: HandoffWait, keys: list[BlockKe
     wanted = wanted_blocks(rt, keys, start, prompt_len)  # with a first token, the whole prompt may load
     run = StagedRun(rt, start, len(wanted))
     stats = HandoffStats()
-    fetches: list[asyncio.Future[int]] = []
-
-    def first_loaded(fut: asyncio.Future[int]) -> None:
-        if not fut.cancelled() and fut.exception() is None and fut.result() and stats.first_load_done_at is None:
-            stats.first_load_done_at = time.time()
-
-    def fetch(blocks: list[BlockKey]) -> None:
-        # Not awaited: the next newly durable run is read while this one still arrives.
-        fut = run.start_fetch(blocks)
-        fut.add_done_callback(first_loaded)
-        fetches.append(fut)
-
     try:
         while not wait.done:
             target = min(wait.durable_blocks - start, len(wanted))
-            if run.requested < target and not run.broken:
-                fetch(wanted[run.requested : target])
+            if run.filled < target and not run.broken:
+                if await run.fetch(wanted[run.filled : target]) and stats.first_load_done_at is None:
+                    stats.first_load_done_at = time.time()
+                continue
             await wait.changed(deadline)
         t_final = time.perf_counter()
-        stats.early_blocks = run.filled  # in staging when the last update came
+        stats.early_blocks = run.filled
         if wait.first_token_id is None:  # prefill failed: the engine computes the last token itself
-            await asyncio.gather(*fetches)  # the run's length changes: only with nothing in flight
             stats.prefill_error = wait.error or "prefill failed"
             wanted = wanted_blocks(rt, keys, start, prompt_len - 1)
             run.capacity = max(run.filled, min(run.capacity, len(wanted)))
-        fetch(wanted[run.requested :])
-        await asyncio.gather(*fetches)
+        await run.fetch(wanted[run.filled :])
     except BaseException:
-        for f in fetches:
-            f.cancel()
-        for f in fetches:
-            await settle(f)  # no read may still land in staging when it goes back
         run.release()
         raise
     stats.updates = wait.updates

@@ -271,7 +271,6 @@ class PrefillJob:
             "blocks_already_in_pool": skip,
             "blocks_failed": store.blocks_failed,
             "write_fail_reasons": store.fail_reasons,
-            "write_staged_s": store.staged_s,  # of a piece's write time: waiting for its device copies
             "streamed": self.streamed,
             "streamed_blocks": self.streamed_blocks,
             "durable_blocks": self.watermark,

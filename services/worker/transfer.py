@@ -72,7 +72,6 @@ class StoreResult:
     bytes_written: int = 0
     fail_reasons: dict[str, int] = field(default_factory=dict)
     seconds: float = 0.0
-    staged_s: float = 0.0  # of ``seconds``: waiting for the export's device copies (before any write)
     written: set[str] = field(default_factory=set)  # str(BlockKey) of each block written
 
     def add(self, other: "StoreResult") -> None:
@@ -82,7 +81,6 @@ class StoreResult:
         self.bytes_written += other.bytes_written
         self.fail_reasons = dict(Counter(self.fail_reasons) + Counter(other.fail_reasons))
         self.written |= other.written
-        self.staged_s = max(self.staged_s, other.staged_s)
 
 
 def wanted_blocks(rt: WorkerRuntime, keys: list[BlockKey], start: int, max_tokens: int) -> list[BlockKey]:
@@ -96,13 +94,9 @@ class StagedRun:
     ``capacity`` of them), filled in order by :meth:`fetch`; staging is acquired as rows
     are needed, one buffer of ``swap_max_blocks`` rows at a time.
 
-    Fetches may overlap (:meth:`start_fetch`): each reserves the next rows at once, its
-    reads run beside the others' (the streamed handoff reads each newly durable run while
-    the previous ones are still arriving, so one request keeps every pool socket busy),
-    and their outcomes are committed in order. The first block that cannot be used
-    (absent, corrupt, pool or staging unavailable) breaks the run: nothing after it is
-    loaded, whatever a later fetch got. ``misses`` counts every block of the capacity not
-    loaded, by reason, once :meth:`finish` is called (with no fetch in flight).
+    The first block that cannot be used (absent, corrupt, pool or staging unavailable)
+    breaks the run: nothing after it is loaded. ``misses`` counts every block of the
+    capacity not loaded, by reason, once :meth:`finish` is called.
     """
 
     def __init__(self, rt: WorkerRuntime, first_block: int, capacity: int) -> None:
@@ -112,146 +106,83 @@ class StagedRun:
         self.buffers: list[StagingBuffer] = []
         self._hosts: list[np.ndarray] = []  # each buffer's byte rows (BlockCodec.byte_rows; taken once: .host waits for copies)
         self.filled = 0
-        self.requested = 0  # rows reserved by fetches (committed or in flight)
         self.end_tokens = 0  # prompt tokens covered by the filled rows
         self.bytes_read = 0
-        self.fetch_s = 0.0  # time with some fetch in flight (pool reads and checks; overlaps counted once)
+        self.fetch_s = 0.0  # time spent in fetch (pool reads and checks)
         self.misses: Counter[str] = Counter()
         self.broken: str | None = None  # why the run ended early
         self._counted = 0  # blocks already counted in misses
-        self._tail: asyncio.Future[None] | None = None  # the last fetch's commit
-        self._active = 0
-        self._active_since = 0.0
 
     def _miss(self, reason: str, n: int = 1) -> None:
         self.misses[reason] += n
         self._counted += n
         self.broken = self.broken or reason
 
-    @property
-    def in_flight(self) -> bool:
-        return self.requested > self.filled and not self.broken
-
     async def fetch(self, keys: list[BlockKey]) -> int:
-        """Load ``keys``, the next blocks of the run after those requested so far, into the
-        next rows; returns how many were loaded. Never raises for pool trouble: that
-        breaks the run with a reason."""
-        return await self.start_fetch(keys)
-
-    def start_fetch(self, keys: list[BlockKey]) -> "asyncio.Future[int]":
-        """:meth:`fetch` as a task whose rows are reserved now, so that the next call
-        takes the blocks after these while this one is still reading."""
-        keys = keys[: self.capacity - self.requested]
-        loop = asyncio.get_running_loop()
+        """Load ``keys``, the next blocks of the run, into the next rows; returns how many
+        were loaded. Never raises for pool trouble: that breaks the run with a reason."""
+        keys = keys[: self.capacity - self.filled]
         if self.broken or not keys:
-            done: asyncio.Future[int] = loop.create_future()
-            done.set_result(0)
-            return done
-        first = self.requested
-        self.requested += len(keys)
-        previous, mine = self._tail, loop.create_future()
-        self._tail = mine
-        task = asyncio.ensure_future(self._fetch(first, keys, previous, mine))
-        task.add_done_callback(lambda t: self._ended(t, mine))
-        return task
-
-    def _ended(self, task: "asyncio.Future[int]", mine: "asyncio.Future[None]") -> None:
-        # Also for a task cancelled before it ever ran: the next fetch must not wait forever,
-        # nor commit past rows this one never filled.
-        if task.cancelled():
-            self.broken = self.broken or "cancelled"
-        if not mine.done():
-            mine.set_result(None)
-
-    async def _fetch(self, first: int, keys: list[BlockKey], previous: "asyncio.Future[None] | None", mine: "asyncio.Future[None]") -> int:
-        self._active += 1
-        if self._active == 1:
-            self._active_since = time.perf_counter()
-        try:
-            rows, reasons = await self._read(first, keys)
-            if previous is not None:
-                await asyncio.shield(previous)  # commits go in order
-            return self._commit(first, keys, rows, reasons)
-        except asyncio.CancelledError:
-            self.broken = self.broken or "cancelled"  # later fetches must not commit past these rows
-            raise
-        finally:
-            if not mine.done():
-                mine.set_result(None)  # before the task's end: the next commit need not wait a loop turn
-            self._active -= 1
-            if self._active == 0:
-                self.fetch_s += time.perf_counter() - self._active_since
-
-    async def _read(self, first: int, keys: list[BlockKey]) -> tuple[int, list[str | None] | None]:
-        """Receive ``keys`` into rows ``first, ...``: how many rows staging gave, and per row
-        ``None`` (landed and verified) or why not; no list when the pool is known down."""
+            return 0
         rt = self.rt
         if not rt.pool_health.usable:  # known down: do not wait for its timeouts
-            return len(keys), None
-        slots = await self._rows(first, len(keys))
-        rows = len(slots)
-        if not rows:
-            return 0, []
-        headers = np.empty((rows, HEADER_NBYTES), dtype=np.uint8)
-        dests = [rt.codec.value_views(memoryview(headers[i]), slots[i], keys[i].num_tokens) for i in range(rows)]
-        verdicts: list[str | None] = ["unavailable"] * rows  # per block: None once landed and verified
-
-        def verify(i: int) -> None:  # on a bulk thread as each value lands, overlapped with the rest
-            try:
-                rt.codec.verify_landed(memoryview(headers[i]), slots[i], keys[i].num_tokens)
-                verdicts[i] = None
-            except BlockDecodeError as e:
-                verdicts[i] = f"corrupt:{e.reason}"
-
-        try:
-            outcomes = await asyncio.wait_for(
-                rt.pool.get_blocks_into(rt.namespace, keys[:rows], dests, on_landed=verify), rt.settings.load_timeout_s
-            )
-            return rows, [verdicts[i] if o is None else _miss_reason(o) for i, o in enumerate(outcomes)]
-        except asyncio.TimeoutError as e:  # what landed (and was verified) before the timeout is good
-            rt.pool_health.report_failure(e)
-            return rows, [None if v is None else "unavailable:timeout" for v in verdicts]
-        except (PoolError, OSError) as e:
-            log.info("pool read failed (%s): recomputing from block %d", e, self.first_block + first)
-            rt.pool_health.report_failure(e)
-            return rows, [None if v is None else "unavailable" for v in verdicts]
-
-    def _commit(self, first: int, keys: list[BlockKey], rows: int, reasons: list[str | None] | None) -> int:
-        """Take a fetch's leading good blocks into the run (every earlier fetch committed)."""
-        if self.broken:
-            return 0  # an earlier block broke the run: these rows lie after its gap
-        assert self.filled == first, (self.filled, first)
-        if reasons is None:
             self._miss("unavailable", len(keys))
             return 0
-        ok = 0
-        while ok < rows and reasons[ok] is None:
-            ok += 1
-        if ok < rows:
-            self._miss(reasons[ok])  # type: ignore[arg-type]
-        elif rows < len(keys):  # staging ran out: every block from there is recomputed
-            self._miss("staging_busy", self.capacity - (first + rows))
-        if ok:
-            rt = self.rt
-            self.filled += ok
-            self.end_tokens = (self.first_block + self.filled - 1) * rt.llm.config.block_size + keys[ok - 1].num_tokens
-            self.bytes_read += sum(rt.codec.value_nbytes(k.num_tokens) for k in keys[:ok])
-        return ok
+        t0 = time.perf_counter()
+        try:
+            slots = await self._rows(len(keys))
+            rows = len(slots)
+            headers = np.empty((rows, HEADER_NBYTES), dtype=np.uint8)
+            dests = [rt.codec.value_views(memoryview(headers[i]), slots[i], keys[i].num_tokens) for i in range(rows)]
+            verdicts: list[str | None] = ["unavailable"] * rows  # per block: None once landed and verified
 
-    async def _rows(self, first: int, n: int) -> list[np.ndarray]:
-        """Host rows ``first, ..., first + n - 1``, acquiring staging as needed (waiting up to
-        ``load_timeout_s`` for a free buffer; past that, fewer rows: the caller counts the
-        rest ``staging_busy`` and the engine recomputes them)."""
+            def verify(i: int) -> None:  # on a bulk thread as each value lands, overlapped with the rest
+                try:
+                    rt.codec.verify_landed(memoryview(headers[i]), slots[i], keys[i].num_tokens)
+                    verdicts[i] = None
+                except BlockDecodeError as e:
+                    verdicts[i] = f"corrupt:{e.reason}"
+
+            try:
+                outcomes = await asyncio.wait_for(
+                    rt.pool.get_blocks_into(rt.namespace, keys[:rows], dests, on_landed=verify), rt.settings.load_timeout_s
+                )
+                reasons = [verdicts[i] if o is None else _miss_reason(o) for i, o in enumerate(outcomes)]
+            except asyncio.TimeoutError as e:  # what landed (and was verified) before the timeout is good
+                rt.pool_health.report_failure(e)
+                reasons = [None if v is None else "unavailable:timeout" for v in verdicts]
+            except (PoolError, OSError) as e:
+                log.info("pool read failed (%s): recomputing from block %d", e, self.first_block + self.filled)
+                rt.pool_health.report_failure(e)
+                reasons = [None if v is None else "unavailable" for v in verdicts]
+            ok = 0
+            while ok < rows and reasons[ok] is None:
+                ok += 1
+            if ok < rows:
+                self._miss(reasons[ok])  # type: ignore[arg-type]
+            if ok:
+                self.filled += ok
+                self.end_tokens = (self.first_block + self.filled - 1) * rt.llm.config.block_size + keys[ok - 1].num_tokens
+                self.bytes_read += sum(rt.codec.value_nbytes(k.num_tokens) for k in keys[:ok])
+            return ok
+        finally:
+            self.fetch_s += time.perf_counter() - t0
+
+    async def _rows(self, n: int) -> list[np.ndarray]:
+        """Host rows for the next ``n`` blocks, acquiring staging as needed (waiting up to
+        ``load_timeout_s`` for a free buffer; past that the rest counts ``staging_busy``:
+        the engine recomputes them)."""
         swapper = self.rt.llm.swapper
         m = swapper.max_blocks
         deadline = time.monotonic() + self.rt.settings.load_timeout_s
         rows = []
-        for i in range(first, first + n):
-            while i // m >= len(self.buffers):  # check-acquire-append never yields: overlapping fetches share buffers
+        for i in range(self.filled, self.filled + n):
+            while i // m >= len(self.buffers):
                 try:
                     buf = swapper.acquire(min(m, self.capacity - len(self.buffers) * m))
                 except StagingStateError:
                     if time.monotonic() > deadline:
+                        self._miss("staging_busy", self.capacity - i)
                         return rows
                     await asyncio.sleep(0.005)
                     continue
@@ -366,7 +297,6 @@ async def store_blocks(
     try:
         # Waits for the device copies; then one numpy view per staging buffer (no torch call per block).
         blocks = (await asyncio.to_thread(_slots, rt.codec, exported))[first - exported.first_block :]
-        result.staged_s = time.perf_counter() - t0
         assert rt.writer is not None
         session = rt.writer.begin(lease_id=lease_id, on_written=on_written)
         try:

@@ -18,7 +18,6 @@ from libs.kvpool.resp import (
     ConnectionClosed,
     Discarded,
     Frames,
-    Notify,
     ProtocolError,
     ReplyError,
     ReplyParser,
@@ -252,45 +251,3 @@ def test_pipelined_values_are_copied_at_most_a_header_read_each() -> None:
     assert parser.take() == [len(v) for v in values] + [8]
     assert [d.tobytes() for d in dests] == values
     assert copied <= 8 * 4096 + 64, f"{copied} bytes went through the parser's buffer"
-
-
-def test_a_notify_sink_hears_its_reply_before_the_pipeline_ends() -> None:
-    """The pool acknowledges each block's write from its EXEC reply's Notify, while the
-    rest of the pipeline is still on its way."""
-    heard: list[object] = []
-    parser = ReplyParser()
-    parser.expect_many([None, Notify(heard.append), None, Notify(heard.append)])
-    first = b"+OK\r\n*2\r\n+OK\r\n:1\r\n"
-    feed(parser, first + b"+OK\r\n*2\r\n", [len(first) + 3])
-    assert heard == [["OK", 1]] and parser.pending == 1  # the second EXEC reply is not all there
-    feed(parser, b"+OK\r\n-NOLEASE gone\r\n", [4])
-    assert len(heard) == 2 and isinstance(heard[1][1], ReplyError) and parser.pending == 0
-    assert parser.take() == ["OK", ["OK", 1], "OK", heard[1]]
-
-
-def test_each_pending_value_is_sealed_right_before_its_own_bytes() -> None:
-    from libs.kvpool.bulk import Endpoint, _BlockingConnection
-    from libs.kvpool.topology import Node
-
-    log: list[str] = []
-    values = [PendingValue(memoryview(bytearray(HEADER_NBYTES)), [memoryview(np.full(INLINE_MAX, i, dtype=np.uint8))]) for i in range(3)]
-    frames = Frames()
-    for i, v in enumerate(values):
-        frames.command("MULTI")
-        frames.command("SET", f"k{i}", v)
-    iov = frames.finish()
-    assert len(frames.seal_at) == 3 and all(iov[at] is v.parts[0] for at, v in zip(frames.seal_at, values))
-    conn = _BlockingConnection(Endpoint(Node("127.0.0.1", 1), {}, tls=False, connect_timeout_s=1, socket_timeout_s=1))
-    sent: list[bytes] = []
-
-    def send(part) -> None:
-        sent.append(b"".join(bytes(b) for b in part))
-        log.append("send")
-
-    conn._send = send  # type: ignore[method-assign]
-    seals = [lambda s=v.seal: (log.append("seal"), s()) for v in values]
-    conn._send_sealed(iov, seals, frames.seal_at)
-    # The first value's bytes leave before the second value is hashed, and so on.
-    assert log == ["send", "seal", "send", "seal", "send", "seal", "send"]
-    assert b"".join(sent) == b"".join(bytes(b) for b in iov)
-    assert all(bytes(v.parts[0][16:]) != bytes(8) for v in values)
