@@ -29,6 +29,7 @@ fit the graph-sized device buffers) runs eagerly.
 
 from __future__ import annotations
 
+import gc
 from typing import Callable
 
 import torch
@@ -98,6 +99,22 @@ class ForwardGraphs:
             jobs.append((("decode", bs), self.decode_layout(bs, self.width), lambda v, bs=bs: self._decode_forward(v, bs)))
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
+        # No garbage collection while capturing: collecting an earlier engine's graphs or
+        # pinned buffers mid-capture (a CUDAGraph reset, a host free) is an operation the
+        # capture forbids, and it invalidates the capture (seen on the H100 when tests
+        # build engines one after another: "operation not permitted when stream is
+        # capturing (function reset)"). Collect first, as vLLM does, then pause the GC.
+        gc.collect()
+        paused = gc.isenabled()
+        gc.disable()
+        try:
+            self._capture_all(jobs, stream)
+        finally:
+            if paused:
+                gc.enable()
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+
+    def _capture_all(self, jobs: list[tuple[tuple[str, int], Layout, Callable[[PackViews], torch.Tensor]]], stream: torch.cuda.Stream) -> None:
         with torch.cuda.stream(stream):
             for key, layout, fn in jobs:
                 v = self.staging.device_views(layout)
@@ -112,12 +129,13 @@ class ForwardGraphs:
                 for _ in range(2):  # compiles the Triton kernels, settles allocations
                     fn(v)
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+                # thread_local: another thread's CUDA calls (an earlier engine's worker, a
+                # pool thread freeing pinned memory) do not invalidate this capture.
+                with torch.cuda.graph(graph, pool=self.pool, stream=stream, capture_error_mode="thread_local"):
                     self.outputs[key] = fn(v)
                 if self.pool is None:
                     self.pool = graph.pool()
                 self.graphs[key] = graph
-        torch.cuda.current_stream(self.device).wait_stream(stream)
 
     def replay(self, kind: str, capacity: int, views: PackViews) -> torch.Tensor:
         """Replay the graph of ``capacity``; its inputs are the current device pack
