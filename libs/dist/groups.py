@@ -26,11 +26,15 @@ one (a dead peer still ends their wait at once, as gloo sees its connection clos
 its sending rank the collective timeout (a send a stopped peer never takes fails).
 
 Every process must call ``init_parallel`` with the same layout (building a group is a
-collective), and ``shutdown_parallel`` at the end.
+collective), and ``shutdown_parallel`` at the end: it lets go of every group's torch handle
+(the engine's model still holds its ``Group`` objects) so the collective threads are joined
+while the interpreter is alive (see ``shutdown_parallel``).
 """
 
 from __future__ import annotations
 
+import gc
+import weakref
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -39,10 +43,11 @@ import torch
 import torch.distributed as dist
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)
 class Group:
     """``ranks``: the global ranks in the group, in group order; ``rank``: this process's
-    index among them; ``handle``: the torch.distributed group (None for a group of one)."""
+    index among them; ``handle``: the torch.distributed group (None for a group of one;
+    dropped by ``shutdown_parallel``, after which a collective on the group raises)."""
 
     name: str
     ranks: tuple[int, ...]
@@ -57,6 +62,10 @@ class Group:
     @property
     def control_handle(self) -> Any:
         return self.handle if self.control is None else self.control
+
+    def release(self) -> None:
+        """Let go of the torch handles (``shutdown_parallel`` does it for every group)."""
+        self.handle = self.control = None
 
     def all_to_all(self, x: torch.Tensor, send_splits: list[int], recv_splits: list[int]) -> torch.Tensor:
         """Rows ``x`` cut into ``send_splits`` (one count per member, in group order) go to
@@ -168,11 +177,13 @@ def init_parallel(
     timeout = timedelta(seconds=timeout_s)
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=layout.world_size, timeout=timeout)
     world = Group("world", tuple(range(layout.world_size)), rank, dist.group.WORLD)
-    return ParallelGroups(
+    groups = ParallelGroups(
         layout, world,
         _consecutive_groups("ep", layout.ep_size, layout.world_size, rank, timeout=timeout),
         _consecutive_groups("tp", layout.tp_size, layout.world_size, rank, timeout=timeout, control_timeout=timedelta(seconds=control_timeout_s)),
     )
+    _LIVE.update((groups.world, groups.ep, groups.tp))
+    return groups
 
 
 def _consecutive_groups(
@@ -194,6 +205,25 @@ def _consecutive_groups(
     return mine
 
 
+# The groups init_parallel handed out, whose torch handles shutdown_parallel lets go of.
+_LIVE: "weakref.WeakSet[Group]" = weakref.WeakSet()
+
+
 def shutdown_parallel() -> None:
+    """Leave torch.distributed and free its process groups now, joining their threads.
+
+    A gloo (or NCCL) worker thread lets go of a finished collective's tensors after the
+    caller has returned, and releasing a tensor Python also saw takes the GIL. If the
+    process group outlives this call (the engine's model holds its ``Group``), its threads
+    are joined only at interpreter exit, where a thread that still needs the GIL is killed
+    and the process aborts ("terminate called without an active exception", SIGABRT,
+    after all its work is done: the CPU TP tests hit it about one run in six). So every
+    ``Group`` lets go of its handles and the collector frees the groups here; torch frees
+    a process group with the GIL released, so its threads finish and are joined. Safe to
+    call twice."""
+    for group in list(_LIVE):
+        group.release()
+    _LIVE.clear()
     if dist.is_initialized():
         dist.destroy_process_group()
+    gc.collect()
