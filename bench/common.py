@@ -6,9 +6,11 @@ random weights of SmolLM2-135M's exact shape: speed does not depend on the value
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
+import subprocess
 import time
 from pathlib import Path
 from typing import Callable
@@ -131,3 +133,22 @@ def save_results(results: dict, out: str | None) -> None:
     if out:
         with open(out, "w") as f:
             json.dump(results, f, indent=1)
+
+
+def git_commit() -> str:
+    """The checkout's short commit, for the record ("unknown" outside a git checkout)."""
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def kernel_bench_parser(doc: str, threshold_help: str) -> argparse.ArgumentParser:
+    """The command line every kernel sweep takes: ``--toy`` (tiny shapes in Triton's
+    interpreter on the CPU: checks the script, times nothing real), ``--write-threshold``
+    (store the measured threshold; GPU only) and ``--out`` (the rows as JSON)."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--toy", action="store_true", help="tiny shapes on the CPU (Triton's interpreter): checks the script, times nothing real")
+    ap.add_argument("--write-threshold", action="store_true", help=threshold_help)
+    ap.add_argument("--out", default=None, help="also write the rows as JSON here")
+    return ap

@@ -40,18 +40,17 @@ mean nothing.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import subprocess
-import time
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-from bench.common import table
+from bench.common import kernel_bench_parser, table
+from bench.gpu_timing import copies_for, kernel_timer
 from kernels.fp8 import layout, plan
 from kernels.fp8 import reference as ref
 
@@ -61,27 +60,9 @@ TOY_SHAPES = [(256, 256)]
 TOY_MS = [1, 4, 16, 64]
 
 
-def timer(device: torch.device) -> Callable[[list[Callable[[], object]]], float]:
-    """Milliseconds per call of a list of calls, one per operand copy."""
-    if device.type == "cuda":
-        from bench.gpu_timing import graph_ms
-
-        return lambda calls: graph_ms(calls, min_calls=max(24, len(calls)))
-
-    def cpu(calls: list[Callable[[], object]]) -> float:
-        calls[0]()
-        t = time.perf_counter()
-        calls[0]()
-        return (time.perf_counter() - t) * 1e3
-
-    return cpu
-
-
 def copies(device: torch.device, *tensors: torch.Tensor) -> int:
     if device.type != "cuda":
         return 1
-    from bench.gpu_timing import copies_for
-
     return copies_for(sum(t.numel() * t.element_size() for t in tensors))
 
 
@@ -108,7 +89,7 @@ def scaled_mm_rowwise(x: torch.Tensor, w: torch.Tensor, n_copies: int) -> list[C
 def run(device: torch.device, shapes: list[tuple[int, int]], ms: list[int]) -> list[dict]:
     from kernels.fp8 import cublas_gemm, triton_gemm, triton_quant
 
-    time_of = timer(device)
+    time_of = kernel_timer(device)
     out_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     rows = []
     for n, k in shapes:
@@ -221,11 +202,7 @@ def write_threshold(rows: list[dict], device: torch.device) -> int:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--toy", action="store_true", help="tiny shapes on the CPU (Triton's interpreter): checks the script, times nothing real")
-    ap.add_argument("--write-threshold", action="store_true", help="store the measured swap-AB M threshold (GPU only)")
-    ap.add_argument("--out", default=None, help="also write the rows as JSON here")
-    args = ap.parse_args()
+    args = kernel_bench_parser(__doc__, "store the measured swap-AB M threshold (GPU only)").parse_args()
     device = torch.device("cpu" if args.toy else "cuda")
     if args.write_threshold and device.type != "cuda":
         ap.error("--write-threshold needs GPU timings (not --toy)")

@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import math
 import statistics
+import time
 from typing import Callable
 
 import torch
@@ -67,3 +68,19 @@ def graph_ms(calls: list[Callable[[], object]], *, min_calls: int = 24, reps: in
         times.append(start.elapsed_time(end) / n)
     del graph
     return statistics.median(times)
+
+
+def kernel_timer(device: torch.device) -> Callable[[list[Callable[[], object]]], float]:
+    """Milliseconds per call of a list of calls (one per operand copy): ``graph_ms`` on
+    CUDA; on the CPU (the benchmarks' ``--toy`` runs in Triton's interpreter, which only
+    check the scripts) one timed call."""
+    if device.type == "cuda":
+        return lambda calls: graph_ms(calls, min_calls=max(24, len(calls)))
+
+    def cpu(calls: list[Callable[[], object]]) -> float:
+        calls[0]()
+        t = time.perf_counter()
+        calls[0]()
+        return (time.perf_counter() - t) * 1e3
+
+    return cpu

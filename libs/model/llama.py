@@ -22,7 +22,6 @@ import math
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kernels.rope import reference as rope_reference
@@ -31,6 +30,7 @@ from libs.model.attention import AttentionMetadata, PagedAttention
 from libs.model.config import ModelConfig
 from libs.model.cpu_linear import available as cpu_linear_available, pack, pack_linears, packed_linear
 from libs.model.fp8 import Fp8Linear, Fp8Weight
+from libs.model.linear import linear, linear_weight, silu_mul_linear
 from libs.model.moe import MoEOptions
 from libs.model.moe.block import SparseMoeBlock
 from libs.model.parallel import TensorParallel, VocabParallelEmbedding
@@ -131,7 +131,7 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, meta: AttentionMetadata) -> torch.Tensor:
         T = x.shape[0]
-        qkv = self.qkv_proj(x)
+        qkv = linear(self.qkv_proj, x)
         if qkv.device.type == "cpu":  # q and k are adjacent: rotate their heads in one go
             qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
             qk = qk.view(T, -1, self.head_dim)
@@ -147,7 +147,7 @@ class Attention(nn.Module):
             rope = (positions, rotary.cos, rotary.sin)
         v = v.view(T, self.num_kv_heads, self.head_dim)
         o = self.backend(q, k, v, self.k_cache, self.v_cache, meta, self.scale, rope)
-        out = self.o_proj(o.reshape(T, self.q_size))
+        out = linear(self.o_proj, o.reshape(T, self.q_size))
         return self.tp.reduce(out) if self.tp is not None else out
 
     def norm_heads(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -165,7 +165,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.down_proj(ops_for(x.device).silu_and_mul(self.gate_up_proj(x)))
+        out = silu_mul_linear(self.down_proj, linear(self.gate_up_proj, x), ops_for(x.device).silu_and_mul)
         return self.tp.reduce(out) if self.tp is not None else out
 
 
@@ -253,7 +253,7 @@ class LlamaModel(nn.Module):
             logits = packed_linear(hidden, self.packed_head)
         else:
             weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-            logits = F.linear(hidden, weight)
+            logits = linear_weight(hidden, weight)
         return (self.tp.gather_vocab(logits) if self.tp is not None else logits).float()
 
     @torch.no_grad()

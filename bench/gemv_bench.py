@@ -1,0 +1,142 @@
+"""The Triton skinny GEMM (kernels/gemv) against cuBLAS at decode sizes, and the threshold
+the model's dispatch reads.
+
+The projections of a decode step, N x K, for SmolLM2-135M (qkv 960 x 576, o 576 x 576,
+gate/up 3072 x 576, down 576 x 1536, LM head 49152 x 576) and Llama-3.2-1B (3072 x 2048,
+2048 x 2048, 16384 x 2048, 2048 x 8192, 128256 x 2048), at M in {1, 2, 4, 8, 16, 32, 64},
+in bf16, all in one run on one GPU:
+
+- ours: ``triton_gemv.skinny_linear``; for the down projection with the SiLU-and-multiply
+  folded in (``silu_mul=True``, its input the ``[M, 2K]`` gate/up output);
+- cuBLAS: ``F.linear`` (what the model runs otherwise); for the down projection, the
+  Triton SiLU-and-multiply kernel then ``F.linear``, as the model runs it.
+
+Every figure is a CUDA-graph replay with the weights cold in L2 (bench/gpu_timing.py),
+as a decode step's graph runs them. Each output is checked against the reference first.
+Ratios are cuBLAS / ours (above 1: ours faster); "step GEMMs" sums a model's projections
+over its layers plus the LM head at that M, as one decode step runs them.
+
+``--write-threshold`` stores, in kernels/gemv/threshold.json under this GPU's name, the
+largest M of the sweep up to which ours beats cuBLAS on every model's step-GEMM sum (so
+the dispatch never takes the kernel where it loses), with the date and timings.
+
+    python -m bench.gemv_bench [--write-threshold] [--out bench/results/gemv_h100.json]
+    TRITON_INTERPRET=1 python -m bench.gemv_bench --toy   # checks the script on the CPU
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from bench.common import git_commit, kernel_bench_parser, table
+from bench.gpu_timing import copies_for, kernel_timer
+from kernels.gemv import reference as ref
+from kernels.gemv import threshold as thr
+
+# name -> (layers, [(projection, N, K)]); "down" takes the fused activation.
+MODELS = {
+    "smollm2-135m": (30, [("qkv", 960, 576), ("o", 576, 576), ("gate_up", 3072, 576), ("down", 576, 1536), ("lm_head", 49152, 576)]),
+    "llama-3.2-1b": (16, [("qkv", 3072, 2048), ("o", 2048, 2048), ("gate_up", 16384, 2048), ("down", 2048, 8192), ("lm_head", 128256, 2048)]),
+}
+TOY_MODELS = {"toy": (2, [("qkv", 96, 64), ("down", 64, 96), ("lm_head", 200, 64)])}
+MS = [1, 2, 4, 8, 16, 32, 64]
+TOY_MS = [1, 4, 16]
+
+
+def run(device: torch.device, models: dict, ms: list[int], dtype: torch.dtype) -> list[dict]:
+    from kernels.gemv import triton_gemv
+    from kernels.select import ops_for
+
+    time_ms = kernel_timer(device)
+    silu_and_mul = ops_for(device).silu_and_mul
+    rows = []
+    for model, (_, shapes) in models.items():
+        for name, n, k in shapes:
+            fused = name == "down"
+            weight = torch.randn(n, k, device=device, dtype=dtype) / k**0.5
+            n_copies = copies_for(weight.numel() * weight.element_size()) if device.type == "cuda" else 1
+            weights = [weight] + [weight.clone() for _ in range(n_copies - 1)]
+            for m in ms:
+                x = torch.randn(m, 2 * k if fused else k, device=device, dtype=dtype)
+                want = ref.skinny_linear(x.float(), weight.float(), silu_mul=fused)
+                got = triton_gemv.skinny_linear(x, weight, silu_mul=fused).float()
+                err = (got - want).norm() / want.norm().clamp_min(1e-12)
+                assert err < 2e-2, f"{model} {name} M={m}: relative error {err:.3g}"
+                ours = [lambda w=w: triton_gemv.skinny_linear(x, w, silu_mul=fused) for w in weights]
+                if fused:
+                    cublas = [lambda w=w: torch.nn.functional.linear(silu_and_mul(x), w) for w in weights]
+                else:
+                    cublas = [lambda w=w: torch.nn.functional.linear(x, w) for w in weights]
+                t_ours, t_cublas = time_ms(ours), time_ms(cublas)
+                gbps = weight.numel() * weight.element_size() / (t_ours * 1e-3) / 1e9
+                rows.append(dict(model=model, proj=name, n=n, k=k, m=m, ours_ms=t_ours, cublas_ms=t_cublas,
+                                 ratio=t_cublas / t_ours, ours_gb_s=gbps))
+                print(f"{model} {name} {n}x{k} M={m}: ours {t_ours * 1e3:.2f} us, cuBLAS {t_cublas * 1e3:.2f} us", flush=True)
+    return rows
+
+
+def step_sums(rows: list[dict], models: dict) -> list[dict]:
+    """Per model and M: the decode step's GEMMs (projections x layers, plus the LM head)."""
+    out = []
+    for model, (layers, shapes) in models.items():
+        for m in sorted({r["m"] for r in rows if r["model"] == model}):
+            mine = {r["proj"]: r for r in rows if r["model"] == model and r["m"] == m}
+            ours = sum(mine[p]["ours_ms"] * (1 if p == "lm_head" else layers) for p, _, _ in shapes)
+            cublas = sum(mine[p]["cublas_ms"] * (1 if p == "lm_head" else layers) for p, _, _ in shapes)
+            out.append(dict(model=model, m=m, ours_ms=ours, cublas_ms=cublas, ratio=cublas / ours))
+    return out
+
+
+def choose_threshold(sums: list[dict]) -> int:
+    """The largest M up to which ours wins every model's step sum at every M (0: none)."""
+    best = 0
+    for m in sorted({s["m"] for s in sums}):
+        if all(s["ratio"] > 1.0 for s in sums if s["m"] == m):
+            best = m
+        else:
+            break
+    return best
+
+
+def write_threshold(rows: list[dict], sums: list[dict], device: torch.device) -> int:
+    max_m = choose_threshold(sums)
+    data = json.loads(thr.THRESHOLD_FILE.read_text())
+    thr.parse_thresholds(data)
+    data.setdefault("devices", {})[torch.cuda.get_device_name(device)] = {
+        "max_m": max_m,
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "commit": git_commit(),
+        "step_sums_ms": {f"{s['model']}@{s['m']}": {"ours": s["ours_ms"], "cublas": s["cublas_ms"]} for s in sums},
+    }
+    thr.THRESHOLD_FILE.write_text(json.dumps(data, indent=2) + "\n")
+    return max_m
+
+
+def main() -> None:
+    args = kernel_bench_parser(__doc__, "store the measured M threshold for this GPU (GPU only)").parse_args()
+    toy = args.toy or not torch.cuda.is_available()
+    device = torch.device("cpu" if toy else "cuda")
+    models, ms = (TOY_MODELS, TOY_MS) if toy else (MODELS, MS)
+    rows = run(device, models, ms, torch.float32 if toy else torch.bfloat16)
+    sums = step_sums(rows, models)
+    name = "cpu (interpreter: timings mean nothing)" if toy else torch.cuda.get_device_name(device)
+    print(f"\n## {name}, torch {torch.__version__}, commit {git_commit()}\n")
+    print(table(["model", "proj", "N x K", "M", "ours us", "cuBLAS us", "cuBLAS/ours", "ours GB/s"],
+                [[r["model"], r["proj"], f"{r['n']}x{r['k']}", r["m"], f"{r['ours_ms'] * 1e3:.2f}", f"{r['cublas_ms'] * 1e3:.2f}",
+                  f"{r['ratio']:.2f}x", f"{r['ours_gb_s']:.0f}"] for r in rows]))
+    print("\nstep GEMMs (projections x layers + LM head):\n")
+    print(table(["model", "M", "ours us", "cuBLAS us", "cuBLAS/ours"],
+                [[s["model"], s["m"], f"{s['ours_ms'] * 1e3:.1f}", f"{s['cublas_ms'] * 1e3:.1f}", f"{s['ratio']:.2f}x"] for s in sums]))
+    if args.write_threshold and not toy:
+        print(f"\nwrote max_m = {write_threshold(rows, sums, device)} for {name} to {thr.THRESHOLD_FILE}")
+    if args.out:
+        Path(args.out).write_text(json.dumps(dict(device=name, torch=torch.__version__, commit=git_commit(), rows=rows, step_sums=sums), indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,49 @@
+"""Dense linear layers on the decode path: cuBLAS, or the Triton skinny GEMM for few rows.
+
+The model's projections stay ``nn.Linear`` modules (the loader, the CPU packing and the FP8
+conversion all rely on that); the model calls them through ``linear`` and ``silu_mul_linear``,
+which send a plain ``nn.Linear`` on CUDA with at most ``skinny_max_m`` rows (measured data,
+kernels/gemv/threshold.json) to kernels/gemv's Triton kernel, and everything else where it
+went before: the module itself (cuBLAS, an FP8 or a 4-bit layer, the CPU's packed path).
+The row count is a tensor shape, so a CUDA graph of each batch size captures one choice.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels.gemv.threshold import skinny_max_m
+
+_SKINNY_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _skinny(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return x.is_cuda and x.dim() == 2 and x.dtype in _SKINNY_DTYPES and weight.dtype == x.dtype and 0 < x.shape[0] <= skinny_max_m(x.device)
+
+
+def linear_weight(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``, through the skinny GEMM where it serves."""
+    if _skinny(x, weight):
+        from kernels.gemv.triton_gemv import skinny_linear
+
+        return skinny_linear(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+def linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``module(x)``; a plain ``nn.Linear`` takes the skinny GEMM where it serves."""
+    if type(module) is nn.Linear:
+        return linear_weight(x, module.weight, module.bias)
+    return module(x)
+
+
+def silu_mul_linear(module: nn.Module, gate_up: torch.Tensor, silu_and_mul) -> torch.Tensor:
+    """``module(silu_and_mul(gate_up))``; through the skinny GEMM the activation is folded
+    into the GEMM's load of its input (one launch, not two)."""
+    if type(module) is nn.Linear and _skinny(gate_up, module.weight):
+        from kernels.gemv.triton_gemv import skinny_linear
+
+        return skinny_linear(gate_up, module.weight, module.bias, silu_mul=True)
+    return module(silu_and_mul(gate_up))

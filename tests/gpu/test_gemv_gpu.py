@@ -1,0 +1,59 @@
+"""The engine in bfloat16 with the Triton skinny GEMM serving every decode batch
+(``TIDEPOOL_SKINNY_MAX_M=64``, through the CUDA graphs) against the same engine on cuBLAS:
+greedy tokens equal, logprobs close (kernels/gemv; the kernel
+itself is compared with its reference in tests/unit/test_gemv_kernel.py, which runs here
+on the GPU too)."""
+
+import pytest
+import torch
+
+from kernels.gemv import threshold
+from kernels.gemv import triton_gemv
+from libs.engine import SamplingParams
+from tests.gpu.test_engine_gpu import SMALL, hf_greedy, make, prompts
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.fixture(scope="module")
+def bf16_models():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from bench.common import ours_from_hf
+
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(LlamaConfig(**SMALL)).cuda().float().eval()
+    with torch.no_grad():  # peaked logits: greedy comparisons are not decided by bf16 rounding
+        hf.model.embed_tokens.weight.normal_(0, 1.0)
+    return hf, ours_from_hf(hf, torch.device("cuda"), torch.bfloat16)
+
+
+def test_decode_through_the_skinny_gemm_equals_cublas_and_transformers(bf16_models, monkeypatch):
+    hf, loaded = bf16_models
+    calls = {"plain": 0, "silu_mul": 0}
+    real = triton_gemv.skinny_linear
+
+    def counting(x, w, bias=None, *, silu_mul=False):
+        calls["silu_mul" if silu_mul else "plain"] += 1
+        return real(x, w, bias, silu_mul=silu_mul)
+
+    monkeypatch.setattr(triton_gemv, "skinny_linear", counting)
+    ps = prompts(4)
+    params = SamplingParams(temperature=0, max_tokens=16, logprobs=3, ignore_eos=True)
+    runs = {}
+    for max_m in ("0", "64"):
+        monkeypatch.setenv(threshold.ENV, max_m)
+        eng = make(loaded, dtype="bfloat16")
+        runs[max_m] = eng.generate(ps, params)
+        assert eng.runner.graphs.replays["decode"] > 0
+        eng.close()
+        if max_m == "0":
+            assert calls == {"plain": 0, "silu_mul": 0}
+    # every layer's four projections and the LM head went through the kernel (captured graphs included)
+    assert calls["silu_mul"] >= SMALL["num_hidden_layers"] and calls["plain"] >= 3 * SMALL["num_hidden_layers"] + 1
+    assert runs["0"][0].token_ids[:4] == hf_greedy(hf, ps[0], 4)  # and bf16 is still the model
+    for cublas, skinny in zip(runs["0"], runs["64"]):
+        assert skinny.token_ids == cublas.token_ids
+        a = torch.tensor([lp.top_logprobs for lp in cublas.logprobs])
+        b = torch.tensor([lp.top_logprobs for lp in skinny.logprobs])
+        assert torch.allclose(a, b, atol=5e-2, rtol=0), (a - b).abs().max()

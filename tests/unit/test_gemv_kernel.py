@@ -1,0 +1,100 @@
+"""The Triton skinny GEMM (kernels/gemv) against its torch reference on fresh random inputs,
+in the interpreter here (float32) and on the GPU in tests/gpu (bfloat16): every M the
+kernel takes (the broadcast path below 16 rows, ``tl.dot`` from 16), ragged N and K, bias,
+the fused SiLU-and-multiply, strided ``x``; the dispatch threshold as data."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from kernels.gemv import reference as ref  # noqa: E402
+from kernels.gemv import threshold  # noqa: E402
+from kernels.gemv import triton_gemv as tri  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32  # the interpreter's bf16 math is wrong
+TOL = dict(atol=2e-2, rtol=2e-2) if DTYPE == torch.bfloat16 else dict(atol=1e-4, rtol=1e-4)
+
+
+def _rand(*shape, seed):
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(DEVICE, DTYPE)
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 8, 16, 33])
+@pytest.mark.parametrize("n,k", [(96, 200), (40, 576), (300, 64)])
+def test_matches_reference(m, n, k):
+    seed = torch.randint(0, 2**31, ()).item()  # fresh inputs every run
+    x, w = _rand(m, k, seed=seed), _rand(n, k, seed=seed + 1) / k**0.5
+    torch.testing.assert_close(tri.skinny_linear(x, w), ref.skinny_linear(x, w), **TOL)
+
+
+@pytest.mark.parametrize("m", [1, 5, 64])
+def test_bias_and_fused_silu_mul(m):
+    seed = torch.randint(0, 2**31, ()).item()
+    n, k = 72, 136
+    gate_up, w, b = _rand(m, 2 * k, seed=seed), _rand(n, k, seed=seed + 1) / k**0.5, _rand(n, seed=seed + 2)
+    torch.testing.assert_close(tri.skinny_linear(gate_up, w, b, silu_mul=True), ref.skinny_linear(gate_up, w, b, silu_mul=True), **TOL)
+    # folded into the load, the activation is the Triton activation kernel's to the bit
+    from kernels.activation.triton_activation import silu_and_mul
+
+    act = silu_and_mul(gate_up)
+    assert torch.equal(tri.skinny_linear(gate_up, w, b, silu_mul=True), tri.skinny_linear(act, w, b))
+
+
+def test_strided_x_and_empty_shapes():
+    seed = torch.randint(0, 2**31, ()).item()
+    wide, w = _rand(4, 300, seed=seed), _rand(50, 128, seed=seed + 1)
+    x = wide[:, 100:228]  # a column slice: row stride 300
+    torch.testing.assert_close(tri.skinny_linear(x, w), ref.skinny_linear(x, w), **TOL)
+    assert tri.skinny_linear(_rand(0, 128, seed=1), w).shape == (0, 50)
+
+
+def test_refusals_name_the_problem():
+    w = _rand(8, 32, seed=0)
+    with pytest.raises(ValueError, match="needs 64"):
+        tri.skinny_linear(_rand(2, 32, seed=1), w, silu_mul=True)
+    with pytest.raises(ValueError, match="at most 64 rows"):
+        tri.skinny_linear(_rand(65, 32, seed=1), w)
+
+
+def test_config_spreads_small_outputs_over_the_sms():
+    cpu = torch.device("cpu")  # the interpreter assumes 132 SMs
+    assert tri.config(1, 576, 576, cpu) == (1, 4, 1024)  # 144 programs of 4 rows, one K step
+    assert tri.config(1, 49152, 576, cpu) == (1, 32, 256)  # the LM head: plenty of programs already
+    assert tri.config(4, 2048, 8192, cpu) == (4, 4, 512)
+    assert tri.config(32, 960, 576, cpu) == (32, 32, 128)  # tensor cores from 16 rows
+
+
+def test_threshold_is_data(monkeypatch, tmp_path):
+    assert threshold.parse_thresholds({"format": 1, "devices": {"H100": {"max_m": 8}}}) == {"H100": 8}
+    with pytest.raises(ValueError, match="max_m must be"):
+        threshold.parse_thresholds({"format": 1, "devices": {"H100": {"max_m": -1}}})
+    with pytest.raises(ValueError, match="format"):
+        threshold.parse_thresholds({"devices": {}})
+    threshold.parse_thresholds(json.loads(threshold.THRESHOLD_FILE.read_text()))  # the shipped file parses
+    assert threshold.skinny_max_m(torch.device("cpu")) == 0
+    monkeypatch.setenv(threshold.ENV, "8")
+    assert threshold.skinny_max_m(torch.device("cpu")) == 0  # off CUDA, never
+    if torch.cuda.is_available():
+        assert threshold.skinny_max_m(torch.device("cuda")) == 8
+    monkeypatch.setenv(threshold.ENV, "eight")
+    with pytest.raises(ValueError, match="non-negative int"):
+        threshold.skinny_max_m(torch.device("cpu"))
+
+
+def test_bench_threshold_is_the_largest_m_won_on_every_model_up_to_it():
+    from bench.gemv_bench import choose_threshold, step_sums
+
+    models = {"a": (2, [("qkv", 8, 8), ("lm_head", 16, 8)]), "b": (1, [("qkv", 8, 8), ("lm_head", 16, 8)])}
+    speed = {1: (1.0, 2.0), 2: (1.0, 1.5), 4: (1.0, 0.9), 8: (1.0, 3.0)}  # ours, cuBLAS per call
+    rows = [dict(model=mod, proj=p, m=m, ours_ms=o, cublas_ms=c) for mod in models for p in ("qkv", "lm_head") for m, (o, c) in speed.items()]
+    sums = step_sums(rows, models)
+    assert [(s["model"], s["m"], s["ours_ms"]) for s in sums][:2] == [("a", 1, 3.0), ("a", 2, 3.0)]  # 2 layers + head
+    assert choose_threshold(sums) == 2  # M = 4 loses, so 8 is not taken though it wins
+    rows[0]["cublas_ms"] = 0.1  # model a's qkv at M = 1 now loses badly
+    assert choose_threshold(step_sums(rows, models)) == 0
