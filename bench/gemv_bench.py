@@ -6,21 +6,26 @@ gate/up 3072 x 576, down 576 x 1536, LM head 49152 x 576) and Llama-3.2-1B (3072
 2048 x 2048, 16384 x 2048, 2048 x 8192, 128256 x 2048), at M in {1, 2, 4, 8, 16, 32, 64},
 in bf16, all in one run on one GPU:
 
-- ours: ``triton_gemv.skinny_linear``; for the down projection with the SiLU-and-multiply
+- ours: ``triton_gemv.skinny_linear``; qkv and gate/up as ``norm_skinny_linear`` (the
+  residual add and RMSNorm before them folded in), down with the SiLU-and-multiply
   folded in (``silu_mul=True``, its input the ``[M, 2K]`` gate/up output);
-- cuBLAS: ``F.linear`` (what the model runs otherwise); for the down projection, the
-  Triton SiLU-and-multiply kernel then ``F.linear``, as the model runs it.
+- cuBLAS: ``F.linear`` (what the model runs otherwise), after the Triton add-and-norm
+  kernel for qkv and gate/up and the SiLU-and-multiply kernel for down, as the model runs
+  them (so both columns time the same work).
 
 Every figure is a CUDA-graph replay with the weights cold in L2 (bench/gpu_timing.py),
 as a decode step's graph runs them. Each output is checked against the reference first.
 Ratios are cuBLAS / ours (above 1: ours faster); "step GEMMs" sums a model's projections
 over its layers plus the LM head at that M, as one decode step runs them.
 
-``--write-threshold`` stores, in kernels/gemv/threshold.json under this GPU's name, the
-largest M of the sweep up to which ours beats cuBLAS on every model's step-GEMM sum (so
-the dispatch never takes the kernel where it loses), with the date and timings.
+``--tune`` times every configuration of ``triton_gemv.candidates`` per shape and M and
+counts ours as the fastest (the heuristic's time is kept beside it). ``--write-threshold``
+stores, in kernels/gemv/threshold.json under this GPU's name, the largest M of the sweep
+up to which ours beats cuBLAS on every model's step-GEMM sum (so the dispatch never takes
+the kernel where it loses) and the configuration used per shape and M, with the date and
+timings.
 
-    python -m bench.gemv_bench [--write-threshold] [--out bench/results/gemv_h100.json]
+    python -m bench.gemv_bench [--tune] [--write-threshold] [--out bench/results/gemv_h100.json]
     TRITON_INTERPRET=1 python -m bench.gemv_bench --toy   # checks the script on the CPU
 """
 
@@ -38,44 +43,73 @@ from bench.gpu_timing import copies_for, kernel_timer
 from kernels.gemv import reference as ref
 from kernels.gemv import threshold as thr
 
-# name -> (layers, [(projection, N, K)]); "down" takes the fused activation.
+# name -> (layers, [(projection, N, K)]). What is folded into ours (and run before cuBLAS as
+# the model runs it): the residual add and RMSNorm into qkv and gate/up, SwiGLU into down.
 MODELS = {
     "smollm2-135m": (30, [("qkv", 960, 576), ("o", 576, 576), ("gate_up", 3072, 576), ("down", 576, 1536), ("lm_head", 49152, 576)]),
     "llama-3.2-1b": (16, [("qkv", 3072, 2048), ("o", 2048, 2048), ("gate_up", 16384, 2048), ("down", 2048, 8192), ("lm_head", 128256, 2048)]),
 }
+NORM_BEFORE = {"qkv", "gate_up"}
 TOY_MODELS = {"toy": (2, [("qkv", 96, 64), ("down", 64, 96), ("lm_head", 200, 64)])}
 MS = [1, 2, 4, 8, 16, 32, 64]
 TOY_MS = [1, 4, 16]
+EPS = 1e-5
 
 
-def run(device: torch.device, models: dict, ms: list[int], dtype: torch.dtype) -> list[dict]:
+def projection(name: str, m: int, k: int, device: torch.device, dtype: torch.dtype):
+    """``(ours(w, cfg), cublas(w), reference(w))`` for one projection at M = ``m``: callables
+    on fresh random inputs, each with what the model folds in or runs first."""
     from kernels.gemv import triton_gemv
     from kernels.select import ops_for
 
+    ops = ops_for(device)
+    if name in NORM_BEFORE:
+        h, residual = torch.randn(m, k, device=device, dtype=dtype), torch.randn(m, k, device=device, dtype=dtype)
+        nw = 1 + 0.1 * torch.randn(k, device=device, dtype=dtype)
+        return (
+            lambda w, cfg=None: triton_gemv.norm_skinny_linear(h, residual, nw, EPS, w, config_override=cfg)[0],
+            lambda w: torch.nn.functional.linear(ops.fused_add_rms_norm(h, residual, nw, EPS)[0], w),
+            lambda w: ref.norm_skinny_linear(h.float(), residual.float(), nw.float(), EPS, w.float())[0],
+        )
+    fused = name == "down"
+    x = torch.randn(m, 2 * k if fused else k, device=device, dtype=dtype)
+    return (
+        lambda w, cfg=None: triton_gemv.skinny_linear(x, w, silu_mul=fused, config_override=cfg),
+        (lambda w: torch.nn.functional.linear(ops.silu_and_mul(x), w)) if fused else (lambda w: torch.nn.functional.linear(x, w)),
+        lambda w: ref.skinny_linear(x.float(), w.float(), silu_mul=fused),
+    )
+
+
+def run(device: torch.device, models: dict, ms: list[int], dtype: torch.dtype, tune: bool = False) -> list[dict]:
+    from kernels.gemv import triton_gemv
+
     time_ms = kernel_timer(device)
-    silu_and_mul = ops_for(device).silu_and_mul
     rows = []
     for model, (_, shapes) in models.items():
         for name, n, k in shapes:
-            fused = name == "down"
             weight = torch.randn(n, k, device=device, dtype=dtype) / k**0.5
             n_copies = copies_for(weight.numel() * weight.element_size()) if device.type == "cuda" else 1
             weights = [weight] + [weight.clone() for _ in range(n_copies - 1)]
             for m in ms:
-                x = torch.randn(m, 2 * k if fused else k, device=device, dtype=dtype)
-                want = ref.skinny_linear(x.float(), weight.float(), silu_mul=fused)
-                got = triton_gemv.skinny_linear(x, weight, silu_mul=fused).float()
-                err = (got - want).norm() / want.norm().clamp_min(1e-12)
-                assert err < 2e-2, f"{model} {name} M={m}: relative error {err:.3g}"
-                ours = [lambda w=w: triton_gemv.skinny_linear(x, w, silu_mul=fused) for w in weights]
-                if fused:
-                    cublas = [lambda w=w: torch.nn.functional.linear(silu_and_mul(x), w) for w in weights]
-                else:
-                    cublas = [lambda w=w: torch.nn.functional.linear(x, w) for w in weights]
-                t_ours, t_cublas = time_ms(ours), time_ms(cublas)
+                ours, cublas, reference = projection(name, m, k, device, dtype)
+                want = reference(weight)
+
+                def check(cfg) -> None:
+                    err = (ours(weight, cfg).float() - want).norm() / want.norm().clamp_min(1e-12)
+                    assert err < 2e-2, f"{model} {name} M={m} {cfg}: relative error {err:.3g}"
+
+                best_cfg = triton_gemv.config(m, n, k, device)
+                check(best_cfg)
+                t_ours = t_heuristic = time_ms([lambda w=w: ours(w, best_cfg) for w in weights])
+                for cfg in triton_gemv.candidates(m, n, k) if tune else []:
+                    check(cfg)
+                    t = time_ms([lambda w=w, cfg=cfg: ours(w, cfg) for w in weights])
+                    if t < t_ours:
+                        best_cfg, t_ours = cfg, t
+                t_cublas = time_ms([lambda w=w: cublas(w) for w in weights])
                 gbps = weight.numel() * weight.element_size() / (t_ours * 1e-3) / 1e9
                 rows.append(dict(model=model, proj=name, n=n, k=k, m=m, ours_ms=t_ours, cublas_ms=t_cublas,
-                                 ratio=t_cublas / t_ours, ours_gb_s=gbps))
+                                 ratio=t_cublas / t_ours, ours_gb_s=gbps, config=list(best_cfg), untuned_ms=t_heuristic))
                 print(f"{model} {name} {n}x{k} M={m}: ours {t_ours * 1e3:.2f} us, cuBLAS {t_cublas * 1e3:.2f} us", flush=True)
     return rows
 
@@ -107,29 +141,36 @@ def write_threshold(rows: list[dict], sums: list[dict], device: torch.device) ->
     max_m = choose_threshold(sums)
     data = json.loads(thr.THRESHOLD_FILE.read_text())
     thr.parse_thresholds(data)
+    configs: dict[str, dict[str, list[int]]] = {}
+    for r in rows:
+        configs.setdefault(thr.shape_key(r["n"], r["k"]), {})[str(r["m"])] = r["config"]
     data.setdefault("devices", {})[torch.cuda.get_device_name(device)] = {
         "max_m": max_m,
+        "configs": configs,
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "commit": git_commit(),
         "step_sums_ms": {f"{s['model']}@{s['m']}": {"ours": s["ours_ms"], "cublas": s["cublas_ms"]} for s in sums},
     }
     thr.THRESHOLD_FILE.write_text(json.dumps(data, indent=2) + "\n")
+    thr.reload()
     return max_m
 
 
 def main() -> None:
-    args = kernel_bench_parser(__doc__, "store the measured M threshold for this GPU (GPU only)").parse_args()
+    ap = kernel_bench_parser(__doc__, "store the measured M threshold (and with --tune the fastest tiles) for this GPU (GPU only)")
+    ap.add_argument("--tune", action="store_true", help="time every candidate configuration per shape and M; ours = the fastest")
+    args = ap.parse_args()
     toy = args.toy or not torch.cuda.is_available()
     device = torch.device("cpu" if toy else "cuda")
     models, ms = (TOY_MODELS, TOY_MS) if toy else (MODELS, MS)
-    rows = run(device, models, ms, torch.float32 if toy else torch.bfloat16)
+    rows = run(device, models, ms, torch.float32 if toy else torch.bfloat16, tune=args.tune)
     sums = step_sums(rows, models)
     name = "cpu (interpreter: timings mean nothing)" if toy else torch.cuda.get_device_name(device)
     print(f"\n## {name}, torch {torch.__version__}, commit {git_commit()}\n")
-    print(table(["model", "proj", "N x K", "M", "ours us", "cuBLAS us", "cuBLAS/ours", "ours GB/s"],
+    print(table(["model", "proj", "N x K", "M", "ours us", "cuBLAS us", "cuBLAS/ours", "ours GB/s", "config (BM, BN, BK, warps)", "untuned us"],
                 [[r["model"], r["proj"], f"{r['n']}x{r['k']}", r["m"], f"{r['ours_ms'] * 1e3:.2f}", f"{r['cublas_ms'] * 1e3:.2f}",
-                  f"{r['ratio']:.2f}x", f"{r['ours_gb_s']:.0f}"] for r in rows]))
-    print("\nstep GEMMs (projections x layers + LM head):\n")
+                  f"{r['ratio']:.2f}x", f"{r['ours_gb_s']:.0f}", r["config"], f"{r['untuned_ms'] * 1e3:.2f}"] for r in rows]))
+    print("\nstep projections with their norms and activation (x layers, + LM head):\n")
     print(table(["model", "M", "ours us", "cuBLAS us", "cuBLAS/ours"],
                 [[s["model"], s["m"], f"{s['ours_ms'] * 1e3:.1f}", f"{s['cublas_ms'] * 1e3:.1f}", f"{s['ratio']:.2f}x"] for s in sums]))
     if args.write_threshold and not toy:

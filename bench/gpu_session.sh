@@ -75,7 +75,7 @@ for s in "$@"; do
         gemv) # issue 10: the skinny GEMM's tests, its sweep against cuBLAS (writes kernels/gemv/threshold.json),
               # then the engine with the kernel off (TIDEPOOL_SKINNY_MAX_M=0) and as the threshold now says
               step gemv_tests 200 python3 -m pytest -v -p no:cacheprovider --timeout 120 tests/unit/test_gemv_kernel.py tests/gpu/test_gemv_gpu.py
-              step gemv_bench 300 python3 -m bench.gemv_bench --write-threshold --out bench/results/gemv_h100.json
+              step gemv_bench 400 python3 -m bench.gemv_bench --tune --write-threshold --out bench/results/gemv_h100.json
               TIDEPOOL_SKINNY_MAX_M=0 step gpu_engine_cublas 300 python3 -m bench.gpu_engine --quick --shapes smollm2-135m,llama-3.2-1b \
                   --out bench/results/gpu_engine_h100_cublas.json
               step gpu_engine_skinny 300 python3 -m bench.gpu_engine --quick --shapes smollm2-135m,llama-3.2-1b --out bench/results/gpu_engine_h100_skinny.json

@@ -9,9 +9,11 @@ keeps the few rows of ``x`` in registers is the usual answer (vLLM's and SGLang'
 paths carry such kernels for small batches).
 
 - ``reference``: ``skinny_linear(x, weight, bias=None, *, silu_mul=False)``, torch's
-  ``F.linear`` (after SwiGLU's ``silu(gate) * up`` with ``silu_mul``): the oracle.
-- ``triton_gemv``: the same signature in one launch; ``silu_mul`` folds the activation
-  into the load of ``x``, so the down projection needs no separate activation kernel.
+  ``F.linear`` (after SwiGLU's ``silu(gate) * up`` with ``silu_mul``), and
+  ``norm_skinny_linear(x, residual, norm_weight, eps, weight, bias=None)``, a decoder
+  layer's residual add and RMSNorm (kernels/norm) then the projection: the oracles.
+- ``triton_gemv``: the same signatures, one launch each; the activation and the norm are
+  folded into the load of ``x``, so at decode sizes a layer runs four kernels fewer.
 - ``threshold.json``: per device, the largest M that takes the Triton kernel (data,
   written by ``bench/gemv_bench.py --write-threshold`` from timings against cuBLAS in the
   same run). A device not in it takes cuBLAS at every M.
@@ -21,7 +23,7 @@ overrides the file: 0 turns the kernel off, N sends M <= N to it). libs/model/li
 the one caller.
 """
 
-from kernels.gemv.reference import skinny_linear
+from kernels.gemv.reference import norm_skinny_linear, skinny_linear
 from kernels.gemv.threshold import skinny_max_m
 
-__all__ = ["skinny_linear", "skinny_max_m"]
+__all__ = ["norm_skinny_linear", "skinny_linear", "skinny_max_m"]

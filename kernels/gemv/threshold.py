@@ -1,8 +1,10 @@
-"""Which M take the Triton skinny GEMM on a device: ``threshold.json``, measured data.
+"""Which M take the Triton skinny GEMM on a device, and with which tiles: ``threshold.json``,
+measured data (bench/gemv_bench.py).
 
 A device the file does not name takes cuBLAS at every M (the kernel has to be measured
 faster on a device before it serves there). ``TIDEPOOL_SKINNY_MAX_M`` overrides the file
-(benchmarks compare both paths in one run with it)."""
+(benchmarks compare both paths in one run with it). ``configs`` holds, per weight shape
+``NxK`` and M, the fastest ``[BLOCK_M, BLOCK_N, BLOCK_K, num_warps]`` of the tuning sweep."""
 
 from __future__ import annotations
 
@@ -18,8 +20,12 @@ FORMAT = 1
 ENV = "TIDEPOOL_SKINNY_MAX_M"
 
 
-def parse_thresholds(data: dict) -> dict[str, int]:
-    """``threshold.json`` -> ``{device name: max_m}``, or a ``ValueError`` naming the problem."""
+Config = tuple[int, int, int, int]  # BLOCK_M, BLOCK_N, BLOCK_K, num_warps
+
+
+def parse_thresholds(data: dict) -> dict[str, tuple[int, dict[str, dict[int, Config]]]]:
+    """``threshold.json`` -> ``{device name: (max_m, {"NxK": {M: config}})}``, or a
+    ``ValueError`` naming the problem."""
     if data.get("format") != FORMAT:
         raise ValueError(f"{THRESHOLD_FILE.name}: format {data.get('format')!r} is not {FORMAT}")
     out = {}
@@ -27,20 +33,44 @@ def parse_thresholds(data: dict) -> dict[str, int]:
         value = entry.get("max_m") if isinstance(entry, dict) else None
         if not isinstance(value, int) or value < 0:
             raise ValueError(f"{THRESHOLD_FILE.name}: {name}: max_m must be a non-negative int, got {value!r}")
-        out[name] = value
+        configs: dict[str, dict[int, Config]] = {}
+        for shape, by_m in entry.get("configs", {}).items():
+            for m, cfg in by_m.items():
+                if not (str(m).isdigit() and isinstance(cfg, list) and len(cfg) == 4 and all(isinstance(c, int) and c > 0 for c in cfg)):
+                    raise ValueError(f"{THRESHOLD_FILE.name}: {name}: {shape} M={m}: a config is 4 positive ints, got {cfg!r}")
+                configs.setdefault(shape, {})[int(m)] = tuple(cfg)
+        out[name] = (value, configs)
     return out
 
 
 @lru_cache(maxsize=1)
-def _thresholds() -> dict[str, int]:
+def _thresholds() -> dict[str, tuple[int, dict[str, dict[int, Config]]]]:
     return parse_thresholds(json.loads(THRESHOLD_FILE.read_text()))
+
+
+def reload() -> None:
+    """Forget the file's contents (after the benchmark rewrote it)."""
+    _thresholds.cache_clear()
+    _device_max_m.cache_clear()
+
+
+def shape_key(n: int, k: int) -> str:
+    return f"{n}x{k}"
+
+
+def tuned_config(device_name: str, n: int, k: int, m: int) -> Config | None:
+    """The configuration measured fastest for this shape at the smallest tuned M >= ``m``
+    (a tuned M's block of rows holds every smaller M), or None."""
+    by_m = _thresholds().get(device_name, (0, {}))[1].get(shape_key(n, k), {})
+    fits = [tm for tm in by_m if tm >= m]
+    return by_m[min(fits)] if fits else None
 
 
 @lru_cache(maxsize=None)
 def _device_max_m(device: torch.device) -> int:
     if device.type != "cuda":
         return 0
-    return _thresholds().get(torch.cuda.get_device_name(device), 0)
+    return _thresholds().get(torch.cuda.get_device_name(device), (0, {}))[0]
 
 
 def skinny_max_m(device: torch.device) -> int:

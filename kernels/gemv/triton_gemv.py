@@ -7,11 +7,21 @@ served from L2 to every program). Below 16 rows the product is a broadcast multi
 a sum over K in fp32 (tensor cores need 16 rows; these sizes are bound by the weight's
 bytes, not by math); from 16 rows it is ``tl.dot`` with fp32 accumulation. ``BLOCK_N``
 shrinks until there are about two programs per SM, so even a 576-column projection
-spreads over the GPU; the weight tile per step stays around 8k elements.
+spreads over the GPU; the weight tile per step stays around 8k elements. Where
+``bench/gemv_bench.py --tune`` measured this GPU, its fastest configuration per shape and
+M (kernels/gemv/threshold.json) replaces that heuristic.
 
 ``silu_mul``: ``x`` is ``[M, 2K]`` (gate, then up) and each loaded slice becomes
 ``silu(gate) * up`` with kernels/activation's rounding (each factor rounded to the
 output dtype), so the result equals ``skinny_linear(silu_and_mul(x), w)``.
+
+``norm_skinny_linear``: the decoder layer's residual add and RMSNorm before a projection,
+folded in the same way (vLLM fuses the add into the norm; here both go into the GEMM, as
+the norm's row is only K values): each program first sums its rows' squares over K, then
+loads ``x + residual`` again tile by tile, normalises it with kernels/norm's rounding and
+multiplies; program 0 writes the new residual stream. One launch instead of two; the sum
+of squares runs in another order than kernels/norm's, so the result matches the unfused
+pair to rounding, not bit for bit.
 
 The wrapper reads no device memory on the host (shapes, strides and the SM count only):
 capturable in a CUDA graph once compiled by an eager call.
@@ -25,37 +35,70 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.gemv.threshold import tuned_config
+
 _TILE = 8192  # weight elements per program per K step (times BLOCK_M below 16 rows)
 _DOT_MIN_M = 16
 MAX_M = 64  # larger batches are cuBLAS's
 
 
 @triton.jit
+def _stream_tile(x_ptr, r_ptr, rm, ks, x_mask, stride_xm, stride_xk, stride_rm, stride_rk, dtype: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    """A tile of the residual stream ``x + residual`` (rounded once to the stream's dtype,
+    as torch's add), in fp32; masked lanes are 0."""
+    s = tl.load(x_ptr + rm[:, None] * stride_xm + ks[None, :] * stride_xk, mask=x_mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        r = tl.load(r_ptr + rm[:, None] * stride_rm + ks[None, :] * stride_rk, mask=x_mask, other=0.0).to(tl.float32)
+        s = (s + r).to(dtype).to(tl.float32)
+    return s
+
+
+@triton.jit
 def _skinny_kernel(
-    x_ptr, w_ptr, b_ptr, out_ptr,
-    M, N, K,
-    stride_xm, stride_xk, stride_wn, stride_wk, stride_om,
-    HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, USE_DOT: tl.constexpr,
+    x_ptr, w_ptr, b_ptr, out_ptr, r_ptr, nw_ptr, res_out_ptr,
+    M, N, K, eps,
+    stride_xm, stride_xk, stride_wn, stride_wk, stride_om, stride_rm, stride_rk,
+    HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, USE_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    pid = tl.program_id(0)
+    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
     rk = tl.arange(0, BLOCK_K)
     n_ok = rn < N
     m_ok = rm < M
+    dtype = out_ptr.dtype.element_ty
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
     x_rows = x_ptr + rm[:, None] * stride_xm
+    if NORM:
+        # RMSNorm of the stream first: every program sums its rows' squares (M x K values,
+        # a few KB from L2); program 0 also writes the new residual stream.
+        sum_sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + rk
+            x_mask = m_ok[:, None] & (ks < K)[None, :]
+            s = _stream_tile(x_ptr, r_ptr, rm, ks, x_mask, stride_xm, stride_xk, stride_rm, stride_rk, dtype, HAS_RESIDUAL)
+            if HAS_RESIDUAL:
+                if pid == 0:
+                    tl.store(res_out_ptr + rm[:, None] * K + ks[None, :], s.to(dtype), mask=x_mask)
+            sum_sq += tl.sum(s * s, axis=1)
+        rstd = tl.rsqrt(sum_sq / K + eps)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + rk
         k_ok = ks < K
         w = tl.load(w_rows + ks[None, :] * stride_wk, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         x_mask = m_ok[:, None] & k_ok[None, :]
-        if SILU_MUL:
+        if NORM:
+            # kernels/norm's rounding: the normalised row to the dtype, then times the weight.
+            s = _stream_tile(x_ptr, r_ptr, rm, ks, x_mask, stride_xm, stride_xk, stride_rm, stride_rk, dtype, HAS_RESIDUAL)
+            normed = (s * rstd[:, None]).to(dtype).to(tl.float32)
+            x = (normed * tl.load(nw_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)[None, :]).to(dtype)
+        elif SILU_MUL:
             gate = tl.load(x_rows + ks[None, :] * stride_xk, mask=x_mask, other=0.0).to(tl.float32)
             up = tl.load(x_rows + (ks + K)[None, :] * stride_xk, mask=x_mask, other=0.0).to(tl.float32)
-            act = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32)
-            x = (act * up).to(out_ptr.dtype.element_ty)
+            act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+            x = (act * up).to(dtype)
         else:
             x = tl.load(x_rows + ks[None, :] * stride_xk, mask=x_mask, other=0.0)
         if USE_DOT:
@@ -64,7 +107,7 @@ def _skinny_kernel(
             acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
     if HAS_BIAS:
         acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+    tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], acc.to(dtype), mask=m_ok[:, None] & n_ok[None, :])
 
 
 @functools.lru_cache(maxsize=None)
@@ -77,38 +120,95 @@ def _programs_wanted(device: torch.device) -> int:
     return 2 * (_sm_count(device.index if device.index is not None else torch.cuda.current_device()) if device.type == "cuda" else 132)
 
 
-def config(m: int, n: int, k: int, device: torch.device) -> tuple[int, int, int]:
-    """``(BLOCK_M, BLOCK_N, BLOCK_K)`` for an ``[m, k] x [n, k]^T`` product."""
+def heuristic_config(m: int, n: int, k: int, device: torch.device, tile: int = _TILE, num_warps: int = 4) -> tuple[int, int, int, int]:
+    """``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps)`` for an ``[m, k] x [n, k]^T`` product
+    where nothing was tuned: ``BLOCK_N`` halved (from 32, to 4 at least) until there are
+    about two programs per SM, ``BLOCK_K`` the rest of a ``tile``-element step."""
     block_m = triton.next_power_of_2(max(m, 1))
     if block_m >= _DOT_MIN_M:
-        block_n, block_k = 32, 128
-    else:
-        block_n = 32
-        while block_n > 4 and triton.cdiv(n, block_n) < _programs_wanted(device):
-            block_n //= 2
-        block_k = max(16, min(triton.next_power_of_2(k), _TILE // (block_n * block_m)))
-    return block_m, block_n, block_k
+        return block_m, 32, 128, num_warps
+    block_n = 32
+    while block_n > 4 and triton.cdiv(n, block_n) < _programs_wanted(device):
+        block_n //= 2
+    return block_m, block_n, max(16, min(triton.next_power_of_2(k), tile // (block_n * block_m))), num_warps
 
 
-def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, silu_mul: bool = False) -> torch.Tensor:
-    """``x @ weight.T + bias`` for ``x`` ``[M, K]`` (``[M, 2K]`` with ``silu_mul``), M <= 64;
-    the output is new, contiguous, in ``x``'s dtype."""
+def candidates(m: int, n: int, k: int) -> list[tuple[int, int, int, int]]:
+    """The configurations bench/gemv_bench.py --tune measures for one shape and M."""
+    block_m = triton.next_power_of_2(max(m, 1))
+    if block_m >= _DOT_MIN_M:
+        return [(block_m, bn, bk, 4) for bn in (16, 32, 64) for bk in (64, 128)]
+    out = []
+    for bn in (4, 8, 16, 32):
+        for tile in (_TILE, 2 * _TILE):
+            for warps in (4, 8):
+                out.append((block_m, bn, max(16, min(triton.next_power_of_2(k), tile // (bn * block_m))), warps))
+    return list(dict.fromkeys(out))
+
+
+def config(m: int, n: int, k: int, device: torch.device) -> tuple[int, int, int, int]:
+    """The tuned configuration for this GPU, shape and M where kernels/gemv/threshold.json
+    has one, else ``heuristic_config``."""
+    if device.type == "cuda":
+        tuned = tuned_config(torch.cuda.get_device_name(device), n, k, m)
+        if tuned is not None:
+            return tuned
+    return heuristic_config(m, n, k, device)
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, width: int) -> None:
     if x.dim() != 2 or weight.dim() != 2:
         raise ValueError(f"x and weight must be 2-D, got {tuple(x.shape)} and {tuple(weight.shape)}")
-    m, width = x.shape
-    n, k = weight.shape
-    if width != (2 * k if silu_mul else k):
-        raise ValueError(f"x has {width} columns; weight {tuple(weight.shape)} needs {2 * k if silu_mul else k}")
-    if m > MAX_M:
-        raise ValueError(f"skinny_linear takes at most {MAX_M} rows, got {m}")
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if x.shape[1] != width:
+        raise ValueError(f"x has {x.shape[1]} columns; weight {tuple(weight.shape)} needs {width}")
+    if x.shape[0] > MAX_M:
+        raise ValueError(f"the skinny GEMM takes at most {MAX_M} rows, got {x.shape[0]}")
+
+
+def _launch(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
+    config_override: tuple[int, int, int, int] | None, *, silu_mul: bool = False,
+    norm: tuple[torch.Tensor | None, torch.Tensor, float, torch.Tensor] | None = None,
+) -> None:
+    m, n, k = x.shape[0], weight.shape[0], weight.shape[1]
     if m == 0 or n == 0:
-        return out
-    block_m, block_n, block_k = config(m, n, k, x.device)
+        return
+    block_m, block_n, block_k, num_warps = config_override or config(m, n, k, x.device)
+    residual, norm_weight, eps, res_out = norm if norm is not None else (None, weight, 0.0, out)
+    r = residual if residual is not None else x
     _skinny_kernel[(triton.cdiv(n, block_n),)](
-        x, weight, bias if bias is not None else weight, out,
-        m, n, k, *x.stride(), *weight.stride(), out.stride(0),
-        HAS_BIAS=bias is not None, SILU_MUL=silu_mul, USE_DOT=block_m >= _DOT_MIN_M,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
+        x, weight, bias if bias is not None else weight, out, r, norm_weight, res_out,
+        m, n, k, eps, *x.stride(), *weight.stride(), out.stride(0), *r.stride(),
+        HAS_BIAS=bias is not None, SILU_MUL=silu_mul, NORM=norm is not None, HAS_RESIDUAL=residual is not None,
+        USE_DOT=block_m >= _DOT_MIN_M, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
     )
+
+
+def skinny_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, silu_mul: bool = False,
+    config_override: tuple[int, int, int, int] | None = None,
+) -> torch.Tensor:
+    """``x @ weight.T + bias`` for ``x`` ``[M, K]`` (``[M, 2K]`` with ``silu_mul``), M <= 64;
+    the output is new, contiguous, in ``x``'s dtype. ``config_override``: a configuration
+    of ``candidates`` (the tuning sweep), else ``config``'s."""
+    _check(x, weight, 2 * weight.shape[-1] if silu_mul else weight.shape[-1])
+    out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
+    _launch(x, weight, bias, out, config_override, silu_mul=silu_mul)
     return out
+
+
+def norm_skinny_linear(
+    x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+    weight: torch.Tensor, bias: torch.Tensor | None = None, *, config_override: tuple[int, int, int, int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(linear(rms_norm(x + residual)), x + residual)`` in one launch (``residual`` None:
+    no add, and the stream returned is ``x`` itself); the reference's signature."""
+    _check(x, weight, weight.shape[-1])
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+        raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} must match x {tuple(x.shape)} {x.dtype}")
+    if norm_weight.shape != (x.shape[1],) or norm_weight.stride(0) != 1:
+        raise ValueError(f"norm weight must be a contiguous [{x.shape[1]}], got {tuple(norm_weight.shape)}")
+    out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
+    stream = torch.empty_like(x, memory_format=torch.contiguous_format) if residual is not None else x
+    _launch(x, weight, bias, out, config_override, norm=(residual, norm_weight, eps, stream))
+    return out, stream

@@ -1,11 +1,13 @@
 """Dense linear layers on the decode path: cuBLAS, or the Triton skinny GEMM for few rows.
 
 The model's projections stay ``nn.Linear`` modules (the loader, the CPU packing and the FP8
-conversion all rely on that); the model calls them through ``linear`` and ``silu_mul_linear``,
-which send a plain ``nn.Linear`` on CUDA with at most ``skinny_max_m`` rows (measured data,
-kernels/gemv/threshold.json) to kernels/gemv's Triton kernel, and everything else where it
-went before: the module itself (cuBLAS, an FP8 or a 4-bit layer, the CPU's packed path).
-The row count is a tensor shape, so a CUDA graph of each batch size captures one choice.
+conversion all rely on that); the model calls them through ``linear``, ``norm_linear`` and
+``silu_mul_linear``, which send a plain ``nn.Linear`` on CUDA with at most ``skinny_max_m``
+rows (measured data, kernels/gemv/threshold.json) to kernels/gemv's Triton kernel, with the
+norm before the projection or the activation after the previous one folded into it, and
+everything else where it went before: the norm kernel and the module itself (cuBLAS, an FP8
+or a 4-bit layer, the CPU's packed path). The row count is a tensor shape, so a CUDA graph
+of each batch size captures one choice.
 """
 
 from __future__ import annotations
@@ -37,6 +39,19 @@ def linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     if type(module) is nn.Linear:
         return linear_weight(x, module.weight, module.bias)
     return module(x)
+
+
+def norm_linear(norm: nn.Module, module: nn.Module, h: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(module(norm(h + residual)), h + residual)``, the decoder layer's residual add, its
+    RMSNorm (``norm``: ``weight`` and ``eps``) and the projection after it; ``residual``
+    None (the first layer): no add, and ``h`` is the stream. Through the skinny GEMM, one
+    launch; else the fused add-and-norm kernel, then ``linear``."""
+    if type(module) is nn.Linear and _skinny(h, module.weight) and norm.weight.dtype == h.dtype:
+        from kernels.gemv.triton_gemv import norm_skinny_linear
+
+        return norm_skinny_linear(h, residual, norm.weight, norm.eps, module.weight, module.bias)
+    x, stream = (norm(h), h) if residual is None else norm.add_and_norm(h, residual)
+    return linear(module, x), stream
 
 
 def silu_mul_linear(module: nn.Module, gate_up: torch.Tensor, silu_and_mul) -> torch.Tensor:

@@ -30,7 +30,7 @@ from libs.model.attention import AttentionMetadata, PagedAttention
 from libs.model.config import ModelConfig
 from libs.model.cpu_linear import available as cpu_linear_available, pack, pack_linears, packed_linear
 from libs.model.fp8 import Fp8Linear, Fp8Weight
-from libs.model.linear import linear, linear_weight, silu_mul_linear
+from libs.model.linear import linear, linear_weight, norm_linear, silu_mul_linear
 from libs.model.moe import MoEOptions
 from libs.model.moe.block import SparseMoeBlock
 from libs.model.parallel import TensorParallel, VocabParallelEmbedding
@@ -129,9 +129,10 @@ class Attention(nn.Module):
         self.k_cache: torch.Tensor | None = None  # [num_blocks, block_size, kv_heads, head_dim] views
         self.v_cache: torch.Tensor | None = None
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, meta: AttentionMetadata) -> torch.Tensor:
-        T = x.shape[0]
-        qkv = linear(self.qkv_proj, x)
+    def forward(self, qkv: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, meta: AttentionMetadata) -> torch.Tensor:
+        """``qkv``: ``qkv_proj`` of the normed stream (``DecoderLayer`` computes it together
+        with the norm: one kernel on the decode path)."""
+        T = qkv.shape[0]
         if qkv.device.type == "cpu":  # q and k are adjacent: rotate their heads in one go
             qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
             qk = qk.view(T, -1, self.head_dim)
@@ -165,7 +166,11 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = silu_mul_linear(self.down_proj, linear(self.gate_up_proj, x), ops_for(x.device).silu_and_mul)
+        return self.down(linear(self.gate_up_proj, x))
+
+    def down(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """The rest of the MLP after ``gate_up_proj``: SwiGLU, then ``down_proj``."""
+        out = silu_mul_linear(self.down_proj, gate_up, ops_for(gate_up.device).silu_and_mul)
         return self.tp.reduce(out) if self.tp is not None else out
 
 
@@ -193,12 +198,14 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``h``: the previous layer's MLP output (the embeddings, with ``residual`` None, for
         the first layer). Returns this layer's MLP output and the residual stream before it:
-        each residual add is fused into the norm that follows it."""
-        if residual is None:
-            residual, x = h, self.input_layernorm(h)
-        else:
-            x, residual = self.input_layernorm.add_and_norm(h, residual)
-        x, residual = self.post_attention_layernorm.add_and_norm(self.self_attn(x, positions, rotary, meta), residual)
+        each residual add is fused into the norm that follows it, and on the decode path the
+        norm into the projection after it (``norm_linear``, libs/model/linear.py)."""
+        qkv, residual = norm_linear(self.input_layernorm, self.self_attn.qkv_proj, h, residual)
+        attn_out = self.self_attn(qkv, positions, rotary, meta)
+        if isinstance(self.mlp, MLP):
+            gate_up, residual = norm_linear(self.post_attention_layernorm, self.mlp.gate_up_proj, attn_out, residual)
+            return self.mlp.down(gate_up), residual
+        x, residual = self.post_attention_layernorm.add_and_norm(attn_out, residual)
         return self.mlp(x), residual
 
 

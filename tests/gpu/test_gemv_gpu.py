@@ -1,5 +1,6 @@
 """The engine in bfloat16 with the Triton skinny GEMM serving every decode batch
-(``TIDEPOOL_SKINNY_MAX_M=64``, through the CUDA graphs) against the same engine on cuBLAS:
+(``TIDEPOOL_SKINNY_MAX_M=64``, through the CUDA graphs; norms and the activation folded
+in) against the same engine on cuBLAS and the separate norm and activation kernels:
 greedy tokens equal, logprobs close (kernels/gemv; the kernel
 itself is compared with its reference in tests/unit/test_gemv_kernel.py, which runs here
 on the GPU too)."""
@@ -30,14 +31,19 @@ def bf16_models():
 
 def test_decode_through_the_skinny_gemm_equals_cublas_and_transformers(bf16_models, monkeypatch):
     hf, loaded = bf16_models
-    calls = {"plain": 0, "silu_mul": 0}
-    real = triton_gemv.skinny_linear
+    calls = {"plain": 0, "silu_mul": 0, "norm": 0}
+    real, real_norm = triton_gemv.skinny_linear, triton_gemv.norm_skinny_linear
 
     def counting(x, w, bias=None, *, silu_mul=False):
         calls["silu_mul" if silu_mul else "plain"] += 1
         return real(x, w, bias, silu_mul=silu_mul)
 
+    def counting_norm(*args, **kw):
+        calls["norm"] += 1
+        return real_norm(*args, **kw)
+
     monkeypatch.setattr(triton_gemv, "skinny_linear", counting)
+    monkeypatch.setattr(triton_gemv, "norm_skinny_linear", counting_norm)
     ps = prompts(4)
     params = SamplingParams(temperature=0, max_tokens=16, logprobs=3, ignore_eos=True)
     runs = {}
@@ -48,9 +54,11 @@ def test_decode_through_the_skinny_gemm_equals_cublas_and_transformers(bf16_mode
         assert eng.runner.graphs.replays["decode"] > 0
         eng.close()
         if max_m == "0":
-            assert calls == {"plain": 0, "silu_mul": 0}
-    # every layer's four projections and the LM head went through the kernel (captured graphs included)
-    assert calls["silu_mul"] >= SMALL["num_hidden_layers"] and calls["plain"] >= 3 * SMALL["num_hidden_layers"] + 1
+            assert calls == {"plain": 0, "silu_mul": 0, "norm": 0}
+    # every layer's four projections (qkv and gate/up with their norms, down with the
+    # activation) and the LM head went through the kernel (captured graphs included)
+    layers = SMALL["num_hidden_layers"]
+    assert calls["norm"] >= 2 * layers and calls["silu_mul"] >= layers and calls["plain"] >= layers + 1
     assert runs["0"][0].token_ids[:4] == hf_greedy(hf, ps[0], 4)  # and bf16 is still the model
     for cublas, skinny in zip(runs["0"], runs["64"]):
         assert skinny.token_ids == cublas.token_ids

@@ -62,16 +62,42 @@ def test_refusals_name_the_problem():
         tri.skinny_linear(_rand(65, 32, seed=1), w)
 
 
-def test_config_spreads_small_outputs_over_the_sms():
+def test_heuristic_spreads_small_outputs_over_the_sms():
     cpu = torch.device("cpu")  # the interpreter assumes 132 SMs
-    assert tri.config(1, 576, 576, cpu) == (1, 4, 1024)  # 144 programs of 4 rows, one K step
-    assert tri.config(1, 49152, 576, cpu) == (1, 32, 256)  # the LM head: plenty of programs already
-    assert tri.config(4, 2048, 8192, cpu) == (4, 4, 512)
-    assert tri.config(32, 960, 576, cpu) == (32, 32, 128)  # tensor cores from 16 rows
+    assert tri.heuristic_config(1, 576, 576, cpu) == (1, 4, 1024, 4)  # 144 programs of 4 rows, one K step
+    assert tri.heuristic_config(1, 49152, 576, cpu) == (1, 32, 256, 4)  # the LM head: plenty of programs already
+    assert tri.heuristic_config(4, 2048, 8192, cpu) == (4, 4, 512, 4)
+    assert tri.heuristic_config(32, 960, 576, cpu) == (32, 32, 128, 4)  # tensor cores from 16 rows
+    assert tri.config(1, 576, 576, cpu) == tri.heuristic_config(1, 576, 576, cpu)  # nothing is tuned off CUDA
+
+
+@pytest.mark.parametrize("m", [1, 3, 16])
+def test_every_candidate_computes_the_product(m):
+    seed = torch.randint(0, 2**31, ()).item()
+    x, w = _rand(m, 80, seed=seed), _rand(40, 80, seed=seed + 1) / 80**0.5
+    want = ref.skinny_linear(x, w)
+    cands = tri.candidates(m, 40, 80)
+    assert len(cands) >= 6 and all(c[0] >= m for c in cands)
+    for cfg in cands[:: max(1, len(cands) // 4)]:  # a spread of them (the interpreter is slow)
+        torch.testing.assert_close(tri.skinny_linear(x, w, config_override=cfg), want, **TOL)
+
+
+def test_tuned_configs_serve_the_smallest_tuned_m_that_holds_m(monkeypatch):
+    data = {"format": 1, "devices": {"GPU X": {"max_m": 8, "configs": {"96x64": {"1": [1, 8, 64, 4], "4": [4, 16, 64, 8], "16": [16, 32, 64, 4]}}}}}
+    parsed = threshold.parse_thresholds(data)
+    assert parsed["GPU X"][1]["96x64"][4] == (4, 16, 64, 8)
+    monkeypatch.setattr(threshold, "_thresholds", lambda: parsed)
+    assert threshold.tuned_config("GPU X", 96, 64, 1) == (1, 8, 64, 4)
+    assert threshold.tuned_config("GPU X", 96, 64, 3) == (4, 16, 64, 8)
+    assert threshold.tuned_config("GPU X", 96, 64, 9) == (16, 32, 64, 4)
+    assert threshold.tuned_config("GPU X", 96, 64, 17) is None  # past the sweep: the heuristic
+    assert threshold.tuned_config("GPU X", 64, 96, 1) is None and threshold.tuned_config("GPU Y", 96, 64, 1) is None
+    with pytest.raises(ValueError, match="4 positive ints"):
+        threshold.parse_thresholds({"format": 1, "devices": {"G": {"max_m": 1, "configs": {"8x8": {"1": [1, 8, 0, 4]}}}}})
 
 
 def test_threshold_is_data(monkeypatch, tmp_path):
-    assert threshold.parse_thresholds({"format": 1, "devices": {"H100": {"max_m": 8}}}) == {"H100": 8}
+    assert threshold.parse_thresholds({"format": 1, "devices": {"H100": {"max_m": 8}}}) == {"H100": (8, {})}
     with pytest.raises(ValueError, match="max_m must be"):
         threshold.parse_thresholds({"format": 1, "devices": {"H100": {"max_m": -1}}})
     with pytest.raises(ValueError, match="format"):
@@ -98,3 +124,28 @@ def test_bench_threshold_is_the_largest_m_won_on_every_model_up_to_it():
     assert choose_threshold(sums) == 2  # M = 4 loses, so 8 is not taken though it wins
     rows[0]["cublas_ms"] = 0.1  # model a's qkv at M = 1 now loses badly
     assert choose_threshold(step_sums(rows, models)) == 0
+
+
+@pytest.mark.parametrize("m", [1, 3, 16])
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_norm_folded_in_matches_reference(m, with_residual):
+    seed = torch.randint(0, 2**31, ()).item()
+    n, k = 72, 200
+    x, w = _rand(m, k, seed=seed), _rand(n, k, seed=seed + 1) / k**0.5
+    residual = _rand(m, k, seed=seed + 2) if with_residual else None
+    norm_w, bias = 1 + 0.1 * _rand(k, seed=seed + 3), _rand(n, seed=seed + 4)
+    out, stream = tri.norm_skinny_linear(x, residual, norm_w, 1e-5, w, bias)
+    want, want_stream = ref.norm_skinny_linear(x, residual, norm_w, 1e-5, w, bias)
+    torch.testing.assert_close(out, want, **TOL)
+    if with_residual:
+        assert torch.equal(stream, want_stream)  # one rounding of the sum, as torch's add
+    else:
+        assert stream is x
+
+
+def test_norm_refusals():
+    x, w = _rand(2, 32, seed=0), _rand(8, 32, seed=1)
+    with pytest.raises(ValueError, match="residual"):
+        tri.norm_skinny_linear(x, _rand(2, 16, seed=2), _rand(32, seed=3), 1e-5, w)
+    with pytest.raises(ValueError, match="norm weight"):
+        tri.norm_skinny_linear(x, None, _rand(64, seed=3)[::2], 1e-5, w)
