@@ -149,3 +149,29 @@ def test_norm_refusals():
         tri.norm_skinny_linear(x, _rand(2, 16, seed=2), _rand(32, seed=3), 1e-5, w)
     with pytest.raises(ValueError, match="norm weight"):
         tri.norm_skinny_linear(x, None, _rand(64, seed=3)[::2], 1e-5, w)
+
+
+def test_variants_compile_for_hopper_without_spills():
+    """The interpreter checks the arithmetic; this checks the kernel builds for an H100
+    (sm_90, compiled here without a GPU) and keeps its tiles in registers: every folded
+    variant at the decode shapes' heuristic tiles, and the tuning sweep's largest tiles."""
+    from pathlib import Path
+
+    from tests import sm90_compile
+
+    if not sm90_compile.tools_available():
+        pytest.skip("Triton's NVIDIA tools (ptxas, cuobjdump) are not installed")
+    cpu = torch.device("cpu")  # the heuristic as on a 132-SM GPU
+    configs = {tri.heuristic_config(m, n, k, cpu) for m in (1, 4, 16, 64) for n, k in ((960, 576), (2048, 8192))}
+    configs |= {max(tri.candidates(m, 2048, 2048), key=lambda c: c[1] * c[2]) for m in (1, 8, 64)}
+    jobs = []
+    for bm, bn, bk, warps in sorted(configs):
+        for variant in ("plain", "silu_mul", "norm"):
+            constexprs = dict(HAS_BIAS=variant == "plain", SILU_MUL=variant == "silu_mul", NORM=variant == "norm", HAS_RESIDUAL=variant == "norm",
+                              USE_DOT=bm >= 16, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
+            jobs.append(dict(module="kernels.gemv.triton_gemv", kernel="_skinny_kernel", constexprs=constexprs, num_warps=warps,
+                             ptr="*bf16", floats=["eps"]))
+    results = sm90_compile.compile_in_subprocess(jobs, cwd=Path(__file__).resolve().parents[2])
+    for job, res in zip(jobs, results):
+        assert "error" not in res, (job["constexprs"], res)
+        assert res["local"] == 0 and res["regs"] <= 255, (job["constexprs"], job["num_warps"], res)

@@ -1,0 +1,79 @@
+"""Compile Triton kernels for Hopper (sm_90) on a machine without a GPU, and report each
+compiled variant's registers and local-memory (spill) bytes.
+
+The CPU tests run kernels in Triton's interpreter, which accepts code the compiler refuses
+(a plain module global read inside a kernel, for one) and says nothing of register
+pressure. Triton compiles for a named target without a device (its wheel ships ptxas and
+cuobjdump), so a test can at least prove that a kernel variant builds for the H100 and does
+not spill. It runs in its own process: the test process has ``TRITON_INTERPRET=1``, under
+which ``@triton.jit`` functions are not compilable.
+
+    python -m tests.sm90_compile < jobs.json   # [{"module", "kernel", "constexprs", "num_warps", "ptr", "floats"}]
+
+prints one ``{"regs": int, "local": int}`` (or ``{"error": str}``) per job, as a JSON list.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+HOPPER = GPUTarget("cuda", 90, 32)
+
+
+def tools_available() -> bool:
+    """ptxas and cuobjdump ship in Triton's NVIDIA backend."""
+    return all((_bin_dir() / tool).exists() for tool in ("ptxas", "cuobjdump"))
+
+
+def _bin_dir() -> Path:
+    return Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+
+
+def compile_job(job: dict) -> dict:
+    fn = getattr(importlib.import_module(job["module"]), job["kernel"])
+    constexprs = job["constexprs"]
+    signature = {}
+    for name in fn.arg_names:
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            signature[name] = job.get("ptrs", {}).get(name, job["ptr"])
+        elif name in job.get("floats", ()):
+            signature[name] = "fp32"
+        else:
+            signature[name] = "i32"
+    src = ASTSource(fn=fn, signature=signature, constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()})
+    try:
+        kernel = triton.compile(src, target=HOPPER, options={"num_warps": job.get("num_warps", 4)})
+    except Exception as e:  # noqa: BLE001 - reported per job
+        return {"error": f"{type(e).__name__}: {e}"[:2000]}
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([str(_bin_dir() / "cuobjdump"), "--dump-resource-usage", f.name], capture_output=True, text=True, check=True).stdout
+    line = next(line for line in usage.splitlines() if "REG:" in line)
+    return {"regs": int(line.split("REG:")[1].split()[0]), "local": int(line.split("LOCAL:")[1].split()[0])}
+
+
+def compile_in_subprocess(jobs: list[dict], cwd: Path, timeout: float = 600) -> list[dict]:
+    """Run ``jobs`` in a fresh interpreter without ``TRITON_INTERPRET``."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = env.get("TRITON_DEFAULT_FP_FUSION", "1")
+    proc = subprocess.run([sys.executable, "-m", "tests.sm90_compile"], input=json.dumps(jobs), capture_output=True, text=True,
+                          cwd=cwd, env=env, timeout=timeout, check=True)
+    return json.loads(proc.stdout)
+
+
+if __name__ == "__main__":
+    print(json.dumps([compile_job(job) for job in json.load(sys.stdin)]))
