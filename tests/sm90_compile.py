@@ -8,9 +8,14 @@ cuobjdump), so a test can at least prove that a kernel variant builds for the H1
 not spill. It runs in its own process: the test process has ``TRITON_INTERPRET=1``, under
 which ``@triton.jit`` functions are not compilable.
 
-    python -m tests.sm90_compile < jobs.json   # [{"module", "kernel", "constexprs", "num_warps", "ptr", "floats"}]
+    python -m tests.sm90_compile < jobs.json
 
-prints one ``{"regs": int, "local": int}`` (or ``{"error": str}``) per job, as a JSON list.
+A job names the kernel (``module``, ``kernel``), its ``constexprs`` (a ``tl.dtype`` as
+``{"dtype": name}``), ``num_warps`` (and ``num_stages``), and the other arguments' Triton
+types, either each in ``types`` (``{"x_ptr": "*bf16", "n": "i32"}``, as
+tests/triton_launches.py records them) or by default: ``ptr`` for every ``*_ptr``, fp32 for
+the names in ``floats``, i32 for the rest. It prints one ``{"regs": int, "local": int}``
+(or ``{"error": str}``) per job, as a JSON list; jobs compile in parallel.
 """
 
 from __future__ import annotations
@@ -38,22 +43,33 @@ def _bin_dir() -> Path:
     return Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 
 
+def _constant(value):
+    import triton.language as tl
+
+    return getattr(tl, value["dtype"]) if isinstance(value, dict) else value
+
+
 def compile_job(job: dict) -> dict:
     fn = getattr(importlib.import_module(job["module"]), job["kernel"])
-    constexprs = job["constexprs"]
+    constexprs = {k: _constant(v) for k, v in job["constexprs"].items()}
     signature = {}
     for name in fn.arg_names:
         if name in constexprs:
             signature[name] = "constexpr"
+        elif "types" in job:
+            signature[name] = job["types"][name]
         elif name.endswith("_ptr"):
-            signature[name] = job.get("ptrs", {}).get(name, job["ptr"])
+            signature[name] = job["ptr"]
         elif name in job.get("floats", ()):
             signature[name] = "fp32"
         else:
             signature[name] = "i32"
-    src = ASTSource(fn=fn, signature=signature, constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()})
+    options = {"num_warps": job.get("num_warps") or 4}
+    if job.get("num_stages"):
+        options["num_stages"] = job["num_stages"]
     try:
-        kernel = triton.compile(src, target=HOPPER, options={"num_warps": job.get("num_warps", 4)})
+        src = ASTSource(fn=fn, signature=signature, constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()})
+        kernel = triton.compile(src, target=HOPPER, options=options)
     except Exception as e:  # noqa: BLE001 - reported per job
         return {"error": f"{type(e).__name__}: {e}"[:2000]}
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
@@ -76,4 +92,9 @@ def compile_in_subprocess(jobs: list[dict], cwd: Path, timeout: float = 600) -> 
 
 
 if __name__ == "__main__":
-    print(json.dumps([compile_job(job) for job in json.load(sys.stdin)]))
+    import os
+    from concurrent.futures import ProcessPoolExecutor
+
+    jobs = json.load(sys.stdin)
+    with ProcessPoolExecutor(max_workers=max(1, min(len(jobs), os.cpu_count() or 1))) as pool:
+        print(json.dumps(list(pool.map(compile_job, jobs))))

@@ -1,0 +1,63 @@
+"""Every Triton kernel the CPU tests ran in the interpreter also builds for the H100.
+
+The interpreter runs code the compiler refuses (the speculative decoding rejection kernel
+read a plain module global: every CPU test passed, and it did not compile on the GPU), so
+during the test run tests/triton_launches.py records each kernel variant launched
+(argument types, ``tl.constexpr`` values, ``num_warps``) and this test, which the
+conftest moves to the end of the run, compiles a sample of them for sm_90 here, without a
+GPU (tests/sm90_compile.py): per kernel the first and last variants launched and the one
+with the largest tiles. A compile error fails; spills are reported.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import pytest
+
+from tests import sm90_compile, triton_launches
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="records interpreter launches (CPU runs)")
+
+PER_KERNEL = 3
+
+
+def _tiles(job: dict) -> int:
+    blocks = [v for k, v in job["constexprs"].items() if k.startswith("BLOCK") and isinstance(v, int) and not isinstance(v, bool)]
+    return math.prod(blocks) if blocks else 0
+
+
+def sample(jobs: list[dict]) -> list[dict]:
+    """Per kernel: the first and last variants launched and the one with the largest tiles."""
+    by_kernel: dict[tuple[str, str], list[dict]] = {}
+    for job in jobs:
+        by_kernel.setdefault((job["module"], job["kernel"]), []).append(job)
+    out = []
+    for variants in by_kernel.values():
+        picked = [variants[0], variants[-1], max(variants, key=_tiles)]
+        out += list({id(j): j for j in picked}.values())[:PER_KERNEL]
+    return out
+
+
+def test_sample_takes_first_last_and_largest():
+    jobs = [dict(module="kernels.a", kernel="k", constexprs={"BLOCK_M": b, "BLOCK_N": 16}) for b in (32, 128, 64, 16)]
+    jobs.append(dict(module="kernels.b", kernel="k", constexprs={"FLAG": True}))
+    picked = sample(jobs)
+    assert [j["constexprs"].get("BLOCK_M") for j in picked] == [32, 16, 128, None]
+
+
+def test_recorded_kernels_build_for_hopper():
+    if not sm90_compile.tools_available():
+        pytest.skip("Triton's NVIDIA tools (ptxas, cuobjdump) are not installed")
+    jobs = list(triton_launches.LAUNCHES.values())
+    if not jobs:
+        pytest.skip("no kernel launches recorded (run with the kernel tests: the conftest runs this test last)")
+    picked = sample(jobs)
+    results = sm90_compile.compile_in_subprocess(picked, cwd=Path(__file__).resolve().parents[2], timeout=1200)
+    kernels = {(j["module"], j["kernel"]) for j in picked}
+    spills = [(j["kernel"], j["constexprs"], r["local"]) for j, r in zip(picked, results) if r.get("local")]
+    print(f"{len(picked)} variants of {len(kernels)} kernels built for sm_90 ({len(jobs)} distinct launched); spills: {spills}")
+    errors = [(f"{j['module']}.{j['kernel']}", j["constexprs"], r["error"]) for j, r in zip(picked, results) if "error" in r]
+    assert not errors, errors
