@@ -13,8 +13,9 @@ which ``@triton.jit`` functions are not compilable.
 A job names the kernel (``module``, ``kernel``), its ``constexprs`` (a ``tl.dtype`` as
 ``{"dtype": name}``), ``num_warps`` (and ``num_stages``), and the other arguments' Triton
 types, either each in ``types`` (``{"x_ptr": "*bf16", "n": "i32"}``, as
-tests/triton_launches.py records them) or by default: ``ptr`` for every ``*_ptr``, fp32 for
-the names in ``floats``, i32 for the rest. It prints one ``{"regs": int, "local": int}``
+tests/triton_launches.py records them, with ``divisible``: the arguments Triton would
+specialize as multiples of 16) or by default: ``ptr`` for every ``*_ptr``, fp32 for the
+names in ``floats``, i32 for the rest. It prints one ``{"regs": int, "local": int}``
 (or ``{"error": str}``) per job, as a JSON list; jobs compile in parallel.
 """
 
@@ -67,8 +68,9 @@ def compile_job(job: dict) -> dict:
     options = {"num_warps": job.get("num_warps") or 4}
     if job.get("num_stages"):
         options["num_stages"] = job["num_stages"]
+    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in job.get("divisible", ())}
     try:
-        src = ASTSource(fn=fn, signature=signature, constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()})
+        src = ASTSource(fn=fn, signature=signature, constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()}, attrs=attrs)
         kernel = triton.compile(src, target=HOPPER, options=options)
     except Exception as e:  # noqa: BLE001 - reported per job
         return {"error": f"{type(e).__name__}: {e}"[:2000]}

@@ -1,24 +1,27 @@
-"""Record the Triton kernel variants the CPU tests launch in the interpreter, so that
-tests/unit/test_kernels_build_for_hopper.py can compile them for the H100 afterwards.
+"""Record Triton kernel launches made in the interpreter as compile jobs for the H100
+(tests/sm90_compile.py), so that CPU tests can check kernels build for the GPU.
 
-``install()`` wraps the interpreter's launch (``InterpretedFunction.run``): each launch of a
-kernel defined under ``kernels/`` is reduced to what selects a compiled variant, namely the
-argument types (Triton's own ``mangle_type``: ``*bf16``, ``i32``, ...), the ``tl.constexpr``
-values and ``num_warps``, and kept once per distinct variant. Nothing else changes: the
-launch then runs as before.
+A launch of a kernel defined under ``kernels/`` is reduced to what selects a compiled
+variant, exactly as ``@triton.jit`` specializes it on a GPU: each argument's type and
+specialization (Triton's own ``native_specialize_impl``: ``*bf16`` aligned to 16 bytes, an
+int divisible by 16, an int equal to 1 made a constant), the ``tl.constexpr`` values and
+``num_warps``. Without those facts the compiler cannot vectorize loads, and a register or
+spill figure would describe another kernel than the one that runs.
+
+- ``install()`` (tests/conftest.py, CPU runs) keeps one job per distinct variant in
+  ``LAUNCHES`` for the whole session, and the launches still run;
+- ``capture()`` collects the jobs of the launches inside a ``with`` block without running
+  them (a test can ask for the variants a wrapper would launch at full model sizes).
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
-from typing import Any
+from typing import Any, Iterator
 
-LAUNCHES: dict[tuple, dict] = {}  # variant key -> job (tests/sm90_compile.py's format)
-
-
-def _constexpr_names(fn) -> set[str]:
-    params = inspect.signature(fn).parameters.values()
-    return {p.name for p in params if "constexpr" in str(p.annotation)}
+LAUNCHES: dict[tuple, dict] = {}  # variant key -> job
+_capturing: list[list[dict]] = []
 
 
 def _constant(value: Any) -> Any:
@@ -32,30 +35,38 @@ def _constant(value: Any) -> Any:
     return None
 
 
-def _record(fn, args: tuple, kwargs: dict) -> None:
-    from triton.runtime.jit import mangle_type
+def job_for(fn, args: tuple, kwargs: dict) -> dict | None:
+    """The compile job of launching ``fn`` (the kernel's Python function) with these
+    arguments, or None (a kernel outside ``kernels/``, an argument Triton cannot type)."""
+    from triton.backends.compiler import BaseBackend
+    from triton.runtime.jit import native_specialize_impl
 
     if not fn.__module__.startswith("kernels."):
-        return
-    names = list(inspect.signature(fn).parameters)
-    bound = dict(zip(names, args)) | {k: v for k, v in kwargs.items() if k in names}
-    constexpr_names = _constexpr_names(fn)
-    constexprs, types = {}, {}
+        return None
+    params = inspect.signature(fn).parameters
+    bound = dict(zip(params, args)) | {k: v for k, v in kwargs.items() if k in params}
+    constexprs, types, divisible = {}, {}, []
     for name, value in bound.items():
-        if name in constexpr_names:
+        if "constexpr" in str(params[name].annotation):
             constexprs[name] = _constant(value)
+            continue
+        try:
+            kind, spec = native_specialize_impl(BaseBackend, value, False, True, True)
+        except Exception:  # noqa: BLE001 - not a kernel argument Triton types
+            return None
+        if kind == "constexpr":  # None, or an int equal to 1: Triton makes it a constant
+            constexprs[name] = spec
         else:
-            try:
-                types[name] = mangle_type(value)
-            except Exception:  # noqa: BLE001 - an argument Triton cannot type: skip the launch
-                return
-            if types[name] == "constexpr":  # None
-                constexprs[name] = None
-                del types[name]
-    job = dict(module=fn.__module__, kernel=fn.__name__, constexprs=constexprs, types=types,
-               num_warps=kwargs.get("num_warps", 4), num_stages=kwargs.get("num_stages"))
-    key = (job["module"], job["kernel"], tuple(sorted(types.items())), tuple(sorted((k, repr(v)) for k, v in constexprs.items())), job["num_warps"])
-    LAUNCHES.setdefault(key, job)
+            types[name] = kind
+            if isinstance(spec, str) and "D" in spec:
+                divisible.append(name)
+    return dict(module=fn.__module__, kernel=fn.__name__, constexprs=constexprs, types=types, divisible=divisible,
+                num_warps=kwargs.get("num_warps", 4), num_stages=kwargs.get("num_stages"))
+
+
+def _key(job: dict) -> tuple:
+    return (job["module"], job["kernel"], tuple(sorted(job["types"].items())), tuple(job["divisible"]),
+            tuple(sorted((k, repr(v)) for k, v in job["constexprs"].items())), job["num_warps"], job["num_stages"])
 
 
 def install() -> None:
@@ -69,9 +80,29 @@ def install() -> None:
     run = InterpretedFunction.run
 
     def recording_run(self, *args, grid, warmup, **kwargs):
-        if not warmup:
-            _record(self.fn, args, kwargs)
+        if warmup:
+            return run(self, *args, grid=grid, warmup=warmup, **kwargs)
+        job = job_for(self.fn, args, kwargs)
+        if _capturing:
+            if job is not None:
+                _capturing[-1].append(job)
+            return None
+        if job is not None:
+            LAUNCHES.setdefault(_key(job), job)
         return run(self, *args, grid=grid, warmup=warmup, **kwargs)
 
     recording_run._records = True
     InterpretedFunction.run = recording_run
+
+
+@contextlib.contextmanager
+def capture() -> Iterator[list[dict]]:
+    """The jobs of the kernel launches inside the block, which do not run (outputs stay
+    as allocated)."""
+    install()
+    jobs: list[dict] = []
+    _capturing.append(jobs)
+    try:
+        yield jobs
+    finally:
+        _capturing.pop()

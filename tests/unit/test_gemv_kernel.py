@@ -153,24 +153,27 @@ def test_norm_refusals():
 
 def test_variants_compile_for_hopper_without_spills():
     """The interpreter checks the arithmetic; this checks the kernel builds for an H100
-    (sm_90, compiled here without a GPU) and keeps its tiles in registers: every folded
-    variant at the decode shapes' heuristic tiles, and the tuning sweep's largest tiles."""
+    (sm_90, compiled here without a GPU) and keeps its tiles in registers: the launches the
+    wrappers make at the decode shapes (bf16, so with the GPU's specializations), every
+    folded variant, with the heuristic's tiles and the tuning sweep's largest."""
     from pathlib import Path
 
-    from tests import sm90_compile
+    from tests import sm90_compile, triton_launches
 
     if not sm90_compile.tools_available():
         pytest.skip("Triton's NVIDIA tools (ptxas, cuobjdump) are not installed")
-    cpu = torch.device("cpu")  # the heuristic as on a 132-SM GPU
-    configs = {tri.heuristic_config(m, n, k, cpu) for m in (1, 4, 16, 64) for n, k in ((960, 576), (2048, 8192))}
-    configs |= {max(tri.candidates(m, 2048, 2048), key=lambda c: c[1] * c[2]) for m in (1, 8, 64)}
-    jobs = []
-    for bm, bn, bk, warps in sorted(configs):
-        for variant in ("plain", "silu_mul", "norm"):
-            constexprs = dict(HAS_BIAS=variant == "plain", SILU_MUL=variant == "silu_mul", NORM=variant == "norm", HAS_RESIDUAL=variant == "norm",
-                              USE_DOT=bm >= 16, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
-            jobs.append(dict(module="kernels.gemv.triton_gemv", kernel="_skinny_kernel", constexprs=constexprs, num_warps=warps,
-                             ptr="*bf16", floats=["eps"]))
+    bf16 = dict(dtype=torch.bfloat16)
+    with triton_launches.capture() as jobs:  # nothing runs: only the launches are recorded
+        for m in (1, 4, 16, 64):
+            for n, k in ((960, 576), (2048, 8192)):
+                w, h = torch.empty(n, k, **bf16), torch.empty(m, k, **bf16)
+                largest = max(tri.candidates(m, n, k), key=lambda c: c[1] * c[2])
+                for cfg in (None, largest):
+                    tri.skinny_linear(h, w, torch.empty(n, **bf16), config_override=cfg)
+                    tri.skinny_linear(torch.empty(m, 2 * k, **bf16), w, silu_mul=True, config_override=cfg)
+                    tri.norm_skinny_linear(h, torch.empty(m, k, **bf16), torch.empty(k, **bf16), 1e-5, w, config_override=cfg)
+    assert len(jobs) == 4 * 2 * 2 * 3 and all(j["types"]["w_ptr"] == "*bf16" for j in jobs)
+    assert "K" in jobs[0]["divisible"] and jobs[0]["constexprs"]["stride_wk"] == 1  # as a GPU launch specializes
     results = sm90_compile.compile_in_subprocess(jobs, cwd=Path(__file__).resolve().parents[2])
     for job, res in zip(jobs, results):
         assert "error" not in res, (job["constexprs"], res)

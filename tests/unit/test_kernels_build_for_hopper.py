@@ -3,7 +3,8 @@
 The interpreter runs code the compiler refuses (the speculative decoding rejection kernel
 read a plain module global: every CPU test passed, and it did not compile on the GPU), so
 during the test run tests/triton_launches.py records each kernel variant launched
-(argument types, ``tl.constexpr`` values, ``num_warps``) and this test, which the
+(argument types with the GPU's specializations, ``tl.constexpr`` values, ``num_warps``)
+and this test, which the
 conftest moves to the end of the run, compiles a sample of them for sm_90 here, without a
 GPU (tests/sm90_compile.py): per kernel the first and last variants launched and the one
 with the largest tiles. A compile error fails; spills are reported.
