@@ -20,14 +20,14 @@ import re
 assert "TRITON_INTERPRET" not in os.environ or os.environ["TRITON_INTERPRET"] in ("", "0"), "run without TRITON_INTERPRET"
 
 import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from kernels.fp8.plan import GemmPlan  # noqa: E402
+from tests.sm90_compile import HOPPER  # noqa: E402
 from kernels.fp8.triton_gemm import _fp8_gemm_kernel  # noqa: E402
 from kernels.fp8.triton_quant import _per_token_group_quant_kernel  # noqa: E402
 
-TARGET = GPUTarget("cuda", 90, 32)
+TARGET = HOPPER
 PLANS = {
     "swap fused split-K": GemmPlan(True, 16, 64, 4, 5, split_k=4, fuse_quant=True),
     "swap 32-row split-K": GemmPlan(True, 16, 32, 4, 5, split_k=8),

@@ -11,7 +11,7 @@ which ``@triton.jit`` functions are not compilable.
     python -m tests.sm90_compile < jobs.json
 
 A job names the kernel (``module``, ``kernel``), its ``constexprs`` (a ``tl.dtype`` as
-``{"dtype": name}``), ``num_warps`` (and ``num_stages``), and the other arguments' Triton
+``{"dtype": name}``), ``num_warps`` (and ``num_stages``, ``enable_fp_fusion``), and the other arguments' Triton
 types, either each in ``types`` (``{"x_ptr": "*bf16", "n": "i32"}``, as
 tests/triton_launches.py records them, with ``divisible``: the arguments Triton would
 specialize as multiples of 16) or by default: ``ptr`` for every ``*_ptr``, fp32 for the
@@ -51,6 +51,13 @@ def _constant(value):
 
 
 def compile_job(job: dict) -> dict:
+    try:
+        return _compile(job)
+    except Exception as e:  # noqa: BLE001 - reported per job (a stale job, a compiler refusal)
+        return {"error": f"{type(e).__name__}: {e}"[:2000]}
+
+
+def _compile(job: dict) -> dict:
     fn = getattr(importlib.import_module(job["module"]), job["kernel"])
     constexprs = {k: _constant(v) for k, v in job["constexprs"].items()}
     signature = {}
@@ -68,12 +75,11 @@ def compile_job(job: dict) -> dict:
     options = {"num_warps": job.get("num_warps") or 4}
     if job.get("num_stages"):
         options["num_stages"] = job["num_stages"]
+    if job.get("enable_fp_fusion") is not None:
+        options["enable_fp_fusion"] = job["enable_fp_fusion"]
     attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in job.get("divisible", ())}
-    try:
-        src = ASTSource(fn=fn, signature=signature, constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()}, attrs=attrs)
-        kernel = triton.compile(src, target=HOPPER, options=options)
-    except Exception as e:  # noqa: BLE001 - reported per job
-        return {"error": f"{type(e).__name__}: {e}"[:2000]}
+    src = ASTSource(fn=fn, signature=signature, constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()}, attrs=attrs)
+    kernel = triton.compile(src, target=HOPPER, options=options)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
         f.flush()
@@ -82,15 +88,22 @@ def compile_job(job: dict) -> dict:
     return {"regs": int(line.split("REG:")[1].split()[0]), "local": int(line.split("LOCAL:")[1].split()[0])}
 
 
-def compile_in_subprocess(jobs: list[dict], cwd: Path, timeout: float = 600) -> list[dict]:
-    """Run ``jobs`` in a fresh interpreter without ``TRITON_INTERPRET``."""
+def run_without_interpreter(module: str, cwd: Path, stdin: str = "", timeout: float = 600) -> str:
+    """``python -m module`` in a fresh process without ``TRITON_INTERPRET`` (whose kernels
+    are compilable); its stdout. Raises with the end of its stderr if it fails."""
     import os
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_DEFAULT_FP_FUSION"] = env.get("TRITON_DEFAULT_FP_FUSION", "1")
-    proc = subprocess.run([sys.executable, "-m", "tests.sm90_compile"], input=json.dumps(jobs), capture_output=True, text=True,
-                          cwd=cwd, env=env, timeout=timeout, check=True)
-    return json.loads(proc.stdout)
+    env.update(PYTHONPATH=str(cwd), TRITON_DEFAULT_FP_FUSION=env.get("TRITON_DEFAULT_FP_FUSION", "1"), OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", module], input=stdin, capture_output=True, text=True, cwd=cwd, env=env, timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"python -m {module} failed:\n{proc.stderr[-3000:]}")
+    return proc.stdout
+
+
+def compile_in_subprocess(jobs: list[dict], cwd: Path, timeout: float = 600) -> list[dict]:
+    """Run ``jobs`` in a fresh interpreter without ``TRITON_INTERPRET``."""
+    return json.loads(run_without_interpreter("tests.sm90_compile", cwd, json.dumps(jobs), timeout))
 
 
 if __name__ == "__main__":

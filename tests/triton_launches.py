@@ -5,7 +5,7 @@ A launch of a kernel defined under ``kernels/`` is reduced to what selects a com
 variant, exactly as ``@triton.jit`` specializes it on a GPU: each argument's type and
 specialization (Triton's own ``native_specialize_impl``: ``*bf16`` aligned to 16 bytes, an
 int divisible by 16, an int equal to 1 made a constant), the ``tl.constexpr`` values and
-``num_warps``. Without those facts the compiler cannot vectorize loads, and a register or
+the compile options given (``num_warps``, ``num_stages``, ``enable_fp_fusion``). Without those facts the compiler cannot vectorize loads, and a register or
 spill figure would describe another kernel than the one that runs.
 
 - ``install()`` (tests/conftest.py, CPU runs) keeps one job per distinct variant in
@@ -61,12 +61,12 @@ def job_for(fn, args: tuple, kwargs: dict) -> dict | None:
             if isinstance(spec, str) and "D" in spec:
                 divisible.append(name)
     return dict(module=fn.__module__, kernel=fn.__name__, constexprs=constexprs, types=types, divisible=divisible,
-                num_warps=kwargs.get("num_warps", 4), num_stages=kwargs.get("num_stages"))
+                num_warps=kwargs.get("num_warps", 4), num_stages=kwargs.get("num_stages"), enable_fp_fusion=kwargs.get("enable_fp_fusion"))
 
 
 def _key(job: dict) -> tuple:
     return (job["module"], job["kernel"], tuple(sorted(job["types"].items())), tuple(job["divisible"]),
-            tuple(sorted((k, repr(v)) for k, v in job["constexprs"].items())), job["num_warps"], job["num_stages"])
+            tuple(sorted((k, repr(v)) for k, v in job["constexprs"].items())), job["num_warps"], job["num_stages"], job["enable_fp_fusion"])
 
 
 def install() -> None:

@@ -61,6 +61,27 @@ def rotary_store_kv(
     return q, k
 
 
+def rotary_decode_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """A decode-only step's attention from unrotated ``q`` and ``k`` (``[B, heads,
+    head_dim]``, one new token per sequence): ``rotary_store_kv`` then
+    ``paged_decode_attention``. ``q`` and ``k`` are not modified."""
+    q, _ = rotary_store_kv(q, k, v, positions, cos, sin, k_cache, v_cache, slot_mapping)
+    return paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
+
+
 def _gather_context(cache: torch.Tensor, table: torch.Tensor, length: int) -> torch.Tensor:
     """``[length, kv_heads, head_dim]``: one sequence's keys or values in position order."""
     block_size = cache.shape[1]

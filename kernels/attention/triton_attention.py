@@ -8,6 +8,10 @@ K and V caches are strided views, and for GQA models with few KV heads:
   their slots. A negative slot is padding and writes nothing. ``rotary_store_kv`` does
   kernels/rope's rotary on the token's q and k first, in the same program (the model's
   path on CUDA: one launch per layer instead of two).
+- ``rotary_decode_attention``: a decode-only step's ``rotary_store_kv`` folded into the
+  decode kernel (the model's decode steps on CUDA, one launch per layer fewer): each
+  program rotates its query heads in registers, and the program whose split holds the
+  new token's position rotates and stores that token's K and V before it reads the cache.
 - ``paged_decode_attention``: one program per (sequence, KV head, split). The program loads
   each K/V tile of its sequence once and serves all ``group`` query heads of that KV head as
   the rows of one ``[group padded to 16, head_dim]`` query tile, so the tensor cores do the
@@ -53,7 +57,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.rope.triton_rope import check_rotary, rotary_num_warps, rotate_heads, table_rows
+from kernels.rope.triton_rope import check_rotary, rotary_num_warps, rotate_heads, rotated_halves, table_rows
 
 _LOG2E = 1.4426950408889634
 
@@ -119,6 +123,29 @@ def _store_kv_kernel(
 
 
 @triton.jit
+def _store_rotated_kv(
+    k_lo, k_hi, v_src, stride_vh, stride_vd, slot, h, d, mask,
+    k_cache_ptr, v_cache_ptr,
+    stride_kcb, stride_kcs, stride_kch, stride_kcd,
+    stride_vcb, stride_vcs, stride_vch, stride_vcd,
+    HALF: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+):
+    """One token's rotated K halves (heads ``h``, ``[heads, half]`` tiles) and its V (read
+    at ``v_src``) into cache slot ``slot`` (>= 0)."""
+    block = slot // BLOCK_SIZE
+    offset = slot % BLOCK_SIZE
+    k_dst = k_cache_ptr + block * stride_kcb + offset * stride_kcs + h * stride_kch + d * stride_kcd
+    tl.store(k_dst, k_lo.to(tl.float32).to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(k_dst + HALF * stride_kcd, k_hi.to(tl.float32).to(k_cache_ptr.dtype.element_ty), mask=mask)
+    v_src = v_src + h * stride_vh + d * stride_vd
+    v_dst = v_cache_ptr + block * stride_vcb + offset * stride_vcs + h * stride_vch + d * stride_vcd
+    v_lo = tl.load(v_src, mask=mask)
+    v_hi = tl.load(v_src + HALF * stride_vd, mask=mask)
+    tl.store(v_dst, v_lo.to(tl.float32).to(v_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_dst + HALF * stride_vcd, v_hi.to(tl.float32).to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _rotary_store_kv_kernel(
     q_ptr, k_ptr, v_ptr, positions_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
     stride_qt, stride_qh, stride_qd,
@@ -143,20 +170,13 @@ def _rotary_store_kv_kernel(
                                NUM_KV_HEADS, HALF, BLOCK_HK, BLOCK_HALF)
     slot = tl.load(slot_ptr + token).to(tl.int64)
     if slot >= 0:
-        block = slot // BLOCK_SIZE
-        offset = slot % BLOCK_SIZE
         h = tl.arange(0, BLOCK_HK)[:, None]
         d = tl.arange(0, BLOCK_HALF)[None, :]
-        mask = (h < NUM_KV_HEADS) & (d < HALF)
-        k_dst = k_cache_ptr + block * stride_kcb + offset * stride_kcs + h * stride_kch + d * stride_kcd
-        tl.store(k_dst, k_lo.to(tl.float32).to(k_cache_ptr.dtype.element_ty), mask=mask)
-        tl.store(k_dst + HALF * stride_kcd, k_hi.to(tl.float32).to(k_cache_ptr.dtype.element_ty), mask=mask)
-        v_src = v_ptr + token * stride_vt + h * stride_vh + d * stride_vd
-        v_dst = v_cache_ptr + block * stride_vcb + offset * stride_vcs + h * stride_vch + d * stride_vcd
-        v_lo = tl.load(v_src, mask=mask)
-        v_hi = tl.load(v_src + HALF * stride_vd, mask=mask)
-        tl.store(v_dst, v_lo.to(tl.float32).to(v_cache_ptr.dtype.element_ty), mask=mask)
-        tl.store(v_dst + HALF * stride_vcd, v_hi.to(tl.float32).to(v_cache_ptr.dtype.element_ty), mask=mask)
+        _store_rotated_kv(
+            k_lo, k_hi, v_ptr + token * stride_vt, stride_vh, stride_vd, slot, h, d, (h < NUM_KV_HEADS) & (d < HALF),
+            k_cache_ptr, v_cache_ptr, stride_kcb, stride_kcs, stride_kch, stride_kcd, stride_vcb, stride_vcs, stride_vch, stride_vcd,
+            HALF, BLOCK_SIZE,
+        )
 
 
 @triton.jit
@@ -211,16 +231,19 @@ def _attend_tile(
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
     out_ptr, part_out_ptr, part_lse_ptr,
+    k_new_ptr, v_new_ptr, positions_ptr, cos_ptr, sin_ptr, slot_ptr,
     qk_scale,
     stride_qb, stride_qh, stride_qd,
     stride_kb, stride_kt, stride_kh, stride_kd,
     stride_vb, stride_vt, stride_vh, stride_vd,
     stride_bt_b, stride_bt_n,
     stride_ob, stride_oh, stride_od,
+    stride_knt, stride_knh, stride_knd, stride_vnt, stride_vnh, stride_vnd,
+    stride_pos, stride_cos_p, stride_cos_d, stride_sin_p, stride_sin_d,
     num_heads, num_splits,
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, SPLIT: tl.constexpr, NATIVE_DOT: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, ROPE: tl.constexpr, HALF: tl.constexpr,
 ):
     # num_splits is a runtime int (one compiled kernel serves every split count); SPLIT says
     # whether it is above 1, i.e. whether to write partials for the reduce kernel.
@@ -237,8 +260,35 @@ def _decode_kernel(
     d = tl.arange(0, BLOCK_D)
     head = kv_head * GROUP + g
     q_mask = (g[:, None] < GROUP) & (d[None, :] < HEAD_DIM)
-    q = tl.load(q_ptr + seq * stride_qb + head[:, None] * stride_qh + d[None, :] * stride_qd,
-                mask=q_mask, other=0.0)
+    if ROPE:
+        # rotary_store_kv folded in: every program rotates its query heads in registers (q
+        # is not written: the other splits read it too); the program whose split holds the
+        # new token's position rotates that token's K and stores it and V into the cache
+        # slot, then meets its threads at a barrier before it reads the slot back.
+        cos_lo, cos_hi, sin_lo, sin_hi = table_rows(
+            positions_ptr, cos_ptr, sin_ptr, q_ptr, seq, stride_pos, stride_cos_p, stride_cos_d, stride_sin_p, stride_sin_d,
+            HALF, HALF,
+        )
+        q_lo, q_hi = rotated_halves(q_ptr + seq * stride_qb + kv_head * GROUP * stride_qh, stride_qh, stride_qd,
+                                    cos_lo, cos_hi, sin_lo, sin_hi, GROUP, HALF, BLOCK_G, HALF)
+        q = tl.reshape(tl.permute(tl.join(q_lo, q_hi), (0, 2, 1)), (BLOCK_G, BLOCK_D))  # [lo | hi]
+        slot = tl.load(slot_ptr + seq).to(tl.int64)
+        if seq_len > 0:
+            if slot >= 0:
+                if (seq_len - 1) // chunk == split:
+                    k_lo, k_hi = rotated_halves(k_new_ptr + seq * stride_knt + kv_head * stride_knh, stride_knh, stride_knd,
+                                                cos_lo, cos_hi, sin_lo, sin_hi, 1, HALF, 2, HALF)
+                    r = tl.arange(0, 2)[:, None]
+                    dh = tl.arange(0, HALF)[None, :]
+                    _store_rotated_kv(
+                        k_lo, k_hi, v_new_ptr + seq * stride_vnt, stride_vnh, stride_vnd, slot, kv_head + r, dh, (r < 1) & (dh < HALF),
+                        k_cache_ptr, v_cache_ptr, stride_kb, stride_kt, stride_kh, stride_kd, stride_vb, stride_vt, stride_vh, stride_vd,
+                        HALF, BLOCK_SIZE,
+                    )
+        tl.debug_barrier()
+    else:
+        q = tl.load(q_ptr + seq * stride_qb + head[:, None] * stride_qh + d[None, :] * stride_qd,
+                    mask=q_mask, other=0.0)
     if not NATIVE_DOT:
         q = q.to(tl.float32)
 
@@ -483,11 +533,44 @@ def paged_decode_attention(
     scale: float,
 ) -> torch.Tensor:
     """One query per sequence (``q``: ``[B, num_heads, head_dim]``) over its paged context."""
-    max_context = block_tables.shape[1] * k_cache.shape[1]
-    num_splits = decode_num_splits(q.shape[0], k_cache.shape[2], max_context, q.device)
     return paged_decode_attention_splits(
-        q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits=num_splits
+        q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits=_decode_splits(q, k_cache, block_tables)
     )
+
+
+def rotary_decode_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """``rotary_store_kv`` then ``paged_decode_attention`` for a decode-only step (one new
+    token per sequence), with the rotation and the KV store inside the decode kernel: one
+    launch fewer per layer. ``q`` and ``k`` are not modified (unlike ``rotary_store_kv``);
+    the cache receives exactly what ``rotary_store_kv`` writes. Head sizes that are not a
+    power of two take the two kernels."""
+    check_rotary(q, k, positions, cos, sin)
+    head_dim = q.shape[2]
+    if head_dim != _head_block(head_dim) or head_dim < 32:
+        q, k = rotary_store_kv(q.clone(), k.clone(), v, positions, cos, sin, k_cache, v_cache, slot_mapping)
+        return paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
+    return paged_decode_attention_splits(
+        q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits=_decode_splits(q, k_cache, block_tables),
+        rope=(k, v, positions, cos, sin, slot_mapping),
+    )
+
+
+def _decode_splits(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor) -> int:
+    max_context = block_tables.shape[1] * k_cache.shape[1]
+    return decode_num_splits(q.shape[0], k_cache.shape[2], max_context, q.device)
 
 
 def paged_decode_attention_splits(
@@ -499,8 +582,10 @@ def paged_decode_attention_splits(
     scale: float,
     *,
     num_splits: int,
+    rope: tuple | None = None,
 ) -> torch.Tensor:
-    """``paged_decode_attention`` with an explicit split count (tests and benchmarks)."""
+    """``paged_decode_attention`` with an explicit split count (tests and benchmarks);
+    ``rope``: ``(k, v, positions, cos, sin, slot_mapping)``, as ``rotary_decode_attention``."""
     batch, num_heads, head_dim = q.shape
     group = _check_gqa(q, k_cache)
     num_kv_heads = k_cache.shape[2]
@@ -514,15 +599,22 @@ def paged_decode_attention_splits(
         part_lse = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
     else:  # unused by the kernel without SPLIT
         part_out = part_lse = out
+    if rope is not None:
+        k, v, positions, cos, sin, slot_mapping = rope
+        rope_args = (k, v, positions, cos, sin, slot_mapping)
+        rope_strides = (*k.stride(), *v.stride(), positions.stride(0), *cos.stride(), *sin.stride())
+    else:  # never read without ROPE
+        rope_args, rope_strides = (q, q, seq_lens, q, q, seq_lens), (0,) * 11
     _decode_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse,
+        q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse, *rope_args,
         scale * _LOG2E,
-        *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(), *out.stride(),
+        *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(), *out.stride(), *rope_strides,
         num_heads, num_splits,
         HEAD_DIM=head_dim, GROUP=group, SPLIT=num_splits > 1, NATIVE_DOT=_native_dot(q, k_cache),
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=_DECODE_BLOCK_N,
-        BLOCK_D=block_d, BLOCK_SIZE=k_cache.shape[1],
+        BLOCK_D=block_d, BLOCK_SIZE=k_cache.shape[1], ROPE=rope is not None, HALF=head_dim // 2,
         num_warps=_DECODE_NUM_WARPS, num_stages=_DECODE_NUM_STAGES,
+        enable_fp_fusion=rope is None,  # the rotation bit-identical to rotary_store_kv's
     )
     if num_splits > 1:
         _decode_reduce_kernel[(batch, num_heads)](

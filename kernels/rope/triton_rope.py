@@ -42,6 +42,27 @@ def _round(x, like_ptr):
 
 
 @triton.jit
+def rotated_halves(
+    x_ptr, stride_h, stride_d, cos_lo, cos_hi, sin_lo, sin_hi,
+    NUM_HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+):
+    """The ``NUM_HEADS`` heads of one token at ``x_ptr``, rotated, as ``(lo, hi)`` halves
+    (``[BLOCK_H, BLOCK_HALF]`` in ``x``'s dtype, padding lanes 0); nothing is written (the
+    fused decode attention rotates its query heads in registers, kernels/attention)."""
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, BLOCK_HALF)[None, :]
+    mask = (h < NUM_HEADS) & (d < HALF)
+    lo_ptr = x_ptr + h * stride_h + d * stride_d
+    lo = tl.load(lo_ptr, mask=mask, other=0.0).to(tl.float32)
+    hi = tl.load(lo_ptr + HALF * stride_d, mask=mask, other=0.0).to(tl.float32)
+    # rotate_half(x) = [-hi, lo], so out = [lo * cos_lo - hi * sin_lo, hi * cos_hi + lo * sin_hi],
+    # each product and the sum rounded to the dtype like the reference's separate ops.
+    out_lo = _round(lo * cos_lo, x_ptr) + _round(-hi * sin_lo, x_ptr)
+    out_hi = _round(hi * cos_hi, x_ptr) + _round(lo * sin_hi, x_ptr)
+    return out_lo.to(x_ptr.dtype.element_ty), out_hi.to(x_ptr.dtype.element_ty)
+
+
+@triton.jit
 def rotate_heads(
     x_ptr, stride_h, stride_d, cos_lo, cos_hi, sin_lo, sin_hi,
     NUM_HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
@@ -49,21 +70,13 @@ def rotate_heads(
     """Rotate the ``NUM_HEADS`` heads of one token at ``x_ptr`` in place; returns the rotated
     ``(lo, hi)`` halves as stored (``[BLOCK_H, BLOCK_HALF]``, in ``x``'s dtype) for a caller
     that also writes them elsewhere (the fused KV store, kernels/attention)."""
+    out_lo, out_hi = rotated_halves(x_ptr, stride_h, stride_d, cos_lo, cos_hi, sin_lo, sin_hi, NUM_HEADS, HALF, BLOCK_H, BLOCK_HALF)
     h = tl.arange(0, BLOCK_H)[:, None]
     d = tl.arange(0, BLOCK_HALF)[None, :]
     mask = (h < NUM_HEADS) & (d < HALF)
     lo_ptr = x_ptr + h * stride_h + d * stride_d
-    hi_ptr = lo_ptr + HALF * stride_d
-    lo = tl.load(lo_ptr, mask=mask, other=0.0).to(tl.float32)
-    hi = tl.load(hi_ptr, mask=mask, other=0.0).to(tl.float32)
-    # rotate_half(x) = [-hi, lo], so out = [lo * cos_lo - hi * sin_lo, hi * cos_hi + lo * sin_hi],
-    # each product and the sum rounded to the dtype like the reference's separate ops.
-    out_lo = _round(lo * cos_lo, x_ptr) + _round(-hi * sin_lo, x_ptr)
-    out_hi = _round(hi * cos_hi, x_ptr) + _round(lo * sin_hi, x_ptr)
-    out_lo = out_lo.to(x_ptr.dtype.element_ty)
-    out_hi = out_hi.to(x_ptr.dtype.element_ty)
     tl.store(lo_ptr, out_lo, mask=mask)
-    tl.store(hi_ptr, out_hi, mask=mask)
+    tl.store(lo_ptr + HALF * stride_d, out_hi, mask=mask)
     return out_lo, out_hi
 
 

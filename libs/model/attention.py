@@ -61,18 +61,24 @@ class AttentionBackend(Protocol):
 class PagedAttention:
     """Store this step's K/V (rotating q and k first, in the same kernel, when given the
     rotary tables), then run the decode kernel on the decode rows and the prefill kernel on
-    the rest."""
+    the rest. A decode-only step given the rotary tables runs one kernel for all of it
+    (``rotary_decode``: the rotation and the store inside the decode kernel)."""
 
-    def __init__(self, name: str, store_kv: Callable, decode: Callable, prefill: Callable, rotary_store_kv: Callable):
+    def __init__(
+        self, name: str, store_kv: Callable, decode: Callable, prefill: Callable, rotary_store_kv: Callable, rotary_decode: Callable
+    ):
         self.name = name
         self._store_kv = store_kv
         self._rotary_store_kv = rotary_store_kv
         self._decode = decode
+        self._rotary_decode = rotary_decode
         self._prefill = prefill
 
     def __call__(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, rope: tuple | None = None) -> torch.Tensor:
         """``rope``: ``(positions, cos, sin)`` when ``q`` and ``k`` are not rotated yet; the
         rotation then happens with the KV store (one kernel on CUDA)."""
+        if rope is not None and meta.num_prefill_tokens == 0:
+            return self._rotary_decode(q, k, v, *rope, k_cache, v_cache, meta.slot_mapping, meta.block_tables, meta.seq_lens, scale)
         if rope is None:
             self._store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         else:
@@ -95,13 +101,17 @@ class PagedAttention:
 def torch_backend() -> PagedAttention:
     from kernels.attention import reference as ref
 
-    return PagedAttention("torch", ref.store_kv, ref.paged_decode_attention, ref.paged_prefill_attention, ref.rotary_store_kv)
+    return PagedAttention(
+        "torch", ref.store_kv, ref.paged_decode_attention, ref.paged_prefill_attention, ref.rotary_store_kv, ref.rotary_decode_attention
+    )
 
 
 def triton_backend() -> PagedAttention:
     from kernels.attention import triton_attention as tri
 
-    return PagedAttention("triton", tri.store_kv, tri.paged_decode_attention, tri.paged_prefill_attention, tri.rotary_store_kv)
+    return PagedAttention(
+        "triton", tri.store_kv, tri.paged_decode_attention, tri.paged_prefill_attention, tri.rotary_store_kv, tri.rotary_decode_attention
+    )
 
 
 def make_backend(name: str, device: torch.device) -> PagedAttention:

@@ -197,3 +197,83 @@ def test_store_kv_writes_exactly_its_slots(key_dtype, cache_dtype):
     real = slots[slots >= 0]
     written[real // block_size, 1, :, real % block_size] = True
     assert torch.equal(changed, written)
+
+
+def _rope_tables(head_dim: int, max_pos: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
+    inv = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    freqs = torch.outer(torch.arange(max_pos, dtype=torch.float32), inv)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(DEVICE), emb.sin().to(DEVICE)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
+def test_rotary_decode_equals_rotary_store_then_decode(shape, num_splits):
+    """The decode kernel with the rotation and the KV store folded in (the model's decode
+    steps on CUDA): the cache gets exactly what rotary_store_kv writes, the output matches
+    the reference, q and k are left as they were, a padding row (slot -1, length 0) writes
+    nothing and reads zeros."""
+    num_heads, num_kv_heads, head_dim, bs = shape
+    p = _problem([1] * 5, [1, bs, 3 * bs - 1, 150, 5], shape, torch.float32, seed=num_splits)
+    seq_lens = p.seq_lens.clone()
+    seq_lens[-1] = 0
+    lens = seq_lens.tolist()
+    tables = p.block_tables.cpu()
+    slots = torch.tensor([int(tables[i, (n - 1) // bs]) * bs + (n - 1) % bs if n else -1 for i, n in enumerate(lens)], device=DEVICE)
+    positions = (seq_lens.long() - 1).clamp_min(0)
+    gen = torch.Generator(device=DEVICE).manual_seed(head_dim + num_splits)
+    kv = torch.empty((5, 2 * num_kv_heads * head_dim), device=DEVICE).normal_(generator=gen)
+    k = kv[:, : num_kv_heads * head_dim].view(5, num_kv_heads, head_dim)
+    v = kv[:, num_kv_heads * head_dim :].view(5, num_kv_heads, head_dim)
+    cos, sin = _rope_tables(head_dim)
+    q_before, kv_before = p.q.clone(), kv.clone()
+
+    unfused_cache = p.cache.clone()
+    uq, _ = tri.rotary_store_kv(p.q.clone(), k.clone(), v, positions, cos, sin, unfused_cache[:, 1, 0], unfused_cache[:, 1, 1], slots)
+    expected = ref.paged_decode_attention(uq, unfused_cache[:, 1, 0], unfused_cache[:, 1, 1], p.block_tables, seq_lens, p.scale)
+
+    rope = (k, v, positions, cos, sin, slots)
+    if head_dim == tri._head_block(head_dim):
+        got = tri.paged_decode_attention_splits(p.q, p.k_cache, p.v_cache, p.block_tables, seq_lens, p.scale, num_splits=num_splits, rope=rope)
+    else:  # head sizes that are not a power of two take the two kernels
+        got = tri.rotary_decode_attention(p.q, k, v, positions, cos, sin, p.k_cache, p.v_cache, slots, p.block_tables, seq_lens, p.scale)
+    assert torch.equal(p.cache, unfused_cache)  # every slot, padding's included, as the unfused store left it
+    torch.testing.assert_close(got, expected, **TOLERANCE[torch.float32])
+    assert not got[-1].any()  # the padding row
+    assert torch.equal(p.q, q_before) and torch.equal(kv, kv_before)
+    ref_cache = p.cache.clone()
+    torch.testing.assert_close(
+        ref.rotary_decode_attention(p.q, k, v, positions, cos, sin, ref_cache[:, 1, 0], ref_cache[:, 1, 1], slots, p.block_tables, seq_lens, p.scale),
+        expected, **TOLERANCE[torch.float32],
+    )
+
+
+def test_rotary_decode_builds_for_hopper_as_the_gpu_runs_it():
+    """The fused decode kernel as a bf16 decode step launches it on an H100 (tensor-core
+    dots, SmolLM2's 9/3 heads of 64, 1 to 64 sequences, with and without splits), compiled
+    here for sm_90: it builds and does not spill (tests/sm90_compile.py)."""
+    from pathlib import Path
+
+    from tests import sm90_compile, triton_launches
+
+    if not sm90_compile.tools_available():
+        pytest.skip("Triton's NVIDIA tools (ptxas, cuobjdump) are not installed")
+    bf16 = dict(dtype=torch.bfloat16)
+    cos, sin = torch.empty(4096, 64), torch.empty(4096, 64)
+    cache = torch.empty(64, 2, 16, 3, 64, **bf16)
+    with triton_launches.capture() as jobs:  # nothing runs
+        for batch in (1, 64):
+            qkv = torch.empty(batch, (9 + 6) * 64, **bf16)
+            q, k, v = (t.view(batch, -1, 64) for t in qkv.split([9 * 64, 3 * 64, 3 * 64], dim=1))
+            args = (k, v, torch.zeros(batch, dtype=torch.long), cos, sin, torch.zeros(batch, dtype=torch.long))
+            for splits in (1, 8):
+                tri.paged_decode_attention_splits(q, cache[:, 0], cache[:, 1], torch.zeros(batch, 256, dtype=torch.int32),
+                                                  torch.ones(batch, dtype=torch.int32), 0.125, num_splits=splits, rope=args)
+    decode = [j for j in jobs if j["kernel"] == "_decode_kernel"]
+    assert len(decode) == 4 and all(j["constexprs"]["ROPE"] for j in decode)
+    for job in decode:
+        job["constexprs"]["NATIVE_DOT"] = True  # bf16 on CUDA feeds the tensor cores (the interpreter cannot)
+    results = sm90_compile.compile_in_subprocess(jobs, cwd=Path(__file__).resolve().parents[2])
+    for job, res in zip(jobs, results):
+        assert "error" not in res, (job["kernel"], job["constexprs"], res)
+        assert res["local"] == 0, (job["kernel"], job["constexprs"], res)

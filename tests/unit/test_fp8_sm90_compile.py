@@ -13,32 +13,18 @@ Skips where this Triton has no NVIDIA backend.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.sm90_compile import run_without_interpreter, tools_available
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _has_nvidia_backend() -> bool:
-    try:
-        import triton
-
-        return (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists()
-    except Exception:  # noqa: BLE001
-        return False
-
-
-@pytest.mark.skipif(not _has_nvidia_backend(), reason="this Triton has no NVIDIA backend / ptxas")
+@pytest.mark.skipif(not tools_available(), reason="this Triton has no NVIDIA backend / ptxas")
 def test_fp8_kernels_compile_for_sm90():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(PYTHONPATH=str(ROOT), TRITON_DEFAULT_FP_FUSION="1", OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-m", "tests.fp8_sm90_compile"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    got = json.loads(run_without_interpreter("tests.fp8_sm90_compile", ROOT, timeout=300).strip().splitlines()[-1])
     fused, narrow, tma, quant = got["swap fused split-K"], got["swap 32-row split-K"], got["normal tma"], got["quant"]
     assert fused["wgmma"] > 0 and fused["atomics"] > 0 and fused["div_rn"] > 0 and fused["cp_async"] > 0  # weights pipelined
     assert narrow["mma_sync"] > 0 and narrow["wgmma"] == 0  # 32 rows: below a warpgroup's 64

@@ -6,8 +6,10 @@ during the test run tests/triton_launches.py records each kernel variant launche
 (argument types with the GPU's specializations, ``tl.constexpr`` values, ``num_warps``)
 and this test, which the
 conftest moves to the end of the run, compiles a sample of them for sm_90 here, without a
-GPU (tests/sm90_compile.py): per kernel the first and last variants launched and the one
-with the largest tiles. A compile error fails; spills are reported.
+GPU (tests/sm90_compile.py): per kernel the first variant launched of each combination
+of its boolean ``tl.constexpr`` flags (each code path), the last, and the one with the
+largest tiles. A compile error fails; spills are reported. (tests/unit/test_fp8_sm90_compile.py
+checks the FP8 kernels' PTX in more detail.)
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from tests import sm90_compile, triton_launches
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="records interpreter launches (CPU runs)")
 
-PER_KERNEL = 3
+PER_KERNEL = 8
 
 
 def _tiles(job: dict) -> int:
@@ -30,23 +32,31 @@ def _tiles(job: dict) -> int:
     return math.prod(blocks) if blocks else 0
 
 
+def _flags(job: dict) -> tuple:
+    return tuple(sorted((k, v) for k, v in job["constexprs"].items() if isinstance(v, bool)))
+
+
 def sample(jobs: list[dict]) -> list[dict]:
-    """Per kernel: the first and last variants launched and the one with the largest tiles."""
+    """Per kernel: the first variant of each combination of flags, the last variant and the
+    one with the largest tiles (at most ``PER_KERNEL``)."""
     by_kernel: dict[tuple[str, str], list[dict]] = {}
     for job in jobs:
         by_kernel.setdefault((job["module"], job["kernel"]), []).append(job)
     out = []
     for variants in by_kernel.values():
-        picked = [variants[0], variants[-1], max(variants, key=_tiles)]
+        first_of_flags: dict[tuple, dict] = {}
+        for job in variants:
+            first_of_flags.setdefault(_flags(job), job)
+        picked = [*first_of_flags.values(), variants[-1], max(variants, key=_tiles)]
         out += list({id(j): j for j in picked}.values())[:PER_KERNEL]
     return out
 
 
-def test_sample_takes_first_last_and_largest():
-    jobs = [dict(module="kernels.a", kernel="k", constexprs={"BLOCK_M": b, "BLOCK_N": 16}) for b in (32, 128, 64, 16)]
+def test_sample_takes_every_code_path_the_last_and_the_largest():
+    jobs = [dict(module="kernels.a", kernel="k", constexprs={"BLOCK_M": b, "BLOCK_N": 16, "SPLIT": b > 40}) for b in (32, 128, 64, 16)]
     jobs.append(dict(module="kernels.b", kernel="k", constexprs={"FLAG": True}))
     picked = sample(jobs)
-    assert [j["constexprs"].get("BLOCK_M") for j in picked] == [32, 16, 128, None]
+    assert [j["constexprs"].get("BLOCK_M") for j in picked] == [32, 128, 16, None]
 
 
 def test_recorded_kernels_build_for_hopper():
