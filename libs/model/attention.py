@@ -13,6 +13,7 @@ one query token each, the rest are prefill chunks (chunked prefill shares the ba
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
@@ -61,11 +62,12 @@ class AttentionBackend(Protocol):
 class PagedAttention:
     """Store this step's K/V (rotating q and k first, in the same kernel, when given the
     rotary tables), then run the decode kernel on the decode rows and the prefill kernel on
-    the rest. A decode-only step given the rotary tables runs one kernel for all of it
-    (``rotary_decode``: the rotation and the store inside the decode kernel)."""
+    the rest. With ``rotary_decode`` (the rotation and the store inside the decode kernel), a
+    decode-only step given the rotary tables runs one kernel for all of it."""
 
     def __init__(
-        self, name: str, store_kv: Callable, decode: Callable, prefill: Callable, rotary_store_kv: Callable, rotary_decode: Callable
+        self, name: str, store_kv: Callable, decode: Callable, prefill: Callable, rotary_store_kv: Callable,
+        rotary_decode: Callable | None = None,
     ):
         self.name = name
         self._store_kv = store_kv
@@ -77,7 +79,7 @@ class PagedAttention:
     def __call__(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, rope: tuple | None = None) -> torch.Tensor:
         """``rope``: ``(positions, cos, sin)`` when ``q`` and ``k`` are not rotated yet; the
         rotation then happens with the KV store (one kernel on CUDA)."""
-        if rope is not None and meta.num_prefill_tokens == 0:
+        if rope is not None and meta.num_prefill_tokens == 0 and self._rotary_decode is not None:
             return self._rotary_decode(q, k, v, *rope, k_cache, v_cache, meta.slot_mapping, meta.block_tables, meta.seq_lens, scale)
         if rope is None:
             self._store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
@@ -106,11 +108,21 @@ def torch_backend() -> PagedAttention:
     )
 
 
-def triton_backend() -> PagedAttention:
+# The fused decode kernel (kernels/attention ``rotary_decode_attention``) is off until it
+# has run and been measured on a GPU: TIDEPOOL_FUSED_DECODE=1 turns it on.
+FUSED_DECODE_ENV = "TIDEPOOL_FUSED_DECODE"
+
+
+def triton_backend(fused_decode: bool | None = None) -> PagedAttention:
+    """``fused_decode``: decode-only steps through ``rotary_decode_attention`` (default:
+    ``TIDEPOOL_FUSED_DECODE=1``, else off)."""
     from kernels.attention import triton_attention as tri
 
+    if fused_decode is None:
+        fused_decode = os.environ.get(FUSED_DECODE_ENV, "0") == "1"
     return PagedAttention(
-        "triton", tri.store_kv, tri.paged_decode_attention, tri.paged_prefill_attention, tri.rotary_store_kv, tri.rotary_decode_attention
+        "triton", tri.store_kv, tri.paged_decode_attention, tri.paged_prefill_attention, tri.rotary_store_kv,
+        tri.rotary_decode_attention if fused_decode else None,
     )
 
 

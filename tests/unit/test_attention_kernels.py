@@ -277,3 +277,37 @@ def test_rotary_decode_builds_for_hopper_as_the_gpu_runs_it():
     for job, res in zip(jobs, results):
         assert "error" not in res, (job["kernel"], job["constexprs"], res)
         assert res["local"] == 0, (job["kernel"], job["constexprs"], res)
+
+
+def test_backend_takes_the_fused_decode_only_where_asked(monkeypatch):
+    """``PagedAttention`` sends a decode-only step with rotary tables to ``rotary_decode``
+    when it has one (the Triton backend: only with TIDEPOOL_FUSED_DECODE=1 until measured),
+    and every other step through the rotary store and the decode/prefill kernels."""
+    from libs.model.attention import FUSED_DECODE_ENV, AttentionMetadata, PagedAttention, triton_backend
+
+    calls = []
+
+    def record(name, result=None):
+        def call(*args):
+            calls.append(name)
+            return name if result is None else result
+
+        return call
+
+    def meta(prefill_tokens):
+        z = torch.zeros(2, dtype=torch.int32)
+        return AttentionMetadata(z, z[:, None], z, z, num_decodes=2 - (prefill_tokens > 0), num_prefill_tokens=prefill_tokens)
+
+    fused = PagedAttention("t", record("store"), record("decode"), record("prefill"), record("rotary_store", (None, None)), record("fused"))
+    plain = PagedAttention("t", record("store"), record("decode"), record("prefill"), record("rotary_store", (None, None)))
+    rope = (torch.zeros(2), torch.zeros(4, 2), torch.zeros(4, 2))
+    assert fused(None, None, None, None, None, meta(0), 1.0, rope) == "fused" and calls == ["fused"]
+    calls.clear()
+    assert plain(None, None, None, None, None, meta(0), 1.0, rope) == "decode" and calls == ["rotary_store", "decode"]
+    calls.clear()
+    fused(None, None, None, None, None, meta(0), 1.0, None)  # already rotated (the CPU path)
+    assert calls == ["store", "decode"]
+    monkeypatch.delenv(FUSED_DECODE_ENV, raising=False)
+    assert triton_backend()._rotary_decode is None
+    monkeypatch.setenv(FUSED_DECODE_ENV, "1")
+    assert triton_backend()._rotary_decode is tri.rotary_decode_attention

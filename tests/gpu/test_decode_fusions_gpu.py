@@ -1,8 +1,13 @@
-"""The engine in bfloat16 with the Triton skinny GEMM serving every decode batch
-(``TIDEPOOL_SKINNY_MAX_M=64``, through the CUDA graphs; norms and the activation folded
-in) against the same engine on cuBLAS and the separate norm and activation kernels:
-greedy tokens equal, logprobs close (kernels/gemv; the kernel
-itself is compared with its reference in tests/unit/test_gemv_kernel.py, which runs here
+"""The decode-step fusions of issue 10 in the engine, bfloat16 through its CUDA graphs,
+each against the same engine without it: greedy tokens equal, logprobs close.
+
+- the Triton skinny GEMM serving every decode batch (``TIDEPOOL_SKINNY_MAX_M=64``; norms
+  and the activation folded in) against cuBLAS and the separate norm and activation
+  kernels (kernels/gemv);
+- decode attention with rotary and the KV store folded in (``rotary_decode_attention``,
+  ``TIDEPOOL_FUSED_DECODE``) against ``rotary_store_kv`` then the decode kernel.
+
+The kernels themselves are compared with their references in tests/unit (which run here
 on the GPU too)."""
 
 import pytest
@@ -64,4 +69,42 @@ def test_decode_through_the_skinny_gemm_equals_cublas_and_transformers(bf16_mode
         assert skinny.token_ids == cublas.token_ids
         a = torch.tensor([lp.top_logprobs for lp in cublas.logprobs])
         b = torch.tensor([lp.top_logprobs for lp in skinny.logprobs])
+        assert torch.allclose(a, b, atol=5e-2, rtol=0), (a - b).abs().max()
+
+
+def test_decode_with_rotary_and_kv_store_in_the_attention_kernel_equals_unfused(bf16_models):
+    from kernels.attention import triton_attention
+    from libs.model.attention import triton_backend
+
+    _, loaded = bf16_models
+    layers = loaded.model.layers
+    calls = {"fused": 0}
+    real = triton_attention.rotary_decode_attention
+
+    def counting(*args):
+        calls["fused"] += 1
+        return real(*args)
+
+    ps = prompts(4)
+    params = SamplingParams(temperature=0, max_tokens=16, logprobs=3, ignore_eos=True)
+    runs = {}
+    try:
+        for fused in (False, True):
+            backend = triton_backend(fused_decode=fused)
+            if fused:
+                backend._rotary_decode = counting
+            for layer in layers:
+                layer.self_attn.backend = backend
+            eng = make(loaded, dtype="bfloat16")
+            runs[fused] = eng.generate(ps, params)
+            assert eng.runner.graphs.replays["decode"] > 0
+            eng.close()
+    finally:
+        for layer in layers:
+            layer.self_attn.backend = triton_backend(fused_decode=False)
+    assert calls["fused"] >= len(layers)  # captured into the decode graphs (and eager steps)
+    for plain, fused in zip(runs[False], runs[True]):
+        assert fused.token_ids == plain.token_ids
+        a = torch.tensor([lp.top_logprobs for lp in plain.logprobs])
+        b = torch.tensor([lp.top_logprobs for lp in fused.logprobs])
         assert torch.allclose(a, b, atol=5e-2, rtol=0), (a - b).abs().max()
