@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import os
 from typing import Any, Iterator
 
 LAUNCHES: dict[tuple, dict] = {}  # variant key -> job
@@ -62,6 +63,12 @@ def job_for(fn, args: tuple, kwargs: dict) -> dict | None:
                 divisible.append(name)
     return dict(module=fn.__module__, kernel=fn.__name__, constexprs=constexprs, types=types, divisible=divisible,
                 num_warps=kwargs.get("num_warps", 4), num_stages=kwargs.get("num_stages"), enable_fp_fusion=kwargs.get("enable_fp_fusion"))
+
+
+def recording() -> bool:
+    """Launches are recorded only in Triton's interpreter (the CPU runs); on a GPU the
+    kernels are compiled ``JITFunction``s and nothing passes through here."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _key(job: dict) -> tuple:

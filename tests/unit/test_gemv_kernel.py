@@ -160,8 +160,8 @@ def test_variants_compile_for_hopper_without_spills():
 
     from tests import sm90_compile, triton_launches
 
-    if not sm90_compile.tools_available():
-        pytest.skip("Triton's NVIDIA tools (ptxas, cuobjdump) are not installed")
+    if not sm90_compile.tools_available() or not triton_launches.recording():
+        pytest.skip("needs Triton's NVIDIA tools and the interpreter (a CPU run)")
     bf16 = dict(dtype=torch.bfloat16)
     with triton_launches.capture() as jobs:  # nothing runs: only the launches are recorded
         for m in (1, 4, 16, 64):

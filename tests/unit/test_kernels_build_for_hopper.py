@@ -15,14 +15,13 @@ checks the FP8 kernels' PTX in more detail.)
 from __future__ import annotations
 
 import math
-import os
 from pathlib import Path
 
 import pytest
 
 from tests import sm90_compile, triton_launches
 
-pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="records interpreter launches (CPU runs)")
+pytestmark = pytest.mark.skipif(not triton_launches.recording(), reason="records interpreter launches (CPU runs)")
 
 PER_KERNEL = 8
 
