@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from kernels.gemv import threshold
-from kernels.gemv import triton_gemv
 from libs.engine import SamplingParams
+from tests.gemv_calls import count_skinny_calls
 from tests.gpu.test_engine_gpu import SMALL, hf_greedy, make, prompts
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -36,19 +36,7 @@ def bf16_models():
 
 def test_decode_through_the_skinny_gemm_equals_cublas_and_transformers(bf16_models, monkeypatch):
     hf, loaded = bf16_models
-    calls = {"plain": 0, "silu_mul": 0, "norm": 0}
-    real, real_norm = triton_gemv.skinny_linear, triton_gemv.norm_skinny_linear
-
-    def counting(x, w, bias=None, *, silu_mul=False):
-        calls["silu_mul" if silu_mul else "plain"] += 1
-        return real(x, w, bias, silu_mul=silu_mul)
-
-    def counting_norm(*args, **kw):
-        calls["norm"] += 1
-        return real_norm(*args, **kw)
-
-    monkeypatch.setattr(triton_gemv, "skinny_linear", counting)
-    monkeypatch.setattr(triton_gemv, "norm_skinny_linear", counting_norm)
+    calls = count_skinny_calls(monkeypatch)
     ps = prompts(4)
     params = SamplingParams(temperature=0, max_tokens=16, logprobs=3, ignore_eos=True)
     runs = {}
