@@ -202,7 +202,8 @@ def write_threshold(rows: list[dict], device: torch.device) -> int:
 
 
 def main() -> None:
-    args = kernel_bench_parser(__doc__, "store the measured swap-AB M threshold (GPU only)").parse_args()
+    ap = kernel_bench_parser(__doc__, "store the measured swap-AB M threshold (GPU only)")
+    args = ap.parse_args()
     device = torch.device("cpu" if args.toy else "cuda")
     if args.write_threshold and device.type != "cuda":
         ap.error("--write-threshold needs GPU timings (not --toy)")

@@ -51,12 +51,11 @@ context (``seq_len`` 0, e.g. CUDA-graph padding) gets a zero output, as in the r
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
+from kernels.device import device_facts
 from kernels.rope.triton_rope import check_rotary, rotary_num_warps, rotate_heads, rotated_halves, table_rows
 
 _LOG2E = 1.4426950408889634
@@ -447,11 +446,6 @@ def _check_gqa(q: torch.Tensor, k_cache: torch.Tensor) -> int:
     return num_heads // num_kv_heads
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def decode_num_splits(batch: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
     """How many programs share one sequence's context, from host ints only.
 
@@ -459,10 +453,8 @@ def decode_num_splits(batch: int, num_kv_heads: int, max_context: int, device: t
     than ``_MIN_SPLIT_TOKENS`` keys (``_MIN_SPLIT_TOKENS_BUSY`` once ``batch * num_kv_heads``
     programs fill the SMs) of the longest possible context (``max_context``: the block-table
     width in tokens): below that the reduction costs more than it saves."""
-    if device.type == "cuda":
-        sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-    else:
-        sms = _CPU_SM_COUNT
+    facts = device_facts(device)
+    sms = facts[1] if facts is not None else _CPU_SM_COUNT
     programs = batch * num_kv_heads
     wanted = triton.cdiv(_DECODE_PROGRAMS_PER_SM * sms, max(programs, 1))
     min_tokens = _MIN_SPLIT_TOKENS if programs < sms else _MIN_SPLIT_TOKENS_BUSY
@@ -600,9 +592,8 @@ def paged_decode_attention_splits(
     else:  # unused by the kernel without SPLIT
         part_out = part_lse = out
     if rope is not None:
-        k, v, positions, cos, sin, slot_mapping = rope
-        rope_args = (k, v, positions, cos, sin, slot_mapping)
-        rope_strides = (*k.stride(), *v.stride(), positions.stride(0), *cos.stride(), *sin.stride())
+        k, v, positions, cos, sin, _ = rope
+        rope_args, rope_strides = rope, (*k.stride(), *v.stride(), positions.stride(0), *cos.stride(), *sin.stride())
     else:  # never read without ROPE
         rope_args, rope_strides = (q, q, seq_lens, q, q, seq_lens), (0,) * 11
     _decode_kernel[(batch, num_kv_heads, num_splits)](

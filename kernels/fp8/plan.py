@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from kernels.device import device_facts
 from kernels.fp8.layout import BLOCK, padded
 
 THRESHOLD_FILE = Path(__file__).with_name("swap_ab_threshold.json")
@@ -183,24 +184,6 @@ def tuned_configs() -> dict[str, dict[str, dict[str, list[TunedEntry]]]]:
 
 def shape_key(n_pad: int, k_pad: int) -> str:
     return f"{n_pad}x{k_pad}"
-
-
-@lru_cache(maxsize=16)
-def _device_facts(device: torch.device) -> tuple[str, int]:
-    props = torch.cuda.get_device_properties(device)
-    return props.name, props.multi_processor_count
-
-
-def device_facts(device: torch.device | str | None) -> tuple[str, int] | None:
-    """(name, SM count) of a CUDA device; None for anything else (the CPU, the interpreter)."""
-    if device is None:
-        return None
-    dev = torch.device(device)
-    if dev.type != "cuda":
-        return None
-    if dev.index is None:
-        dev = torch.device("cuda", torch.cuda.current_device())
-    return _device_facts(dev)
 
 
 def tuned_plan(m: int, n_pad: int, k_pad: int, swap_ab: bool, device_name: str) -> GemmPlan | None:

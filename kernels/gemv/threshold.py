@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from kernels.device import device_facts
+
 THRESHOLD_FILE = Path(__file__).with_name("threshold.json")
 FORMAT = 1
 ENV = "TIDEPOOL_SKINNY_MAX_M"
@@ -51,7 +53,6 @@ def _thresholds() -> dict[str, tuple[int, dict[str, dict[int, Config]]]]:
 def reload() -> None:
     """Forget the file's contents (after the benchmark rewrote it)."""
     _thresholds.cache_clear()
-    _device_max_m.cache_clear()
 
 
 def shape_key(n: int, k: int) -> str:
@@ -66,13 +67,6 @@ def tuned_config(device_name: str, n: int, k: int, m: int) -> Config | None:
     return by_m[min(fits)] if fits else None
 
 
-@lru_cache(maxsize=None)
-def _device_max_m(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 0
-    return _thresholds().get(torch.cuda.get_device_name(device), (0, {}))[0]
-
-
 def skinny_max_m(device: torch.device) -> int:
     """The largest M that takes the Triton kernel on ``device`` (0: none; always 0 off CUDA)."""
     override = os.environ.get(ENV)
@@ -80,4 +74,5 @@ def skinny_max_m(device: torch.device) -> int:
         if not override.isdigit():
             raise ValueError(f"{ENV} must be a non-negative int, got {override!r}")
         return int(override) if device.type == "cuda" else 0
-    return _device_max_m(device)
+    facts = device_facts(device)
+    return _thresholds().get(facts[0], (0, {}))[0] if facts is not None else 0

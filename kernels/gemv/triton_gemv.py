@@ -29,12 +29,11 @@ capturable in a CUDA graph once compiled by an eager call.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
+from kernels.device import device_facts
 from kernels.gemv.threshold import tuned_config
 
 _TILE = 8192  # weight elements per program per K step (times BLOCK_M below 16 rows)
@@ -110,14 +109,10 @@ def _skinny_kernel(
     tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], acc.to(dtype), mask=m_ok[:, None] & n_ok[None, :])
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def _programs_wanted(device: torch.device) -> int:
     # The interpreter gets an H100's count, so the shrinking rule is exercised on the CPU.
-    return 2 * (_sm_count(device.index if device.index is not None else torch.cuda.current_device()) if device.type == "cuda" else 132)
+    facts = device_facts(device)
+    return 2 * (facts[1] if facts is not None else 132)
 
 
 def heuristic_config(m: int, n: int, k: int, device: torch.device, tile: int = _TILE, num_warps: int = 4) -> tuple[int, int, int, int]:
@@ -149,11 +144,9 @@ def candidates(m: int, n: int, k: int) -> list[tuple[int, int, int, int]]:
 def config(m: int, n: int, k: int, device: torch.device) -> tuple[int, int, int, int]:
     """The tuned configuration for this GPU, shape and M where kernels/gemv/threshold.json
     has one, else ``heuristic_config``."""
-    if device.type == "cuda":
-        tuned = tuned_config(torch.cuda.get_device_name(device), n, k, m)
-        if tuned is not None:
-            return tuned
-    return heuristic_config(m, n, k, device)
+    facts = device_facts(device)
+    tuned = tuned_config(facts[0], n, k, m) if facts is not None else None
+    return tuned if tuned is not None else heuristic_config(m, n, k, device)
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, width: int) -> None:

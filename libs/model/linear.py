@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.gemv.threshold import skinny_max_m
+from kernels.select import ops_for
 
 _SKINNY_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -54,11 +55,12 @@ def norm_linear(norm: nn.Module, module: nn.Module, h: torch.Tensor, residual: t
     return linear(module, x), stream
 
 
-def silu_mul_linear(module: nn.Module, gate_up: torch.Tensor, silu_and_mul) -> torch.Tensor:
-    """``module(silu_and_mul(gate_up))``; through the skinny GEMM the activation is folded
-    into the GEMM's load of its input (one launch, not two)."""
+def silu_mul_linear(module: nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
+    """``module(silu_and_mul(gate_up))`` (SwiGLU, the device's kernel: kernels/select.py);
+    through the skinny GEMM the activation is folded into the GEMM's load of its input
+    (one launch, not two)."""
     if type(module) is nn.Linear and _skinny(gate_up, module.weight):
         from kernels.gemv.triton_gemv import skinny_linear
 
         return skinny_linear(gate_up, module.weight, module.bias, silu_mul=True)
-    return module(silu_and_mul(gate_up))
+    return module(ops_for(gate_up.device).silu_and_mul(gate_up))

@@ -170,7 +170,7 @@ class MLP(nn.Module):
 
     def down(self, gate_up: torch.Tensor) -> torch.Tensor:
         """The rest of the MLP after ``gate_up_proj``: SwiGLU, then ``down_proj``."""
-        out = silu_mul_linear(self.down_proj, gate_up, ops_for(gate_up.device).silu_and_mul)
+        out = silu_mul_linear(self.down_proj, gate_up)
         return self.tp.reduce(out) if self.tp is not None else out
 
 
