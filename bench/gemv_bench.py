@@ -32,6 +32,7 @@ timings.
 from __future__ import annotations
 
 import json
+import time
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable
@@ -80,10 +81,14 @@ def projection(name: str, m: int, k: int, device: torch.device, dtype: torch.dty
     )
 
 
-def run(device: torch.device, models: dict, ms: list[int], dtype: torch.dtype, tune: bool = False) -> list[dict]:
+def run(device: torch.device, models: dict, ms: list[int], dtype: torch.dtype, tune: bool = False,
+        budget_s: float | None = None) -> list[dict]:
+    """``budget_s``: with ``tune``, the seconds after which the remaining shapes keep the
+    heuristic's configuration (compiling every candidate takes minutes on a fresh machine)."""
     from kernels.gemv import triton_gemv
 
     time_ms = kernel_timer(device)
+    t0 = time.monotonic()
     rows = []
     for model, (_, shapes) in models.items():
         for name, n, k in shapes:
@@ -101,7 +106,8 @@ def run(device: torch.device, models: dict, ms: list[int], dtype: torch.dtype, t
                 best_cfg = triton_gemv.config(m, n, k, device)
                 check(best_cfg)
                 t_ours = t_heuristic = time_ms([lambda w=w: ours(w, best_cfg) for w in weights])
-                for cfg in triton_gemv.candidates(m, n, k) if tune else []:
+                tuning = tune and (budget_s is None or time.monotonic() - t0 < budget_s)
+                for cfg in triton_gemv.candidates(m, n, k) if tuning else []:
                     check(cfg)
                     t = time_ms([lambda w=w, cfg=cfg: ours(w, cfg) for w in weights])
                     if t < t_ours:
@@ -109,7 +115,7 @@ def run(device: torch.device, models: dict, ms: list[int], dtype: torch.dtype, t
                 t_cublas = time_ms([lambda w=w: cublas(w) for w in weights])
                 gbps = weight.numel() * weight.element_size() / (t_ours * 1e-3) / 1e9
                 rows.append(dict(model=model, proj=name, n=n, k=k, m=m, ours_ms=t_ours, cublas_ms=t_cublas,
-                                 ratio=t_cublas / t_ours, ours_gb_s=gbps, config=list(best_cfg), untuned_ms=t_heuristic))
+                                 ratio=t_cublas / t_ours, ours_gb_s=gbps, config=list(best_cfg), untuned_ms=t_heuristic, tuned=tuning))
                 print(f"{model} {name} {n}x{k} M={m}: ours {t_ours * 1e3:.2f} us, cuBLAS {t_cublas * 1e3:.2f} us", flush=True)
     return rows
 
@@ -159,11 +165,12 @@ def write_threshold(rows: list[dict], sums: list[dict], device: torch.device) ->
 def main() -> None:
     ap = kernel_bench_parser(__doc__, "store the measured M threshold (and with --tune the fastest tiles) for this GPU (GPU only)")
     ap.add_argument("--tune", action="store_true", help="time every candidate configuration per shape and M; ours = the fastest")
+    ap.add_argument("--tune-budget-s", type=float, default=None, help="stop tuning after this many seconds (the rest keep the heuristic)")
     args = ap.parse_args()
     toy = args.toy or not torch.cuda.is_available()
     device = torch.device("cpu" if toy else "cuda")
     models, ms = (TOY_MODELS, TOY_MS) if toy else (MODELS, MS)
-    rows = run(device, models, ms, torch.float32 if toy else torch.bfloat16, tune=args.tune)
+    rows = run(device, models, ms, torch.float32 if toy else torch.bfloat16, tune=args.tune, budget_s=args.tune_budget_s)
     sums = step_sums(rows, models)
     name = "cpu (interpreter: timings mean nothing)" if toy else torch.cuda.get_device_name(device)
     print(f"\n## {name}, torch {torch.__version__}, commit {git_commit()}\n")

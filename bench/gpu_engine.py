@@ -15,13 +15,21 @@ All in one run, bf16, random weights (speed does not depend on the values):
 ``--quick`` (about a third of the time): fewer decode steps, one prefill repetition, and
 only the async and sync configurations (no eager or no-prefill-graph comparison).
 
+``--fusions`` instead measures issue 10's two decode-step fusions in one process, async
+scheduling on, at batch 1 and 64 for each shape: without either, with decode attention
+taking rotary and the KV store (``rotary_decode_attention``), with the Triton skinny GEMM
+(up to the M that kernels/gemv/threshold.json holds for this GPU, or ``--skinny-max-m``),
+and with both; each variant's greedy tokens are compared with the unfused engine's.
+
     python -m bench.gpu_engine [--shapes smollm2-135m,llama-3.2-1b,qwen2.5-7b] [--quick] [--out results.json]
+    python -m bench.gpu_engine --fusions [--skinny-max-m N] [--shapes ...] [--out results.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 
@@ -157,6 +165,66 @@ def bigger(res: dict, shape: str) -> None:
     torch.cuda.empty_cache()
 
 
+FUSIONS = {"unfused": (False, False), "fused_decode": (True, False), "skinny": (False, True), "both": (True, True)}
+
+
+def fusions(res: dict, shape: str, skinny_max_m: int | None) -> None:
+    """Decode b1 and b64 under each of ``FUSIONS`` (fused decode attention, skinny GEMM) on
+    one set of random weights; the attention backend is swapped on the built model and
+    the skinny GEMM's dispatch set through its environment override, as the GPU test does."""
+    from kernels.gemv import threshold
+    from libs.model.attention import triton_backend
+
+    dev = torch.device("cuda")
+    loaded = random_loaded(shape, dev, torch.bfloat16)
+    wanted = threshold.skinny_max_m(dev) if skinny_max_m is None else skinny_max_m
+    out: dict = {"skinny_max_m": wanted, "floor_ms": weights_read_floor_ms(loaded.model)[0]}
+    g = torch.Generator().manual_seed(3)
+    check_prompts = [torch.randint(0, loaded.config.vocab_size, (48,), generator=g).tolist() for _ in range(4)]
+    saved = os.environ.get(threshold.ENV)
+    try:
+        for name, (fused_decode, skinny) in FUSIONS.items():
+            os.environ[threshold.ENV] = str(wanted if skinny else 0)
+            backend = triton_backend(fused_decode=fused_decode)
+            for layer in loaded.model.layers:
+                layer.self_attn.backend = backend
+            eng = engine(loaded, async_scheduling="on", num_blocks=2048, prefill_graph_max_tokens=2048)
+            greedy = eng.generate(check_prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+            decode(eng, 2, steps=8)
+            steps = 64 if QUICK else 192
+            out[name] = {"b1": decode(eng, 1, steps), "b64": decode(eng, 64, steps // 2),
+                         "tokens": [r.token_ids for r in greedy]}
+            eng.close()
+            base = out["unfused"]["tokens"]
+            out[name]["greedy_equal_rows"] = sum(a == b for a, b in zip(base, out[name]["tokens"]))
+            print(f"{shape} {name}: b1 {out[name]['b1']['ms_per_step']:.3f} ms, b64 {out[name]['b64']['tokens_per_s']:,.0f} tok/s, "
+                  f"greedy rows equal to unfused {out[name]['greedy_equal_rows']}/{len(base)}", flush=True)
+    finally:
+        if saved is None:
+            os.environ.pop(threshold.ENV, None)
+        else:
+            os.environ[threshold.ENV] = saved
+    res.setdefault("fusions", {})[shape] = out
+    del loaded
+    torch.cuda.empty_cache()
+
+
+def report_fusions(res: dict) -> None:
+    rows = []
+    for shape, out in res.get("fusions", {}).items():
+        base = out["unfused"]
+        for name in FUSIONS:
+            r = out[name]
+            rows.append([shape, name, f"{r['b1']['ms_per_step']:.3f}", f"{base['b1']['ms_per_step'] / r['b1']['ms_per_step']:.2f}x",
+                         f"{r['b1']['ms_per_step'] / out['floor_ms']:.2f}x", f"{r['b64']['tokens_per_s']:,.0f}",
+                         f"{r['b64']['tokens_per_s'] / base['b64']['tokens_per_s']:.2f}x", f"{r['greedy_equal_rows']}/{len(r['tokens'])}"])
+    if rows:
+        print(f"\n{res['device']}: decode-step fusions (async on; skinny GEMM up to M = "
+              f"{', '.join(str(o['skinny_max_m']) for o in res['fusions'].values())})\n")
+        print(table(["shape", "variant", "b1 ms/step", "b1 vs unfused", "b1 / floor", "b64 tokens/s", "b64 vs unfused",
+                     "greedy rows = unfused"], rows))
+
+
 def report(res: dict) -> None:
     f = lambda x, d=2: f"{x:,.{d}f}"  # noqa: E731
     if "ours_async" in res:
@@ -202,17 +270,22 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--quick", action="store_true", help="shorter runs, only the async and sync configurations")
+    ap.add_argument("--fusions", action="store_true", help="measure the decode-step fusions (issue 10) instead")
+    ap.add_argument("--skinny-max-m", type=int, default=None, help="with --fusions: the skinny GEMM's M limit (default: threshold.json)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     global QUICK
     QUICK = args.quick
     res: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "quick": QUICK}
     for shape in args.shapes.split(","):
-        if shape == "smollm2-135m":
+        if args.fusions:
+            fusions(res, shape, args.skinny_max_m)
+        elif shape == "smollm2-135m":
             smollm2(res)
         else:
             bigger(res, shape)
     report(res)
+    report_fusions(res)
     if args.out:
         with open(args.out, "w") as fh:
             json.dump(res, fh, indent=1)

@@ -78,12 +78,22 @@ def profile_decode(eng, batch: int, steps: int, raw: int) -> None:
 
 
 def profile_prefill(eng, raw: int) -> None:
+    """The kernels of one 16 x 1024 prefill, then where its wall time goes on the host:
+    admission (``add_request``), each engine phase of its steps, and a cProfile of the
+    engine's own functions (the GPU waits for all of this before the step's graph runs)."""
+    import cProfile
+    import io
+    import pstats
+
     g = torch.Generator().manual_seed(3)
+    host = {"add_request": 0.0}
 
     def step_batch():
-        for i in range(16):
-            eng.add_request(f"p{i}-{time.monotonic_ns()}", torch.randint(0, eng.vocab_size, (1024,), generator=g).tolist(),
-                            SamplingParams(temperature=0, max_tokens=1))
+        batch = [torch.randint(0, eng.vocab_size, (1024,), generator=g).tolist() for _ in range(16)]
+        t = time.perf_counter()
+        for i, ids in enumerate(batch):
+            eng.add_request(f"p{i}-{time.monotonic_ns()}", ids, SamplingParams(temperature=0, max_tokens=1))
+        host["add_request"] = time.perf_counter() - t
         while eng.has_unfinished_requests():
             eng.step()
 
@@ -99,6 +109,26 @@ def profile_prefill(eng, raw: int) -> None:
         torch.cuda.synchronize()
     print(f"\n## prefill 16x1024: wall {wall * 1e3:.2f} ms ({16384 / wall / 1e3:.0f}k tokens/s)\n")
     print(kernel_table(prof, 1, raw))
+    eng.phases.history = []
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    step_batch()
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - t
+    history, eng.phases.history = eng.phases.history, None
+    rows = [["add_request x 16", f"{host['add_request'] * 1e3:.2f}"]]
+    for i, h in enumerate(history):
+        rows += [[f"step {i}: {k}", f"{h[k] * 1e3:.2f}"] for k in h]
+    print(f"\nhost time of the prefill (wall {wall * 1e3:.2f} ms), ms\n")
+    print(table(["part", "ms"], rows))
+    pr = cProfile.Profile()
+    pr.enable()
+    step_batch()
+    torch.cuda.synchronize()
+    pr.disable()
+    out = io.StringIO()
+    pstats.Stats(pr, stream=out).sort_stats("tottime").print_stats(25)
+    print("\ncProfile of one prefill (by own time)\n" + out.getvalue())
 
 
 def main(argv: list[str] | None = None) -> None:

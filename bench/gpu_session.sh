@@ -11,7 +11,8 @@
 #   bench/gpu_session.sh fp8 moe                # FP8 tuning/GEMM/decode (~5 min), MoE executors
 #   bench/gpu_session.sh moe_fp8                # issue 13's FP8 experts: tests/gpu/test_moe_fp8_gpu.py, bench.moe_fp8_bench (~5-7 min)
 #   bench/gpu_session.sh engine                 # issue 10: the engine's GPU tests and benchmarks
-#   bench/gpu_session.sh decode_fusions         # issue 10: skinny GEMM + fused decode attention: tests, sweep, engine A/B/C (~20 min)
+#   bench/gpu_session.sh decode_fusions         # issue 10: skinny GEMM + fused decode attention: tests, tuned sweep (~8 min)
+#   bench/gpu_session.sh fusions_engine         # issue 10: the engine with neither, each and both fusions; profile (~6 min)
 #   QUICK=1 bench/gpu_session.sh engine         # the same, benchmarks shortened (--quick)
 #   bench/gpu_session.sh tp                     # issue 15 on nvidia-h200-x2: the TP GPU tests
 #   bench/gpu_session.sh tp_bench               # issue 15: TP=1 vs TP=2, Qwen2.5-7B shape (writes a 15 GB checkpoint once)
@@ -72,19 +73,16 @@ for s in "$@"; do
                 step gpu_engine 300 python3 -m bench.gpu_engine ${QUICK:+--quick} --out bench/results/gpu_engine_h100.json
                 step async_scheduling 150 python3 -m bench.async_scheduling --device cuda --reps 2 ${QUICK:+--quick} \
                     --out bench/results/async_scheduling_h100.json ;;
-        decode_fusions) # issue 10: the skinny GEMM and the fused decode attention, untested on a GPU until this runs:
-              # their tests, the skinny GEMM's sweep against cuBLAS (writes kernels/gemv/threshold.json), then the
-              # engine without either, with the fused decode attention, and with both (the skinny GEMM as the new threshold says)
-              step fusion_tests 300 python3 -m pytest -v -p no:cacheprovider --timeout 120 tests/unit/test_gemv_kernel.py \
+        decode_fusions) # issue 10: the skinny GEMM and the fused decode attention: their kernels' tests on the GPU,
+              # the skinny GEMM's sweep against cuBLAS (tiles tuned for ~150 s; writes kernels/gemv/threshold.json)
+              step fusion_tests 200 python3 -m pytest -v -p no:cacheprovider --timeout 120 tests/unit/test_gemv_kernel.py \
                   tests/unit/test_attention_kernels.py tests/gpu/test_decode_fusions_gpu.py tests/gpu/test_attention_gpu.py
-              step gemv_bench 400 python3 -m bench.gemv_bench --tune --write-threshold --out bench/results/gemv_h100.json
-              TIDEPOOL_SKINNY_MAX_M=0 TIDEPOOL_FUSED_DECODE=0 step gpu_engine_unfused 300 python3 -m bench.gpu_engine --quick \
-                  --shapes smollm2-135m,llama-3.2-1b --out bench/results/gpu_engine_h100_unfused.json
-              TIDEPOOL_SKINNY_MAX_M=0 TIDEPOOL_FUSED_DECODE=1 step gpu_engine_fused_decode 300 python3 -m bench.gpu_engine --quick \
-                  --shapes smollm2-135m,llama-3.2-1b --out bench/results/gpu_engine_h100_fused_decode.json
-              TIDEPOOL_FUSED_DECODE=1 step gpu_engine_fused_both 300 python3 -m bench.gpu_engine --quick \
-                  --shapes smollm2-135m,llama-3.2-1b --out bench/results/gpu_engine_h100_fused_both.json
-              TIDEPOOL_FUSED_DECODE=1 step gpu_profile_fused 200 python3 -m bench.gpu_profile --no-prefill ;;
+              step gemv_bench 280 python3 -m bench.gemv_bench --tune --tune-budget-s ${GEMV_TUNE_S:-150} --write-threshold \
+                  --out bench/results/gemv_h100.json ;;
+        fusions_engine) # issue 10: the engine without either fusion, with each, with both (one process), then a profile
+              step gpu_engine_fusions 300 python3 -m bench.gpu_engine --fusions --shapes smollm2-135m,llama-3.2-1b \
+                  --out bench/results/gpu_engine_fusions_h100.json
+              step gpu_profile_fused 150 python3 -m bench.gpu_profile --no-prefill ;;
         tp) step tp_tests 400 python3 -m pytest -v -p no:cacheprovider --timeout 300 --durations=15 tests/gpu/test_tp_gpu.py ;;
         tp_bench) step tp_checkpoint 200 python3 -m bench.random_checkpoint qwen2.5-7b /tmp/tidepool-bench/qwen2.5-7b --device cuda
                   step tp_bench 500 python3 -m bench.tp_bench --checkpoint /tmp/tidepool-bench --out bench/results/tp_bench_h200x2.json ;;

@@ -108,18 +108,23 @@ def torch_backend() -> PagedAttention:
     )
 
 
-# The fused decode kernel (kernels/attention ``rotary_decode_attention``) is off until it
-# has run and been measured on a GPU: TIDEPOOL_FUSED_DECODE=1 turns it on.
+# The fused decode kernel (kernels/attention ``rotary_decode_attention``: rotary and the KV
+# store folded into decode attention) is on by default: on the H100 it passed
+# tests/gpu/test_decode_fusions_gpu.py and made decode 1.02-1.06x faster (bench/RESULTS.md,
+# "Round 4"). TIDEPOOL_FUSED_DECODE=0 turns it off (rotary_store_kv then the decode kernel).
 FUSED_DECODE_ENV = "TIDEPOOL_FUSED_DECODE"
 
 
 def triton_backend(fused_decode: bool | None = None) -> PagedAttention:
-    """``fused_decode``: decode-only steps through ``rotary_decode_attention`` (default:
-    ``TIDEPOOL_FUSED_DECODE=1``, else off)."""
+    """``fused_decode``: decode-only steps through ``rotary_decode_attention`` (default: on,
+    unless ``TIDEPOOL_FUSED_DECODE=0``)."""
     from kernels.attention import triton_attention as tri
 
     if fused_decode is None:
-        fused_decode = os.environ.get(FUSED_DECODE_ENV, "0") == "1"
+        flag = os.environ.get(FUSED_DECODE_ENV, "1")
+        if flag not in ("0", "1"):
+            raise ValueError(f"{FUSED_DECODE_ENV} must be 0 or 1, got {flag!r}")
+        fused_decode = flag == "1"
     return PagedAttention(
         "triton", tri.store_kv, tri.paged_decode_attention, tri.paged_prefill_attention, tri.rotary_store_kv,
         tri.rotary_decode_attention if fused_decode else None,

@@ -281,7 +281,7 @@ def test_rotary_decode_builds_for_hopper_as_the_gpu_runs_it():
 
 def test_backend_takes_the_fused_decode_only_where_asked(monkeypatch):
     """``PagedAttention`` sends a decode-only step with rotary tables to ``rotary_decode``
-    when it has one (the Triton backend: only with TIDEPOOL_FUSED_DECODE=1 until measured),
+    when it has one (the Triton backend: by default; TIDEPOOL_FUSED_DECODE=0 turns it off),
     and every other step through the rotary store and the decode/prefill kernels."""
     from libs.model.attention import FUSED_DECODE_ENV, AttentionMetadata, PagedAttention, triton_backend
 
@@ -308,6 +308,10 @@ def test_backend_takes_the_fused_decode_only_where_asked(monkeypatch):
     fused(None, None, None, None, None, meta(0), 1.0, None)  # already rotated (the CPU path)
     assert calls == ["store", "decode"]
     monkeypatch.delenv(FUSED_DECODE_ENV, raising=False)
-    assert triton_backend()._rotary_decode is None
-    monkeypatch.setenv(FUSED_DECODE_ENV, "1")
     assert triton_backend()._rotary_decode is tri.rotary_decode_attention
+    monkeypatch.setenv(FUSED_DECODE_ENV, "0")
+    assert triton_backend()._rotary_decode is None
+    assert triton_backend(fused_decode=True)._rotary_decode is tri.rotary_decode_attention
+    monkeypatch.setenv(FUSED_DECODE_ENV, "yes")
+    with pytest.raises(ValueError, match="TIDEPOOL_FUSED_DECODE"):
+        triton_backend()
