@@ -21,7 +21,10 @@ taking rotary and the KV store (``rotary_decode_attention``), with the Triton sk
 (up to the M that kernels/gemv/threshold.json holds for this GPU, or ``--skinny-max-m``),
 and with both; each variant's greedy tokens are compared with the unfused engine's.
 
-    python -m bench.gpu_engine [--shapes smollm2-135m,llama-3.2-1b,qwen2.5-7b] [--quick] [--out results.json]
+``--prefill-sweep`` adds prefill tokens/s at step sizes of 512 to 16384 tokens with prefill
+graphs and without: where graphs pay, for ``EngineConfig.prefill_graph_max_tokens``.
+
+    python -m bench.gpu_engine [--shapes smollm2-135m,llama-3.2-1b,qwen2.5-7b] [--quick] [--prefill-sweep] [--out results.json]
     python -m bench.gpu_engine --fusions [--skinny-max-m N] [--shapes ...] [--out results.json]
 """
 
@@ -45,8 +48,9 @@ QUICK = False  # --quick: shorter runs, fewer configurations
 
 
 def engine(loaded, **kw) -> LLM:
-    cfg = dict(device="cuda", dtype="bfloat16", max_num_seqs=64, num_blocks=4096, max_num_batched_tokens=16384, max_model_len=4096,
-               prefill_graph_max_tokens=16384)
+    # Prefill graphs as the engine's default (EngineConfig.prefill_graph_max_tokens): a
+    # 16 x 1024 prefill runs eagerly, which measured faster than its graph (--prefill-sweep).
+    cfg = dict(device="cuda", dtype="bfloat16", max_num_seqs=64, num_blocks=4096, max_num_batched_tokens=16384, max_model_len=4096)
     cfg.update(kw)
     return LLM(EngineConfig(**cfg), loaded=loaded)
 
@@ -94,6 +98,40 @@ def prefill(eng: LLM, batch: int = 16, length: int = 1024) -> float:
             eng.step()
 
     return batch * length / cuda_time(run, reps=1 if QUICK else 3, warmup=1, device=eng.device)
+
+
+SWEEP_TOKENS = (512, 1024, 2048, 4096, 8192, 16384)
+
+
+def prefill_sweep(res: dict) -> None:
+    """Prefill tokens/s with prefill graphs up to 16384 tokens and without any, at each
+    step size of ``SWEEP_TOKENS`` (one prompt up to 1024 tokens, then 1024-token prompts):
+    where graphs pay (EngineConfig.prefill_graph_max_tokens)."""
+    dev = torch.device("cuda")
+    loaded = random_loaded("smollm2-135m", dev, torch.bfloat16)
+    out: dict = {}
+    for name, max_tokens in (("graphs", 16384), ("eager", 0)):
+        eng = engine(loaded, async_scheduling="on", prefill_graph_max_tokens=max_tokens)
+        decode(eng, 2, steps=8)
+        for tokens in SWEEP_TOKENS:
+            lengths = [tokens] if tokens <= 1024 else [1024] * (tokens // 1024)
+            g = torch.Generator().manual_seed(tokens)
+
+            def run(lengths=lengths, g=g):
+                for i, n in enumerate(lengths):
+                    ids = torch.randint(0, eng.vocab_size, (n,), generator=g).tolist()
+                    eng.add_request(f"s{i}-{time.monotonic_ns()}", ids, SamplingParams(temperature=0, max_tokens=1))
+                while eng.has_unfinished_requests():
+                    eng.step()
+
+            out.setdefault(str(tokens), {})[name] = tokens / cuda_time(run, reps=5, warmup=2, device=eng.device)
+        eng.close()
+    res["prefill_sweep"] = out
+    rows = [[t, f"{r['graphs']:,.0f}", f"{r['eager']:,.0f}", f"{r['graphs'] / r['eager']:.2f}x"] for t, r in out.items()]
+    print(f"\n{res['device']}: prefill tokens/s by step size, SmolLM2 shape (prompts of <= 1024 tokens)\n")
+    print(table(["tokens in the step", "prefill graphs", "eager", "graphs / eager"], rows))
+    del loaded
+    torch.cuda.empty_cache()
 
 
 def hf_decode(hf, batch: int, steps: int = 64) -> dict:
@@ -270,6 +308,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--quick", action="store_true", help="shorter runs, only the async and sync configurations")
+    ap.add_argument("--prefill-sweep", action="store_true", help="also sweep prefill step sizes with and without prefill graphs")
     ap.add_argument("--fusions", action="store_true", help="measure the decode-step fusions (issue 10) instead")
     ap.add_argument("--skinny-max-m", type=int, default=None, help="with --fusions: the skinny GEMM's M limit (default: threshold.json)")
     ap.add_argument("--out", default=None)
@@ -286,6 +325,8 @@ def main(argv: list[str] | None = None) -> dict:
             bigger(res, shape)
     report(res)
     report_fusions(res)
+    if args.prefill_sweep:
+        prefill_sweep(res)
     if args.out:
         with open(args.out, "w") as fh:
             json.dump(res, fh, indent=1)

@@ -7,7 +7,8 @@ from libs.blocks.keys import (
     NamespaceRoot,
     block_keys,
     chain_key,
+    chain_keys,
     full_block_keys,
 )
 
-__all__ = ["KEY_BYTES", "BlockKey", "Namespace", "NamespaceRoot", "block_keys", "chain_key", "full_block_keys"]
+__all__ = ["KEY_BYTES", "BlockKey", "Namespace", "NamespaceRoot", "block_keys", "chain_key", "chain_keys", "full_block_keys"]

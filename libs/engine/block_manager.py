@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from libs.blocks import Namespace, chain_key
+from libs.blocks import Namespace, chain_keys
 from libs.engine.sequence import Sequence
 from libs.engine.prompt_logprobs import needs_scoring
 
@@ -62,12 +62,9 @@ class BlockManager:
 
     def update_keys(self, seq: Sequence) -> None:
         """Extend ``seq.block_keys`` to cover every full block of its tokens."""
-        bs = self.block_size
         keys = seq.block_keys
         parent = keys[-1] if keys else self.namespace.digest
-        for i in range(len(keys), seq.num_tokens // bs):
-            parent = chain_key(parent, seq.token_ids[i * bs : (i + 1) * bs])
-            keys.append(parent)
+        keys.extend(chain_keys(parent, seq.token_ids, self.block_size, len(keys), seq.num_tokens // self.block_size))
 
     def cached_prefix_blocks(self, seq: Sequence) -> list[int]:
         """Blocks of the longest cached prefix of ``seq``, leaving at least one token to
@@ -94,10 +91,9 @@ class BlockManager:
         redundant load or a recompute, never a wrong result."""
         if not self.enable_prefix_caching:
             return 0
-        bs, parent, n = self.block_size, self.namespace.digest, 0
-        for i in range(len(token_ids) // bs):
-            parent = chain_key(parent, token_ids[i * bs : (i + 1) * bs])
-            if parent not in self.key_to_block:
+        n = 0
+        for key in chain_keys(self.namespace.digest, token_ids, self.block_size, 0, len(token_ids) // self.block_size):
+            if key not in self.key_to_block:
                 break
             n += 1
         return n

@@ -22,8 +22,10 @@ def validate_request(
         raise InvalidRequestError("params must be SamplingParams", param="params")
     if not prompt_token_ids:
         raise InvalidRequestError("the prompt must contain at least one token", param="prompt")
-    bad = [t for t in prompt_token_ids if not (isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size)]
-    if bad:  # (a list, not next(..., None): None itself is a bad token)
+    # The common case in C (map/min/max): a 16 x 1024-token batch is admitted before its
+    # prefill can launch. Only a prompt that fails is searched for its first bad id.
+    if set(map(type, prompt_token_ids)) != {int} or min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab_size:
+        bad = [t for t in prompt_token_ids if not (type(t) is int and 0 <= t < vocab_size)]
         raise TokenOutOfRangeError(f"token id {bad[0]!r} is outside the vocabulary [0, {vocab_size})", param="prompt")
     bad = next((t for t, _ in params.logit_bias if t >= vocab_size), None)
     if bad is not None:

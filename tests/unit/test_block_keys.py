@@ -115,3 +115,23 @@ def test_namespace_rejects_nonsense() -> None:
         Namespace(model_digest="", dtype="bf16", block_size=16)
     with pytest.raises(ValueError):
         Namespace(model_digest="m", dtype="bf16", block_size=0)
+
+
+@given(BLOCK_SIZES, TOKENS, st.data())
+def test_chain_keys_of_a_range_equal_chain_key_block_by_block(block_size: int, tokens: list[int], data: st.DataObject) -> None:
+    """``chain_keys`` (the prefix cache's batched form: one conversion to bytes, a copied
+    personalised hasher) continues a chain exactly as ``chain_key`` does one block at a time."""
+    from libs.blocks.keys import chain_key, chain_keys
+
+    n_full = len(tokens) // block_size
+    first = data.draw(st.integers(0, n_full))
+    stop = data.draw(st.integers(first, n_full))
+    parent = ns_for(block_size).digest
+    expected = []
+    for i in range(stop):
+        parent = chain_key(parent, tokens[i * block_size : (i + 1) * block_size])
+        expected.append(parent)
+    start_parent = expected[first - 1] if first else ns_for(block_size).digest
+    assert chain_keys(start_parent, tokens, block_size, first, stop) == expected[first:stop]
+    with pytest.raises(ValueError):
+        chain_keys(b"short", tokens, block_size, first, stop)
