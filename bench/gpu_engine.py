@@ -48,8 +48,8 @@ QUICK = False  # --quick: shorter runs, fewer configurations
 
 
 def engine(loaded, **kw) -> LLM:
-    # Prefill graphs as the engine's default (EngineConfig.prefill_graph_max_tokens): a
-    # 16 x 1024 prefill runs eagerly, which measured faster than its graph (--prefill-sweep).
+    # Prefill graphs cover the whole step budget, as the engine's defaults do
+    # (EngineConfig.prefill_graph_max_tokens, capped by max_num_batched_tokens).
     cfg = dict(device="cuda", dtype="bfloat16", max_num_seqs=64, num_blocks=4096, max_num_batched_tokens=16384, max_model_len=4096)
     cfg.update(kw)
     return LLM(EngineConfig(**cfg), loaded=loaded)

@@ -71,10 +71,14 @@ class EngineConfig:
     weight_cache_dir: str | None = None
     # CUDA only: decode steps replay captured graphs (batch sizes up to graph_max_batch),
     # steps with prompt chunks replay prefill graphs (token counts up to
-    # prefill_graph_max_tokens, capped by the step budget; 0 disables them).
+    # prefill_graph_max_tokens, capped by the step budget; 0 disables them). The default
+    # covers a budget raised to 16384: on the H100 a 16 x 1024-token step launched eagerly
+    # spends 17-20 ms of host time on its 340 launches against 12.8 ms of GPU work, its
+    # graph 1.3 ms (bench/prefill_host.py; smaller steps gain more, bench.gpu_engine
+    # --prefill-sweep).
     cuda_graphs: bool = True
     graph_max_batch: int = 128
-    prefill_graph_max_tokens: int = 8192
+    prefill_graph_max_tokens: int = 16384
     # Async scheduling (libs/engine/engine.py): step N + 1 is scheduled and launched before
     # step N's tokens are read back. "auto" turns it on only where it was measured faster:
     # see ASYNC_SCHEDULING_DEFAULTS.
