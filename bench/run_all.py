@@ -79,6 +79,7 @@ BENCHES = [
     Bench("tp_gpu", ["-m", "bench.tp_bench", "--out", "{out}/tp_gpu.json"], 1800, gpu=True,
           what="TP=2 vs TP=1 (Qwen2.5-7B shape, two GPUs): decode b1/b64, prefill 8x2048, the handoff across layouts"),
     Bench("gpu_profile", ["-m", "bench.gpu_profile"], 600, gpu=True, what="where decode and prefill steps spend GPU time"),
+    Bench("prefill_host", ["-m", "bench.prefill_host"], 600, gpu=True, what="where an eager prefill step's host time goes"),
     Bench("attention", ["bench/attention_bench.py", "--markdown", "{out}/attention.md"], 900, gpu=True, what="paged attention kernels"),
     Bench("swap", ["bench/swap_bench.py", "--markdown", "{out}/swap.md"], 600, gpu=True, what="swap kernels vs copies"),
     Bench("fp8_quality", ["-m", "bench.fp8_quality", "--out", "{out}/fp8_quality.json"], 1200,
