@@ -68,16 +68,21 @@ class BlockManager:
 
     def cached_prefix_blocks(self, seq: Sequence) -> list[int]:
         """Blocks of the longest cached prefix of ``seq``, leaving at least one token to
-        compute (the step that samples needs the last token's hidden state)."""
-        if not self.enable_prefix_caching:
-            return []
-        self.update_keys(seq)
-        if needs_scoring(seq):  # its prompt logprobs need every position computed
+        compute (the step that samples needs the last token's hidden state).
+
+        Keys are computed only as far as the lookup needs (doubling past the ones already
+        known, so a long hit costs few conversions): a new prompt costs one hash here, and
+        the rest of its keys are computed once its step is on the GPU (``update_keys``
+        from the engine, before ``commit`` needs them)."""
+        if not self.enable_prefix_caching or needs_scoring(seq):  # scored prompts compute every position
             return []
         limit = (seq.num_tokens - 1) // self.block_size
+        keys = seq.block_keys
         hits = []
-        for key in seq.block_keys[:limit]:
-            block = self.key_to_block.get(key)
+        for i in range(limit):
+            if i == len(keys):
+                keys.extend(chain_keys(keys[-1] if keys else self.namespace.digest, seq.token_ids, self.block_size, i, min(limit, 2 * i + 1)))
+            block = self.key_to_block.get(keys[i])
             if block is None:
                 break
             hits.append(block)

@@ -233,10 +233,11 @@ class LLMEngine:
         """
         if request_id in self._requests:
             raise DuplicateRequestError(f"request id {request_id!r} is already running", param="request_id")
-        self.validate(list(prompt_token_ids) + list(output_prefix), params, num_output_tokens=len(output_prefix))
+        prompt = list(prompt_token_ids)
+        self.validate(prompt + list(output_prefix) if output_prefix else prompt, params, num_output_tokens=len(output_prefix))
         if output_prefix and params.n != 1:
             raise InvalidRequestError("n must be 1 when continuing from an output prefix", param="n")
-        seq = self._new_sequence(request_id, 0, list(prompt_token_ids), params)
+        seq = self._new_sequence(request_id, 0, prompt, params)
         for t in output_prefix:
             seq.append_token(t, None)
         seq.new_token_ids.clear()
@@ -372,6 +373,8 @@ class LLMEngine:
                 self._pre_ops[:0] = pre_ops
                 launched = False
             t3 = time.perf_counter()
+            if launched:
+                self._key_chunks(step)
         touched.update((s.request_id, None) for s in out.preempted)
         t4 = t5 = t3
         if self._in_flight and (not self.async_scheduling or len(self._in_flight) > 1 or not launched):
@@ -386,6 +389,15 @@ class LLMEngine:
                 {"schedule": t1 - t0, "prepare": t2 - t1, "launch": t3 - t2, "sample": t4 - t3, "output": t5 - t4, "forward": forward, "step": t5 - t0}
             )
         return outputs
+
+    def _key_chunks(self, step: Step) -> None:
+        """The prefix-cache keys of the full blocks this step's prompt chunks cover, hashed
+        while the GPU runs the step (admission looked up only as far as the cache hit, and
+        ``commit`` publishes them when the step's ids are read)."""
+        if self.block_manager.enable_prefix_caching:
+            for c in step.chunks:
+                if not c.verify:
+                    self.block_manager.update_keys(c.seq)
 
     def _read(self, touched: dict[str, None], outputs: list[RequestOutput]) -> tuple[float, float]:
         """Wait for the oldest step in flight and process its ids (streamed KV pieces it

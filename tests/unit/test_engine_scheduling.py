@@ -105,3 +105,38 @@ def test_prefix_cache_shares_blocks_between_requests():
     eng.generate([prompt], GREEDY)
     second = eng.generate([prompt + [5, 6, 7]], GREEDY)[0]
     assert second.num_cached_tokens == 64
+
+
+def test_admission_hashes_only_what_the_prefix_lookup_needs():
+    """A prompt's block keys are computed at admission only as far as the cache hits (a
+    new prompt: one hash), the rest once its step is launched (before the GPU finishes),
+    and the full chain is what ``commit`` publishes: the next request still hits it."""
+    from libs.blocks import block_keys
+
+    eng = tiny_engine(num_blocks=64)
+    bm = eng.block_manager
+    cold = prompts(1, 16 * 8)[0]  # 8 full blocks
+    seq_keys = {}
+    real = bm.cached_prefix_blocks
+
+    def spy(seq):
+        hits = real(seq)
+        seq_keys[seq.request_id] = (len(hits), len(seq.block_keys))
+        return hits
+
+    bm.cached_prefix_blocks = spy
+    eng.add_request("cold", cold, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    eng.step()
+    assert seq_keys["cold"] == (0, 1)
+    seq = eng._requests["cold"][0]
+    assert seq.block_keys == [k.digest for k in block_keys(bm.namespace, cold, include_partial=False)]
+    while eng.has_unfinished_requests():
+        eng.step()
+    warm = cold[: 16 * 5] + [3] * 200  # 5 cached blocks, then 12 new ones
+    eng.add_request("warm", warm, SamplingParams(temperature=0, max_tokens=1))
+    outs = eng.step()
+    hits, hashed = seq_keys["warm"]
+    assert hits == 5 and hashed < (len(warm) - 1) // 16  # stopped hashing soon after the first miss
+    while eng.has_unfinished_requests():
+        outs += eng.step()
+    assert [o.num_cached_tokens for o in outs if o.finished] == [16 * 5]
