@@ -21,11 +21,13 @@ over its layers plus the LM head at that M, as one decode step runs them.
 ``--tune`` times every configuration of ``triton_gemv.candidates`` per shape and M and
 counts ours as the fastest (the heuristic's time is kept beside it). ``--write-threshold``
 stores, in kernels/gemv/threshold.json under this GPU's name, the largest M of the sweep
-up to which ours beats cuBLAS on every model's step-GEMM sum (so the dispatch never takes
-the kernel where it loses) and the configuration used per shape and M, with the date and
-timings.
+up to which ours beats cuBLAS on every model's step-GEMM sum (for shapes the sweep did not
+measure), per measured shape the largest M up to which ours beats cuBLAS at every M (so
+the dispatch never takes the kernel where it lost), and the configuration used per shape
+and M, with the date and timings. ``--threshold-from`` writes the same from a saved run.
 
     python -m bench.gemv_bench [--tune] [--write-threshold] [--out bench/results/gemv_h100.json]
+    python -m bench.gemv_bench --threshold-from bench/results/gemv_h100.json
     TRITON_INTERPRET=1 python -m bench.gemv_bench --toy   # checks the script on the CPU
 """
 
@@ -143,18 +145,43 @@ def choose_threshold(sums: list[dict]) -> int:
     return best
 
 
-def write_threshold(rows: list[dict], sums: list[dict], device: torch.device) -> int:
+# A single projection's timing is noisier than a step's sum: per shape, ours must win by
+# this much to serve.
+SHAPE_MARGIN = 1.02
+
+
+def shape_thresholds(rows: list[dict]) -> dict[str, int]:
+    """Per weight shape ``NxK``: the largest measured M up to which ours beat cuBLAS by
+    ``SHAPE_MARGIN`` (each with what the model folds in or runs first) at every measured
+    M of that shape, in every model that has it (0: not even at M = 1)."""
+    out: dict[str, int] = {}
+    for key in sorted({thr.shape_key(r["n"], r["k"]) for r in rows}):
+        mine = [r for r in rows if thr.shape_key(r["n"], r["k"]) == key]
+        best = 0
+        for m in sorted({r["m"] for r in mine}):
+            if all(r["ratio"] >= SHAPE_MARGIN for r in mine if r["m"] == m):
+                best = m
+            else:
+                break
+        out[key] = best
+    return out
+
+
+def write_threshold(rows: list[dict], sums: list[dict], device_name: str, commit: str | None = None, date: str | None = None) -> int:
+    """Store the device's entry in threshold.json (``commit`` and ``date``: the measured
+    run's, when it is rewritten from a saved one)."""
     max_m = choose_threshold(sums)
     data = json.loads(thr.THRESHOLD_FILE.read_text())
     thr.parse_thresholds(data)
     configs: dict[str, dict[str, list[int]]] = {}
     for r in rows:
         configs.setdefault(thr.shape_key(r["n"], r["k"]), {})[str(r["m"])] = r["config"]
-    data.setdefault("devices", {})[torch.cuda.get_device_name(device)] = {
+    data.setdefault("devices", {})[device_name] = {
         "max_m": max_m,
+        "max_m_by_shape": shape_thresholds(rows),
         "configs": configs,
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "commit": git_commit(),
+        "date": date or datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "commit": commit or git_commit(),
         "step_sums_ms": {f"{s['model']}@{s['m']}": {"ours": s["ours_ms"], "cublas": s["cublas_ms"]} for s in sums},
     }
     thr.THRESHOLD_FILE.write_text(json.dumps(data, indent=2) + "\n")
@@ -166,7 +193,16 @@ def main() -> None:
     ap = kernel_bench_parser(__doc__, "store the measured M threshold (and with --tune the fastest tiles) for this GPU (GPU only)")
     ap.add_argument("--tune", action="store_true", help="time every candidate configuration per shape and M; ours = the fastest")
     ap.add_argument("--tune-budget-s", type=float, default=None, help="stop tuning after this many seconds (the rest keep the heuristic)")
+    ap.add_argument("--threshold-from", default=None, metavar="JSON",
+                    help="write threshold.json from a saved run's --out file (its device, rows and commit) instead of measuring")
     args = ap.parse_args()
+    if args.threshold_from:
+        saved = json.loads(Path(args.threshold_from).read_text())
+        sums = step_sums(saved["rows"], MODELS)
+        measured = json.loads(thr.THRESHOLD_FILE.read_text()).get("devices", {}).get(saved["device"], {})
+        max_m = write_threshold(saved["rows"], sums, saved["device"], commit=saved.get("commit"), date=saved.get("date", measured.get("date")))
+        print(f"wrote max_m = {max_m} and per shape {shape_thresholds(saved['rows'])} for {saved['device']} to {thr.THRESHOLD_FILE}")
+        return
     toy = args.toy or not torch.cuda.is_available()
     device = torch.device("cpu" if toy else "cuda")
     models, ms = (TOY_MODELS, TOY_MS) if toy else (MODELS, MS)
@@ -181,9 +217,10 @@ def main() -> None:
     print(table(["model", "M", "ours us", "cuBLAS us", "cuBLAS/ours"],
                 [[s["model"], s["m"], f"{s['ours_ms'] * 1e3:.1f}", f"{s['cublas_ms'] * 1e3:.1f}", f"{s['ratio']:.2f}x"] for s in sums]))
     if args.write_threshold and not toy:
-        print(f"\nwrote max_m = {write_threshold(rows, sums, device)} for {name} to {thr.THRESHOLD_FILE}")
+        print(f"\nwrote max_m = {write_threshold(rows, sums, name)} and per shape {shape_thresholds(rows)} for {name} to {thr.THRESHOLD_FILE}")
     if args.out:
-        Path(args.out).write_text(json.dumps(dict(device=name, torch=torch.__version__, commit=git_commit(), rows=rows, step_sums=sums), indent=1))
+        Path(args.out).write_text(json.dumps(dict(device=name, torch=torch.__version__, commit=git_commit(),
+                                                  date=datetime.now(timezone.utc).isoformat(timespec="seconds"), rows=rows, step_sums=sums), indent=1))
 
 
 if __name__ == "__main__":

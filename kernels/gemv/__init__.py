@@ -14,11 +14,12 @@ paths carry such kernels for small batches).
   layer's residual add and RMSNorm (kernels/norm) then the projection: the oracles.
 - ``triton_gemv``: the same signatures, one launch each; the activation and the norm are
   folded into the load of ``x``, so at decode sizes a layer runs four kernels fewer.
-- ``threshold.json``: per device, the largest M that takes the Triton kernel (data,
-  written by ``bench/gemv_bench.py --write-threshold`` from timings against cuBLAS in the
-  same run). A device not in it takes cuBLAS at every M.
+- ``threshold.json``: per device, the largest M that takes the Triton kernel, overall and
+  per weight shape the sweep measured (data, written by ``bench/gemv_bench.py
+  --write-threshold`` from timings against cuBLAS in the same run). A device not in it
+  takes cuBLAS at every M.
 
-``skinny_max_m(device)`` answers the dispatch question (``TIDEPOOL_SKINNY_MAX_M``
+``skinny_max_m(device, n, k)`` answers the dispatch question (``TIDEPOOL_SKINNY_MAX_M``
 overrides the file: 0 turns the kernel off, N sends M <= N to it). libs/model/linear.py is
 the one caller.
 """

@@ -3,8 +3,15 @@ measured data (bench/gemv_bench.py).
 
 A device the file does not name takes cuBLAS at every M (the kernel has to be measured
 faster on a device before it serves there). ``TIDEPOOL_SKINNY_MAX_M`` overrides the file
-(benchmarks compare both paths in one run with it). ``configs`` holds, per weight shape
-``NxK`` and M, the fastest ``[BLOCK_M, BLOCK_N, BLOCK_K, num_warps]`` of the tuning sweep."""
+(benchmarks compare both paths in one run with it). Per device:
+
+- ``max_m``: the largest M at which the kernel beat cuBLAS on every model's decode-step
+  sum; it serves weight shapes the sweep did not measure;
+- ``max_m_by_shape`` (optional; files written before it lack it): per weight shape
+  ``NxK``, the largest M up to which the kernel beat cuBLAS (with the norm or activation
+  each path runs) at every measured M, for the shapes the sweep measured;
+- ``configs``: per weight shape ``NxK`` and M, the fastest ``[BLOCK_M, BLOCK_N, BLOCK_K,
+  num_warps]`` of the tuning sweep."""
 
 from __future__ import annotations
 
@@ -12,6 +19,7 @@ import json
 import os
 from functools import lru_cache
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -25,28 +33,42 @@ ENV = "TIDEPOOL_SKINNY_MAX_M"
 Config = tuple[int, int, int, int]  # BLOCK_M, BLOCK_N, BLOCK_K, num_warps
 
 
-def parse_thresholds(data: dict) -> dict[str, tuple[int, dict[str, dict[int, Config]]]]:
-    """``threshold.json`` -> ``{device name: (max_m, {"NxK": {M: config}})}``, or a
-    ``ValueError`` naming the problem."""
+class DeviceThreshold(NamedTuple):
+    max_m: int
+    configs: dict[str, dict[int, Config]]
+    max_m_by_shape: dict[str, int] = {}
+
+
+def _non_negative_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def parse_thresholds(data: dict) -> dict[str, DeviceThreshold]:
+    """``threshold.json`` -> ``{device name: DeviceThreshold}``, or a ``ValueError``
+    naming the problem."""
     if data.get("format") != FORMAT:
         raise ValueError(f"{THRESHOLD_FILE.name}: format {data.get('format')!r} is not {FORMAT}")
     out = {}
     for name, entry in data.get("devices", {}).items():
         value = entry.get("max_m") if isinstance(entry, dict) else None
-        if not isinstance(value, int) or value < 0:
+        if not _non_negative_int(value):
             raise ValueError(f"{THRESHOLD_FILE.name}: {name}: max_m must be a non-negative int, got {value!r}")
+        by_shape = entry.get("max_m_by_shape", {})
+        bad = next((f"{k}: {v!r}" for k, v in by_shape.items() if not _non_negative_int(v)), None) if isinstance(by_shape, dict) else repr(by_shape)
+        if bad is not None:
+            raise ValueError(f"{THRESHOLD_FILE.name}: {name}: max_m_by_shape holds a non-negative int per shape, got {bad}")
         configs: dict[str, dict[int, Config]] = {}
         for shape, by_m in entry.get("configs", {}).items():
             for m, cfg in by_m.items():
                 if not (str(m).isdigit() and isinstance(cfg, list) and len(cfg) == 4 and all(isinstance(c, int) and c > 0 for c in cfg)):
                     raise ValueError(f"{THRESHOLD_FILE.name}: {name}: {shape} M={m}: a config is 4 positive ints, got {cfg!r}")
                 configs.setdefault(shape, {})[int(m)] = tuple(cfg)
-        out[name] = (value, configs)
+        out[name] = DeviceThreshold(value, configs, dict(by_shape))
     return out
 
 
 @lru_cache(maxsize=1)
-def _thresholds() -> dict[str, tuple[int, dict[str, dict[int, Config]]]]:
+def _thresholds() -> dict[str, DeviceThreshold]:
     return parse_thresholds(json.loads(THRESHOLD_FILE.read_text()))
 
 
@@ -62,17 +84,23 @@ def shape_key(n: int, k: int) -> str:
 def tuned_config(device_name: str, n: int, k: int, m: int) -> Config | None:
     """The configuration measured fastest for this shape at the smallest tuned M >= ``m``
     (a tuned M's block of rows holds every smaller M), or None."""
-    by_m = _thresholds().get(device_name, (0, {}))[1].get(shape_key(n, k), {})
+    entry = _thresholds().get(device_name)
+    by_m = entry.configs.get(shape_key(n, k), {}) if entry is not None else {}
     fits = [tm for tm in by_m if tm >= m]
     return by_m[min(fits)] if fits else None
 
 
-def skinny_max_m(device: torch.device) -> int:
-    """The largest M that takes the Triton kernel on ``device`` (0: none; always 0 off CUDA)."""
+def skinny_max_m(device: torch.device, n: int | None = None, k: int | None = None) -> int:
+    """The largest M that takes the Triton kernel on ``device`` (0: none; always 0 off
+    CUDA), for an ``n x k`` weight when given (its own measured limit where the sweep
+    measured that shape, else the device's)."""
     override = os.environ.get(ENV)
     if override is not None:
         if not override.isdigit():
             raise ValueError(f"{ENV} must be a non-negative int, got {override!r}")
         return int(override) if device.type == "cuda" else 0
     facts = device_facts(device)
-    return _thresholds().get(facts[0], (0, {}))[0] if facts is not None else 0
+    entry = _thresholds().get(facts[0]) if facts is not None else None
+    if entry is None:
+        return 0
+    return entry.max_m_by_shape.get(shape_key(n, k), entry.max_m) if n is not None and k is not None else entry.max_m

@@ -23,7 +23,10 @@ _SKINNY_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def _skinny(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return x.is_cuda and x.dim() == 2 and x.dtype in _SKINNY_DTYPES and weight.dtype == x.dtype and 0 < x.shape[0] <= skinny_max_m(x.device)
+    return (
+        x.is_cuda and x.dim() == 2 and x.dtype in _SKINNY_DTYPES and weight.dtype == x.dtype
+        and 0 < x.shape[0] <= skinny_max_m(x.device, weight.shape[0], weight.shape[1])
+    )
 
 
 def linear_weight(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -98,7 +98,7 @@ def test_tuned_configs_serve_the_smallest_tuned_m_that_holds_m(monkeypatch):
 
 
 def test_threshold_is_data(monkeypatch, tmp_path):
-    assert threshold.parse_thresholds({"format": 1, "devices": {"H100": {"max_m": 8}}}) == {"H100": (8, {})}
+    assert threshold.parse_thresholds({"format": 1, "devices": {"H100": {"max_m": 8}}}) == {"H100": (8, {}, {})}
     with pytest.raises(ValueError, match="max_m must be"):
         threshold.parse_thresholds({"format": 1, "devices": {"H100": {"max_m": -1}}})
     with pytest.raises(ValueError, match="format"):
@@ -112,6 +112,42 @@ def test_threshold_is_data(monkeypatch, tmp_path):
     monkeypatch.setenv(threshold.ENV, "eight")
     with pytest.raises(ValueError, match="non-negative int"):
         threshold.skinny_max_m(torch.device("cpu"))
+
+
+def test_a_shape_measured_by_the_sweep_serves_up_to_its_own_limit(monkeypatch):
+    """``max_m_by_shape`` (written by the sweep per weight shape) decides for the shapes it
+    names, the device's ``max_m`` for the others; a file written before the field existed
+    still parses, with every shape at ``max_m`` (its serialized form stays compatible)."""
+    data = {"format": 1, "devices": {"GPU X": {"max_m": 1, "max_m_by_shape": {"960x576": 4, "49152x576": 0}, "configs": {}}}}
+    parsed = threshold.parse_thresholds(data)
+    monkeypatch.setattr(threshold, "_thresholds", lambda: parsed)
+    monkeypatch.setattr(threshold, "device_facts", lambda device: ("GPU X", 132))
+    monkeypatch.delenv(threshold.ENV, raising=False)
+    dev = torch.device("cpu")  # device_facts answers for it here
+    assert threshold.skinny_max_m(dev, 960, 576) == 4
+    assert threshold.skinny_max_m(dev, 49152, 576) == 0  # measured slower even at M = 1
+    assert threshold.skinny_max_m(dev, 576, 576) == 1 and threshold.skinny_max_m(dev) == 1  # not measured: the device's
+    monkeypatch.setenv(threshold.ENV, "0")
+    monkeypatch.setattr(threshold, "device_facts", lambda device: None)
+    assert threshold.skinny_max_m(dev, 960, 576) == 0  # the override wins (and off CUDA, never)
+    old = threshold.parse_thresholds({"format": 1, "devices": {"GPU X": {"max_m": 2, "configs": {}}}})
+    assert old["GPU X"].max_m_by_shape == {} and old["GPU X"].max_m == 2
+    for bad in ({"960x576": -1}, {"960x576": True}, [4]):
+        with pytest.raises(ValueError, match="max_m_by_shape"):
+            threshold.parse_thresholds({"format": 1, "devices": {"G": {"max_m": 1, "max_m_by_shape": bad}}})
+
+
+def test_bench_shape_thresholds_need_a_margin_at_every_m_up_to_them():
+    from bench.gemv_bench import SHAPE_MARGIN, shape_thresholds
+
+    def row(n, k, m, ratio):
+        return dict(n=n, k=k, m=m, ratio=ratio)
+
+    rows = [row(8, 8, 1, 1.5), row(8, 8, 2, 1.2), row(8, 8, 4, 0.9), row(8, 8, 8, 2.0),  # 8 wins, 4 does not
+            row(16, 8, 1, 1.01), row(16, 8, 2, 1.5),  # within the noise at M = 1: never
+            row(4, 4, 1, 1.3), row(4, 4, 1, 0.95)]  # two models share a shape: both must win
+    assert SHAPE_MARGIN > 1.0
+    assert shape_thresholds(rows) == {"8x8": 2, "16x8": 0, "4x4": 0}
 
 
 def test_bench_threshold_is_the_largest_m_won_on_every_model_up_to_it():
