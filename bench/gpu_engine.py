@@ -16,7 +16,7 @@ All in one run, bf16, random weights (speed does not depend on the values):
 only the async and sync configurations (no eager or no-prefill-graph comparison).
 
 ``--fusions`` instead measures issue 10's two decode-step fusions in one process, async
-scheduling on, at batch 1 and 64 for each shape: without either, with decode attention
+scheduling on, at batch 1, 2, 4 and 64 for each shape: without either, with decode attention
 taking rotary and the KV store (``rotary_decode_attention``), with the Triton skinny GEMM
 (up to the M that kernels/gemv/threshold.json holds for this GPU, or ``--skinny-max-m``),
 and with both; each variant's greedy tokens are compared with the unfused engine's.
@@ -215,14 +215,18 @@ def fusions(res: dict, shape: str, skinny_max_m: int | None) -> None:
 
     dev = torch.device("cuda")
     loaded = random_loaded(shape, dev, torch.bfloat16)
-    wanted = threshold.skinny_max_m(dev) if skinny_max_m is None else skinny_max_m
+    # None: threshold.json decides (the device's limit and each measured shape's own)
+    wanted = "threshold.json" if skinny_max_m is None else skinny_max_m
     out: dict = {"skinny_max_m": wanted, "floor_ms": weights_read_floor_ms(loaded.model)[0]}
     g = torch.Generator().manual_seed(3)
     check_prompts = [torch.randint(0, loaded.config.vocab_size, (48,), generator=g).tolist() for _ in range(4)]
     saved = os.environ.get(threshold.ENV)
     try:
         for name, (fused_decode, skinny) in FUSIONS.items():
-            os.environ[threshold.ENV] = str(wanted if skinny else 0)
+            if skinny and skinny_max_m is None:
+                os.environ.pop(threshold.ENV, None)
+            else:
+                os.environ[threshold.ENV] = str(skinny_max_m if skinny else 0)
             backend = triton_backend(fused_decode=fused_decode)
             for layer in loaded.model.layers:
                 layer.self_attn.backend = backend
@@ -230,8 +234,8 @@ def fusions(res: dict, shape: str, skinny_max_m: int | None) -> None:
             greedy = eng.generate(check_prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
             decode(eng, 2, steps=8)
             steps = 64 if QUICK else 192
-            out[name] = {"b1": decode(eng, 1, steps), "b64": decode(eng, 64, steps // 2),
-                         "tokens": [r.token_ids for r in greedy]}
+            out[name] = {"b1": decode(eng, 1, steps), "b2": decode(eng, 2, steps // 2), "b4": decode(eng, 4, steps // 2),
+                         "b64": decode(eng, 64, steps // 2), "tokens": [r.token_ids for r in greedy]}
             eng.close()
             base = out["unfused"]["tokens"]
             out[name]["greedy_equal_rows"] = sum(a == b for a, b in zip(base, out[name]["tokens"]))
@@ -254,12 +258,15 @@ def report_fusions(res: dict) -> None:
         for name in FUSIONS:
             r = out[name]
             rows.append([shape, name, f"{r['b1']['ms_per_step']:.3f}", f"{base['b1']['ms_per_step'] / r['b1']['ms_per_step']:.2f}x",
-                         f"{r['b1']['ms_per_step'] / out['floor_ms']:.2f}x", f"{r['b64']['tokens_per_s']:,.0f}",
+                         f"{r['b1']['ms_per_step'] / out['floor_ms']:.2f}x",
+                         *(f"{r[b]['ms_per_step']:.3f} ({base[b]['ms_per_step'] / r[b]['ms_per_step']:.2f}x)" for b in ("b2", "b4")),
+                         f"{r['b64']['tokens_per_s']:,.0f}",
                          f"{r['b64']['tokens_per_s'] / base['b64']['tokens_per_s']:.2f}x", f"{r['greedy_equal_rows']}/{len(r['tokens'])}"])
     if rows:
         print(f"\n{res['device']}: decode-step fusions (async on; skinny GEMM up to M = "
               f"{', '.join(str(o['skinny_max_m']) for o in res['fusions'].values())})\n")
-        print(table(["shape", "variant", "b1 ms/step", "b1 vs unfused", "b1 / floor", "b64 tokens/s", "b64 vs unfused",
+        print(table(["shape", "variant", "b1 ms/step", "b1 vs unfused", "b1 / floor", "b2 ms/step (vs unfused)", "b4 ms/step (vs unfused)",
+                     "b64 tokens/s", "b64 vs unfused",
                      "greedy rows = unfused"], rows))
 
 
