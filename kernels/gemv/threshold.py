@@ -28,6 +28,7 @@ from kernels.device import device_facts
 THRESHOLD_FILE = Path(__file__).with_name("threshold.json")
 FORMAT = 1
 ENV = "TIDEPOOL_SKINNY_MAX_M"
+MAX_M = 64  # the kernel's largest row count: larger batches are cuBLAS's whatever the file says
 
 
 Config = tuple[int, int, int, int]  # BLOCK_M, BLOCK_N, BLOCK_K, num_warps
@@ -98,9 +99,10 @@ def skinny_max_m(device: torch.device, n: int | None = None, k: int | None = Non
     if override is not None:
         if not override.isdigit():
             raise ValueError(f"{ENV} must be a non-negative int, got {override!r}")
-        return int(override) if device.type == "cuda" else 0
+        return min(int(override), MAX_M) if device.type == "cuda" else 0
     facts = device_facts(device)
     entry = _thresholds().get(facts[0]) if facts is not None else None
     if entry is None:
         return 0
-    return entry.max_m_by_shape.get(shape_key(n, k), entry.max_m) if n is not None and k is not None else entry.max_m
+    limit = entry.max_m_by_shape.get(shape_key(n, k), entry.max_m) if n is not None and k is not None else entry.max_m
+    return min(limit, MAX_M)

@@ -34,11 +34,10 @@ import triton
 import triton.language as tl
 
 from kernels.device import device_facts
-from kernels.gemv.threshold import tuned_config
+from kernels.gemv.threshold import MAX_M, tuned_config
 
 _TILE = 8192  # weight elements per program per K step (times BLOCK_M below 16 rows)
 _DOT_MIN_M = 16
-MAX_M = 64  # larger batches are cuBLAS's
 
 
 @triton.jit

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.gemv.threshold import skinny_max_m
+from kernels.gemv.threshold import MAX_M, skinny_max_m
 from kernels.select import ops_for
 
 _SKINNY_DTYPES = (torch.bfloat16, torch.float16)
@@ -24,8 +24,8 @@ _SKINNY_DTYPES = (torch.bfloat16, torch.float16)
 
 def _skinny(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return (
-        x.is_cuda and x.dim() == 2 and x.dtype in _SKINNY_DTYPES and weight.dtype == x.dtype
-        and 0 < x.shape[0] <= skinny_max_m(x.device, weight.shape[0], weight.shape[1])
+        x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= MAX_M and x.dtype in _SKINNY_DTYPES and weight.dtype == x.dtype
+        and x.shape[0] <= skinny_max_m(x.device, weight.shape[0], weight.shape[1])
     )
 
 

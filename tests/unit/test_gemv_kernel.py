@@ -109,6 +109,8 @@ def test_threshold_is_data(monkeypatch, tmp_path):
     assert threshold.skinny_max_m(torch.device("cpu")) == 0  # off CUDA, never
     if torch.cuda.is_available():
         assert threshold.skinny_max_m(torch.device("cuda")) == 8
+    monkeypatch.setenv(threshold.ENV, "100")
+    assert threshold.skinny_max_m(torch.device("cuda")) == threshold.MAX_M == tri.MAX_M  # never past the kernel's rows
     monkeypatch.setenv(threshold.ENV, "eight")
     with pytest.raises(ValueError, match="non-negative int"):
         threshold.skinny_max_m(torch.device("cpu"))
@@ -118,7 +120,7 @@ def test_a_shape_measured_by_the_sweep_serves_up_to_its_own_limit(monkeypatch):
     """``max_m_by_shape`` (written by the sweep per weight shape) decides for the shapes it
     names, the device's ``max_m`` for the others; a file written before the field existed
     still parses, with every shape at ``max_m`` (its serialized form stays compatible)."""
-    data = {"format": 1, "devices": {"GPU X": {"max_m": 1, "max_m_by_shape": {"960x576": 4, "49152x576": 0}, "configs": {}}}}
+    data = {"format": 1, "devices": {"GPU X": {"max_m": 1, "max_m_by_shape": {"960x576": 4, "49152x576": 0, "8x8": 512}, "configs": {}}}}
     parsed = threshold.parse_thresholds(data)
     monkeypatch.setattr(threshold, "_thresholds", lambda: parsed)
     monkeypatch.setattr(threshold, "device_facts", lambda device: ("GPU X", 132))
@@ -127,6 +129,7 @@ def test_a_shape_measured_by_the_sweep_serves_up_to_its_own_limit(monkeypatch):
     assert threshold.skinny_max_m(dev, 960, 576) == 4
     assert threshold.skinny_max_m(dev, 49152, 576) == 0  # measured slower even at M = 1
     assert threshold.skinny_max_m(dev, 576, 576) == 1 and threshold.skinny_max_m(dev) == 1  # not measured: the device's
+    assert threshold.skinny_max_m(dev, 8, 8) == threshold.MAX_M
     monkeypatch.setenv(threshold.ENV, "0")
     monkeypatch.setattr(threshold, "device_facts", lambda device: None)
     assert threshold.skinny_max_m(dev, 960, 576) == 0  # the override wins (and off CUDA, never)
