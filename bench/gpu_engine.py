@@ -87,16 +87,25 @@ def decode(eng: LLM, batch: int, steps: int = DECODE_STEPS) -> dict:
     }
 
 
+def random_prompts(eng: LLM, lengths: list[int], g: torch.Generator) -> list[list[int]]:
+    return [torch.randint(0, eng.vocab_size, (n,), generator=g).tolist() for n in lengths]
+
+
+def prefill_batch(eng: LLM, prompts: list[list[int]]) -> float:
+    """Admit ``prompts`` (one token each to generate) and step until they are done: a
+    prefill as the benchmarks time it. Returns the seconds admission took."""
+    t = time.perf_counter()
+    for i, ids in enumerate(prompts):
+        eng.add_request(f"p{i}-{time.monotonic_ns()}", ids, SamplingParams(temperature=0, max_tokens=1))
+    admitted = time.perf_counter() - t
+    while eng.has_unfinished_requests():
+        eng.step()
+    return admitted
+
+
 def prefill(eng: LLM, batch: int = 16, length: int = 1024) -> float:
     g = torch.Generator().manual_seed(7)
-
-    def run():
-        for i in range(batch):
-            ids = torch.randint(0, eng.vocab_size, (length,), generator=g).tolist()
-            eng.add_request(f"p{i}-{time.monotonic_ns()}", ids, SamplingParams(temperature=0, max_tokens=1))
-        while eng.has_unfinished_requests():
-            eng.step()
-
+    run = lambda: prefill_batch(eng, random_prompts(eng, [length] * batch, g))  # noqa: E731
     return batch * length / cuda_time(run, reps=1 if QUICK else 3, warmup=1, device=eng.device)
 
 
@@ -116,14 +125,7 @@ def prefill_sweep(res: dict) -> None:
         for tokens in SWEEP_TOKENS:
             lengths = [tokens] if tokens <= 1024 else [1024] * (tokens // 1024)
             g = torch.Generator().manual_seed(tokens)
-
-            def run(lengths=lengths, g=g):
-                for i, n in enumerate(lengths):
-                    ids = torch.randint(0, eng.vocab_size, (n,), generator=g).tolist()
-                    eng.add_request(f"s{i}-{time.monotonic_ns()}", ids, SamplingParams(temperature=0, max_tokens=1))
-                while eng.has_unfinished_requests():
-                    eng.step()
-
+            run = lambda lengths=lengths, g=g: prefill_batch(eng, random_prompts(eng, lengths, g))  # noqa: E731
             out.setdefault(str(tokens), {})[name] = tokens / cuda_time(run, reps=5, warmup=2, device=eng.device)
         eng.close()
     res["prefill_sweep"] = out

@@ -15,7 +15,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from bench.common import random_loaded, table
-from bench.gpu_engine import decode, engine
+from bench.gpu_engine import decode, engine, prefill_batch, random_prompts
 from libs.engine import SamplingParams
 
 GROUPS = (
@@ -89,13 +89,7 @@ def profile_prefill(eng, raw: int) -> None:
     host = {"add_request": 0.0}
 
     def step_batch():
-        batch = [torch.randint(0, eng.vocab_size, (1024,), generator=g).tolist() for _ in range(16)]
-        t = time.perf_counter()
-        for i, ids in enumerate(batch):
-            eng.add_request(f"p{i}-{time.monotonic_ns()}", ids, SamplingParams(temperature=0, max_tokens=1))
-        host["add_request"] = time.perf_counter() - t
-        while eng.has_unfinished_requests():
-            eng.step()
+        host["add_request"] = prefill_batch(eng, random_prompts(eng, [1024] * 16, g))
 
     step_batch()
     step_batch()

@@ -34,22 +34,18 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from bench.common import random_loaded, table
-from bench.gpu_engine import engine
-from libs.engine import SamplingParams
+from bench.gpu_engine import engine, prefill_batch, random_prompts
 
 STATS = ("num_device_alloc", "num_device_free", "num_alloc_retries", "num_sync_all_streams")
 
 
 def batch(eng, g: torch.Generator) -> dict:
-    prompts = [torch.randint(0, eng.vocab_size, (1024,), generator=g).tolist() for _ in range(16)]
+    prompts = random_prompts(eng, [1024] * 16, g)
     torch.cuda.synchronize()
     before = torch.cuda.memory_stats()
     eng.phases.history = []
     t = time.perf_counter()
-    for i, ids in enumerate(prompts):
-        eng.add_request(f"h{i}-{time.monotonic_ns()}", ids, SamplingParams(temperature=0, max_tokens=1))
-    while eng.has_unfinished_requests():
-        eng.step()
+    prefill_batch(eng, prompts)
     torch.cuda.synchronize()
     wall = time.perf_counter() - t
     history, eng.phases.history = eng.phases.history, None

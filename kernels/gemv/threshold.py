@@ -37,7 +37,7 @@ Config = tuple[int, int, int, int]  # BLOCK_M, BLOCK_N, BLOCK_K, num_warps
 class DeviceThreshold(NamedTuple):
     max_m: int
     configs: dict[str, dict[int, Config]]
-    max_m_by_shape: dict[str, int] = {}
+    max_m_by_shape: dict[str, int]
 
 
 def _non_negative_int(value: object) -> bool:
