@@ -116,7 +116,7 @@ def colocated(args: argparse.Namespace) -> dict[str, list[dict]]:
 async def one(session: aiohttp.ClientSession, url: str, model: str, prompt: list[int], stream_handoff: bool) -> dict:
     body = {"model": model, "prompt": prompt, "max_tokens": 3, "temperature": 0, "stream": True, "ignore_eos": True,
             "tidepool": {"trace": True, "stream_handoff": stream_handoff}}
-    t0 = time.perf_counter()
+    t0, wall0 = time.perf_counter(), time.time()
     first = second = None
     trace = None
     async with session.post(url + "/v1/completions", json=body) as r:
@@ -155,7 +155,40 @@ async def one(session: aiohttp.ClientSession, url: str, model: str, prompt: list
         "early_share": dec.get("early_blocks", 0) / blocks,
         "bytes_written": pre.get("bytes_written", 0),
         "bytes_read": dec.get("bytes_read", 0),
+        "timeline": timeline(wall0, pre["worker"], dec, first, second),
+        "trace": trace,  # the router's whole trace
     }
+
+
+# (label, where, field): the services' wall-clock phase marks, in the order a request meets them.
+PHASES = [
+    ("prefill receives", "prefill", "received_at"),
+    ("engine gets the prompt", "prefill", "engine_at"),
+    ("lease taken", "prefill", "leased_at"),
+    ("compute done", "prefill", "compute_done_at"),
+    ("decode receives", "decode", "received_at"),
+    ("first blocks in decode staging", "decode", "first_load_done_at"),
+    ("writes acknowledged", "prefill", "written_at"),
+    ("client: first token", "client", "first"),
+    ("decode acts on the last update", "decode", "final_update_at"),  # after any fetch in flight
+    ("decode: blocks loaded", "decode", "load_done_at"),
+    ("decode engine gets the request", "decode", "engine_at"),
+    ("decode: first token out", "decode", "first_token_at"),
+    ("client: second token", "client", "second"),
+]
+
+
+def timeline(wall0: float, pre: dict, dec: dict, first: float | None, second: float | None) -> dict[str, float | None]:
+    """Each phase mark in seconds since the client sent the request (all on one host)."""
+    client = {"first": first, "second": second}
+    out: dict[str, float | None] = {}
+    for label, where, key in PHASES:
+        if where == "client":
+            out[label] = client[key]
+        else:
+            at = (pre if where == "prefill" else dec).get(key)
+            out[label] = None if at is None else at - wall0
+    return out
 
 
 async def drive(url: str, args: argparse.Namespace, chunk: int) -> list[dict]:
@@ -179,7 +212,7 @@ def cluster_config(args: argparse.Namespace, model: str | None, chunk: int, redi
         router_port=free_port(), model=model, device=args.device, threads=args.threads, pool_gb=8 if cuda else 2,
         redis_cluster=redis_nodes, redis_args=args.redis_args.split(),
         log_dir=Path("/tmp/tidepool-gpu-pd-logs"),
-        worker_args=["--max-model-len", "4096", *(["--kv-cache-gb", "4"] if cuda else ["--num-blocks", "512"])],
+        worker_args=["--max-model-len", "4096", *(["--kv-cache-gb", "4"] if cuda else ["--num-blocks", "512"]), *args.worker_args.split()],
         prefill_args=["--max-num-batched-tokens", str(chunk)],
         # A generous heartbeat timeout: on a shared, loaded box a missed beat must not drop an instance mid-run.
         router_args=["--prefill-threshold-tokens", "0", "--heartbeat-timeout-s", "60"],
@@ -200,7 +233,7 @@ def report(args: argparse.Namespace, colo: dict[str, list[dict]], rows: list[dic
     chunked = "; ".join(f"{c}-token chunks: TTFT {ms(med(colo[str(c)], 'ttft_s'))} ms" for c in args.prefill_chunks if str(c) in colo)
     out = [f"\n{device}: {args.prompt_len}-token prompts, median of {args.requests} per row "
            f"({'bf16, random SmolLM2-135M weights' if args.device.startswith('cuda') else 'float32, SmolLM2-135M-Instruct GGUF'}; "
-           f"{args.threads} torch threads per model process; Redis flags '{args.redis_args}')\n",
+           f"{args.threads} torch threads per model process; Redis flags '{args.redis_args}'; worker flags '{args.worker_args}')\n",
            f"co-located engine (one process, no pool): TTFT {ms(colo_ttft)} ms, TTFT + one decode step {ms(colo_second)} ms"
            + (f" (the same engine with its step budget at the prefill chunk, what chunking alone costs: {chunked})" if chunked else "") + "\n"]
     headers = ["pool", "prefill chunk", "handoff", "client TTFT ms", "client 2nd token ms", "vs co-located TTFT + 1 step",
@@ -218,6 +251,22 @@ def report(args: argparse.Namespace, colo: dict[str, list[dict]], rows: list[dic
                              f"{ms(med(sel, 'pool_exposed_s'))} ({ms(med(sel, 'write_exposed_s'))} + {ms(med(sel, 'read_exposed_s'))})",
                              ms(med(sel, "read_s")), f"{100 * med(sel, 'early_share'):.0f}%"])
     out.append(table(headers, body))
+    out.append("\nWhere the time goes: each phase's median, ms since the client sent the request (wall clocks of one host)\n")
+    heads, cols = ["phase"], []
+    for nodes in args.redis_nodes:
+        for chunk in args.prefill_chunks:
+            for mode in (True, False):
+                sel = [r for r in rows if r["chunk"] == chunk and r["stream_handoff"] == mode and r["redis_nodes"] == nodes]
+                heads.append(f"{pool_name(nodes)}, {chunk}, {'streamed' if mode else 'serial'}")
+                cols.append(sel)
+    lines = []
+    for label, _, _ in PHASES:
+        cells = []
+        for sel in cols:
+            vals = [r["timeline"][label] for r in sel if r["timeline"].get(label) is not None]
+            cells.append(ms(statistics.median(vals)) if vals else "")
+        lines.append([label, *cells])
+    out.append(table(heads, lines))
     out.append(f"\nKV moved per request: {med(rows, 'bytes_written') / 1e6:.1f} MB written, {med(rows, 'bytes_read') / 1e6:.1f} MB read. "
                "Goals (H100, 2048 tokens): client time to the second token <= 60 ms and <= 1.5x the co-located TTFT + one step.")
     return "\n".join(out)
@@ -233,6 +282,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="torch threads per model process (default 4 on CUDA, 1 on CPU)")
     ap.add_argument("--redis-nodes", default="0", help="comma-separated pools to run: 0 = one Redis, N = a local N-node Redis Cluster")
     ap.add_argument("--redis-args", default="", help="more redis-server flags, e.g. '--io-threads 4 --io-threads-do-reads yes'")
+    ap.add_argument("--worker-args", default="", help="more prefill and decode flags, e.g. '--pool-workers 8'")
     ap.add_argument("--out", default=None, help="write the rows and the report as JSON here")
     ap.add_argument("--colocated-only", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()

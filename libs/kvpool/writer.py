@@ -249,7 +249,12 @@ class WriteSession:
 
 
 class AsyncWriter:
-    """Worker tasks writing sessions' blocks to a :class:`BlockPool`. Must be built inside a running loop."""
+    """Worker tasks writing sessions' blocks to a :class:`BlockPool`. Must be built inside a running loop.
+
+    ``batch_blocks`` 16: one pool call per batch, pipelined per node; on the H100 host a
+    2048-token prompt's 128 blocks took 35 ms in batches of 8 and 26 ms in 16s on one
+    Redis (bench/handoff_probe.py), while a bigger batch acknowledges its first block later.
+    """
 
     def __init__(
         self,
@@ -257,7 +262,7 @@ class AsyncWriter:
         *,
         workers: int = 4,
         queue_size: int = 64,
-        batch_blocks: int = 8,
+        batch_blocks: int = 16,
         op_timeout_s: float | None = 60.0,
     ) -> None:
         if not isinstance(pool, BlockPool):

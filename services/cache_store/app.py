@@ -12,7 +12,9 @@ always share one namespace, and that is what ``exists_prefix`` and leases take).
                             be a valid block (header, length, checksum; a partial key's token
                             count) and at most ``--max-value-bytes``. 201, or 400/409/413/507
 ``DELETE /v1/blocks/{id}``  delete (even if leased); 404 if absent
-``POST /v1/blocks/query``   ``{"namespace", "keys"}`` -> ``{"exists": [bool], "prefix": n}``
+``POST /v1/blocks/query``   ``{"namespace", "keys"}`` -> ``{"exists": [bool], "prefix": n}``; with
+                            ``"prefix_only": true`` just ``{"prefix": n}``, which a new prompt
+                            answers from its first key alone (the router's question)
 ``POST /v1/leases``         ``{"namespace", "keys", "ttl_s"?}`` -> 201 ``{"lease_id", "ttl_s", "blocks"}``
 ``DELETE /v1/leases/{id}``  release; 404 if unknown (never existed, released, or reaped)
 ``GET /v1/stats``           pool-wide statistics (same as ``/stats``)
@@ -154,7 +156,13 @@ class CacheStoreApi:
         return web.json_response({"deleted": f"{ns}:{key}"})
 
     async def query_blocks(self, request: web.Request) -> web.Response:
-        ns, keys = self._namespace_keys(await self._json_object(request))
+        body = await self._json_object(request)
+        ns, keys = self._namespace_keys(body)
+        prefix_only = body.get("prefix_only", False)
+        if not isinstance(prefix_only, bool):
+            raise RequestRejected(400, "malformed_body", "'prefix_only' must be a boolean", "prefix_only")
+        if prefix_only:
+            return web.json_response({"prefix": await self.pool.exists_prefix(ns, keys)})
         exists = await self.pool.exists_blocks(ns, keys)
         prefix = next((i for i, e in enumerate(exists) if not e), len(exists))
         return web.json_response({"exists": exists, "prefix": prefix})

@@ -32,7 +32,7 @@ from libs.kvpool.pool import PoolError
 from libs.protocol import MessageStreamResponse, read_message
 from libs.protocol.messages import DecodeRequest, TokenEvent
 from services.worker.app import RUNTIME, full, rejected
-from services.worker.convert import sampling_params, wire_logprob, wire_prompt_logprobs
+from services.worker.convert import sampling_params, wall_clock, wire_logprob, wire_prompt_logprobs
 from services.worker.grammar import start_grammar
 from services.worker.runtime import WorkerRuntime
 from services.decode.handoff import HandoffAborted, HandoffStats, HandoffWait, handle_handoff, load_streamed
@@ -192,6 +192,10 @@ def _trace(rt, load, local_blocks, out, t0, t_queued, first_token_at, n_out) -> 
         "load_done_at": load.done_at,
         "queue_s": out.metrics.get("queue_s", 0.0),
         "first_token_s": (first_token_at - t0) if first_token_at else None,
+        # Phases in wall time (one host: comparable with prefill's and the client's).
+        "received_at": wall_clock(t0),
+        "engine_at": wall_clock(t_queued),
+        "first_token_at": wall_clock(first_token_at) if first_token_at else None,
         "decode_s": now - t_queued,
         "output_tokens": n_out,
         "total_s": now - t0,

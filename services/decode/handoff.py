@@ -48,11 +48,13 @@ class HandoffStats:
     wait_s: float = 0.0  # request arrival to the last update
     load_tail_s: float = 0.0  # the last update to the end of loading: not overlapped with prefill
     first_load_done_at: float | None = None  # wall clock when the first blocks were in staging
+    final_update_at: float | None = None  # wall clock when the last update arrived
     prefill_error: str | None = None
 
     def trace(self) -> dict:
         out = {"streamed": True, "early_blocks": self.early_blocks, "handoff_updates": self.updates,
-               "handoff_wait_s": self.wait_s, "load_tail_s": self.load_tail_s, "first_load_done_at": self.first_load_done_at}
+               "handoff_wait_s": self.wait_s, "load_tail_s": self.load_tail_s, "first_load_done_at": self.first_load_done_at,
+               "final_update_at": self.final_update_at}
         if self.prefill_error is not None:
             out["prefill_error"] = self.prefill_error
         return out
@@ -121,6 +123,7 @@ async def load_streamed(rt: WorkerRuntime, wait: HandoffWait, keys: list[BlockKe
                 continue
             await wait.changed(deadline)
         t_final = time.perf_counter()
+        stats.final_update_at = time.time()
         stats.early_blocks = run.filled
         if wait.first_token_id is None:  # prefill failed: the engine computes the last token itself
             stats.prefill_error = wait.error or "prefill failed"

@@ -45,7 +45,7 @@ from libs.kvpool.pool import PoolError
 from libs.protocol import MessageStreamResponse, msgpack_response, read_message
 from libs.protocol.messages import PrefillProgress, PrefillRequest, PrefillResult, PromptLogprobs
 from services.worker.app import RUNTIME, full, rejected
-from services.worker.convert import sampling_params, wire_logprob, wire_prompt_logprobs
+from services.worker.convert import sampling_params, wall_clock, wire_logprob, wire_prompt_logprobs
 from services.worker.grammar import start_grammar
 from services.worker.runtime import WorkerRuntime
 from services.worker.transfer import LoadResult, StoreResult, load_blocks, store_blocks
@@ -130,6 +130,10 @@ class PrefillJob:
     progress_done: bool = False
     streamed_blocks: int = 0  # blocks durable before compute finished
     compute_done_at: float = 0.0  # wall clock when compute ended (decode's ``load_done_at`` is comparable on one host)
+    leased_at: float = 0.0  # wall clock when the lease and the pool's prefix query were done
+    engine_at: float = 0.0  # wall clock when the prompt went to the engine
+    _lease: "asyncio.Task[None] | None" = field(default=None, init=False, repr=False)  # taking the lease
+    _announced: "asyncio.Task[None] | None" = field(default=None, init=False, repr=False)  # the first progress
     prompt_scores: PromptLogprobs | None = None  # the prompt's logprobs, when asked (echo with logprobs)
     engine_time: dict[str, float] = field(default_factory=dict)  # _engine_clock's advance while this prompt computed
 
@@ -175,23 +179,28 @@ class PrefillJob:
         rt, msg, keys = self.rt, self.msg, self.keys
         prompt = msg.prompt_token_ids
         full = [k for k in keys if not k.partial]
+        # The lease and the pool's prefix query run at once, and a prompt with nothing in
+        # the pool goes to the engine without waiting for the lease (~1-4 ms on the H100
+        # host): only its writes need the lease, and they wait for it (``_store``).
+        self._lease = asyncio.create_task(self._take_lease(), name=f"lease {msg.request_id}")
         pool_run = 0
         try:
             if rt.pool_health.usable:  # known down: compute everything without waiting for it
-                self.lease_id = await rt.pool.create_lease(rt.namespace, keys, msg.lease_ttl_s)
                 pool_run = await rt.pool.exists_prefix(rt.namespace, full)
         except (PoolError, OSError) as e:
             log.info("pool unavailable for %s (%s): computing everything", msg.request_id, e)
             rt.pool_health.report_failure(e)
         skip = min(pool_run, len(full))
-        self._mark_durable(0, skip)
-        self.changed.set()  # the first progress: the lease exists
+        if skip:  # blocks already in the pool are pinned before anything relies on them
+            await asyncio.shield(self._lease)
+        self._announced = asyncio.create_task(self._announce(skip), name=f"progress {msg.request_id}")
         local = rt.cached_prefix_blocks(prompt)
         load = LoadResult(None)
         if pool_run > local and self.params.prompt_logprobs is None:  # a prompt to score is computed whole
             load = await load_blocks(rt, keys[:pool_run], local, max_tokens=len(prompt) - 1)
 
         t_engine = time.perf_counter()
+        self.engine_at = time.time()
         engine0 = _engine_clock(rt)
         stream = rt.engine.add_request(
             msg.request_id, prompt, self.params, kv_import=load.kv_import, export_kv=True, stream_export=self.streamed,
@@ -227,6 +236,7 @@ class PrefillJob:
         if final is not None and final.exported_kv is not None:
             self.computed_tokens = len(prompt)
             writes.append(asyncio.create_task(self._store(final.exported_kv, skip)))
+        await asyncio.shield(self._announced)  # the lease id goes into the result
         store = StoreResult()
         for piece_result in await asyncio.gather(*writes):  # never raises: failures are per block
             store.add(piece_result)
@@ -239,9 +249,33 @@ class PrefillJob:
             rt.metrics.streamed_blocks.inc(self.streamed_blocks)
         return self._result(final, first, first_lp, load, store, skip, t_engine, t_computed)
 
+    async def _take_lease(self) -> None:
+        """The handoff lease on every key of the prompt (none if the pool is down)."""
+        rt = self.rt
+        try:
+            if rt.pool_health.usable:
+                self.lease_id = await rt.pool.create_lease(rt.namespace, self.keys, self.msg.lease_ttl_s)
+        except (PoolError, OSError) as e:
+            log.info("no lease for %s (%s): its blocks are written unpinned", self.msg.request_id, e)
+            rt.pool_health.report_failure(e)
+        self.leased_at = time.time()
+
+    async def _announce(self, skip: int) -> None:
+        """The first progress, once the lease exists: the ``skip`` blocks already in the pool."""
+        await asyncio.shield(self._lease)
+        self._mark_durable(0, skip)
+        self.changed.set()
+
     async def _store(self, piece, skip: int) -> StoreResult:
         # Each block is announced as soon as its write is acknowledged (not when the whole
         # piece is): decode reads the first blocks of a piece while the rest is written.
+        # The first progress (the lease) goes out before any block's. (Shielded: several
+        # writes wait on it. Cancelled while waiting, the piece's staging goes back here.)
+        try:
+            await asyncio.shield(self._announced)
+        except BaseException:
+            piece.release()
+            raise
         return await store_blocks(self.rt, piece, self.keys, skip, self.lease_id, on_written=self._written)
 
     def _written(self, key: str) -> None:
@@ -274,7 +308,12 @@ class PrefillJob:
             "streamed": self.streamed,
             "streamed_blocks": self.streamed_blocks,
             "durable_blocks": self.watermark,
+            # The request's phases in wall time (one host: comparable with decode's and the client's).
+            "received_at": wall_clock(self.t0),
+            "leased_at": self.leased_at,
+            "engine_at": self.engine_at,
             "compute_done_at": self.compute_done_at,
+            "written_at": time.time(),
             **self.engine_time,
             **timings,
         }

@@ -203,7 +203,9 @@ class PromptJob:
             self._decide(placement.NO_PREFILL_INSTANCE)
             return handoff
         if s.cache_store_url and self.req.prompt_logprobs is None:  # a scored prompt must be computed
+            t_query = time.perf_counter()
             complete, keys, note = await self.state.client.pool_has_all(target.root, self.prompt_ids)
+            note["s"] = round(time.perf_counter() - t_query, 6)
             self.trace.prefill.pool_query = note
             if complete:
                 handoff.block_keys = keys
@@ -580,27 +582,48 @@ class ChoiceJob:
         progress = handoff.progress
         assert progress is not None
         sent: tuple[int, str | None] | None = None
-        while True:
-            version = progress.version
-            lease_id = progress.lease_id if lease else None
-            if progress.final:
-                if self._take_first(handoff):
-                    return True
-                first = handoff.first_token_ids[self.i] if handoff.first_token_ids is not None else None
-                first_lp = handoff.first_logprobs[self.i] if first is not None and handoff.first_logprobs else None
-                a.with_first_token = first is not None
-                self._final_sent = True
-                update = HandoffUpdate(
-                    request_id=request_id, durable_blocks=progress.durable_blocks, lease_id=lease_id, done=True,
-                    first_token_id=first, first_logprobs=first_lp, error=progress.error,
-                )
-                await self._post_update(inst, update, a, "final" if first is not None else "failed")
-                return False
-            if (progress.durable_blocks, lease_id) != sent:
-                sent = (progress.durable_blocks, lease_id)
-                update = HandoffUpdate(request_id=request_id, durable_blocks=progress.durable_blocks, lease_id=lease_id)
-                await self._post_update(inst, update, a, "progress")
-            await progress.wait_newer(version)
+        # One progress post at a time; the final one does not wait for it: updates are
+        # cumulative, so a progress post still on its way is cut off (decode keeps the
+        # latest state whatever order they land in). Waiting cost the 2nd token a round
+        # trip to a decode busy loading (~3 ms on the H100 host).
+        posting: asyncio.Task[None] | None = None
+        try:
+            while True:
+                version = progress.version
+                lease_id = progress.lease_id if lease else None
+                if progress.final:
+                    if posting is not None:
+                        posting.cancel()
+                        await asyncio.gather(posting, return_exceptions=True)
+                        posting = None
+                    if self._take_first(handoff):
+                        return True
+                    first = handoff.first_token_ids[self.i] if handoff.first_token_ids is not None else None
+                    first_lp = handoff.first_logprobs[self.i] if first is not None and handoff.first_logprobs else None
+                    a.with_first_token = first is not None
+                    self._final_sent = True
+                    update = HandoffUpdate(
+                        request_id=request_id, durable_blocks=progress.durable_blocks, lease_id=lease_id, done=True,
+                        first_token_id=first, first_logprobs=first_lp, error=progress.error,
+                    )
+                    await self._post_update(inst, update, a, "final" if first is not None else "failed")
+                    return False
+                if posting is not None and posting.done():
+                    posting.result()  # raises if decode could not take it: the attempt is broken
+                    posting = None
+                if posting is None and (progress.durable_blocks, lease_id) != sent:
+                    sent = (progress.durable_blocks, lease_id)
+                    update = HandoffUpdate(request_id=request_id, durable_blocks=progress.durable_blocks, lease_id=lease_id)
+                    posting = asyncio.create_task(self._post_update(inst, update, a, "progress"))
+                newer = asyncio.ensure_future(progress.wait_newer(version))
+                try:
+                    await asyncio.wait({newer} if posting is None else {newer, posting}, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    newer.cancel()
+        finally:
+            if posting is not None:
+                posting.cancel()
+                await asyncio.gather(posting, return_exceptions=True)
 
     async def _post_update(self, inst: Instance, update: HandoffUpdate, a: AttemptTrace, kind: str) -> None:
         try:

@@ -165,7 +165,7 @@ class WorkerClient:
         url = (self.settings.cache_store_url or "").rstrip("/") + "/v1/blocks/query"
         timeout = aiohttp.ClientTimeout(total=self.settings.cache_store_timeout_s)
         try:
-            async with self.session.post(url, json={"namespace": root.hex, "keys": keys}, timeout=timeout) as resp:
+            async with self.session.post(url, json={"namespace": root.hex, "keys": keys, "prefix_only": True}, timeout=timeout) as resp:
                 if resp.status != 200:
                     raise _status_error(resp.status, await resp.read())
                 body = await resp.json()

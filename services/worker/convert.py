@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from libs.engine import SamplingParams, TokenLogprob
 from libs.engine.prompt_logprobs import PromptLogprobs as EnginePromptLogprobs
 from libs.structured import GrammarSpec
@@ -49,3 +51,10 @@ def wire_prompt_logprobs(scores: EnginePromptLogprobs | None) -> PromptLogprobs 
 
 def engine_logprob(lp: TokenLogprobs) -> TokenLogprob:
     return TokenLogprob(lp.token_id, lp.logprob, list(lp.top_ids), list(lp.top_logprobs))
+
+
+def wall_clock(perf: float) -> float:
+    """The wall-clock time (``time.time()``) of a ``time.perf_counter()`` reading: traces
+    state phases in wall time so those of the services on one host line up in one
+    timeline (bench/gpu_pd.py prints it)."""
+    return time.time() - (time.perf_counter() - perf)

@@ -249,7 +249,7 @@ class WorkerRuntime:
     async def start(self, app_url: str | None = None) -> None:
         self._loop = asyncio.get_running_loop()
         self.engine.start()
-        self.writer = AsyncWriter(self.pool, workers=self.settings.pool_workers)
+        self.writer = AsyncWriter(self.pool, workers=self.settings.pool_workers, batch_blocks=self.settings.pool_write_batch)
         if self.url is None and app_url is not None:
             self.url = app_url
         self._tasks.append(asyncio.create_task(self.pool_health.run(), name="pool health"))

@@ -51,7 +51,8 @@ class WorkerSettings(BaseSettings):
     redis_url: str = setting("redis://127.0.0.1:6379/0", help="the pool's Redis")
     redis_password: str | None = setting(None, help="Redis password (prefer the env variable)", secret=True)
     key_prefix: str = setting("tidepool", help="prefix of every pool key in Redis")
-    pool_workers: int = setting(4, help="concurrent pool write pipelines")
+    pool_workers: int = setting(4, help="concurrent pool write calls (each of up to --pool-write-batch blocks)")
+    pool_write_batch: int = setting(16, help="blocks per pool write call (pipelined per Redis node)")
     pool_bulk_model: Literal["threads", "asyncio"] = setting(
         "threads", help="how block values move: threads (blocking recv_into, GIL released) or asyncio (BufferedProtocol)"
     )

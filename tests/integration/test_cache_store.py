@@ -83,6 +83,9 @@ async def test_blocks_queries_and_bad_input_over_http(service: tuple[ServiceProc
         assert r.status == 200
     async with http.post(base + "/v1/blocks/query", json={"namespace": NS.hex, "keys": [str(k) for k in KEYS[:2]]}) as r:
         assert await r.json() == {"exists": [True, False], "prefix": 1}
+    for keys, prefix in ((KEYS[:2], 1), (KEYS[1:3], 0)):
+        async with http.post(base + "/v1/blocks/query", json={"namespace": NS.hex, "keys": [str(k) for k in keys], "prefix_only": True}) as r:
+            assert await r.json() == {"prefix": prefix}
     # Bad input of every kind: a 4xx with a JSON reason, and the service stays up.
     bad = [
         ("PUT", path(KEYS[1]), value[:-3], 400, "invalid_block"),

@@ -75,6 +75,30 @@ async def test_many_blocks_pipelined_in_parallel_keep_their_order(pool_config: P
         assert (await pool.stats()).bytes == sum(map(len, vals))
 
 
+async def test_a_cluster_gets_one_pipeline_per_node_not_per_partition(redis_cluster, pool_config: PoolConfig) -> None:
+    """48 blocks spread over the 16 partitions of a 3-node cluster travel in one pipeline per
+    node each way (pipelines of up to 16 blocks hold several partitions), and every block
+    and its bookkeeping still lands in its own partition."""
+    from libs.blocks.keys import block_keys
+
+    keys = block_keys(NS, list(range(48 * NS.block_size)))
+    assert len(keys) == 48
+    vals = [os.urandom(1000 + i) for i in range(len(keys))]
+    cfg = PoolConfig(url=redis_cluster.url, key_prefix=unique_prefix(), pipeline_blocks=16, max_parallel=4)
+    async with RedisPool(cfg) as pool:
+        await pool.get_blocks(NS, keys[:1])  # the topology
+        before = pool.bulk.counters["pipelines"]
+        await put_ok(pool, keys, vals)
+        puts = pool.bulk.counters["pipelines"] - before
+        assert await pool.get_blocks(NS, keys) == vals
+        gets = pool.bulk.counters["pipelines"] - before - puts
+        # 16 blocks per node at most per pipeline: ceil(share / 16) pipelines per node.
+        assert 3 <= puts <= 6 and 3 <= gets <= 6, (puts, gets)
+        stats = await pool.stats()
+        assert stats.blocks == len(keys) and stats.bytes == sum(map(len, vals))
+        assert await pool.exists_prefix(NS, keys) == len(keys)
+
+
 async def test_a_full_redis_refuses_single_blocks_and_keeps_serving(redis_factory: Callable[..., RedisServer]) -> None:
     server = redis_factory(maxmemory="6mb")
     cfg = PoolConfig(url=server.url, key_prefix=unique_prefix())

@@ -106,6 +106,7 @@ async def test_bad_input_is_a_4xx_with_a_json_reason(client: TestClient) -> None
         (client.post("/v1/blocks/query", json={"namespace": NS.hex, "keys": [1]}), 400, "malformed_key"),
         (client.post("/v1/blocks/query", json={"namespace": "x", "keys": []}), 400, "malformed_key"),
         (client.post("/v1/blocks/query", json={"namespace": NS.hex, "keys": [str(KEYS[0])] * 17}), 400, "too_large"),
+        (client.post("/v1/blocks/query", json={"namespace": NS.hex, "keys": [], "prefix_only": "yes"}), 400, "malformed_body"),
         (client.post("/v1/leases", json={"namespace": NS.hex, "keys": [], "ttl_s": -1}), 400, "malformed_body"),
         (client.post("/v1/leases", json={"namespace": NS.hex, "keys": [], "ttl_s": "10"}), 400, "malformed_body"),
         (client.post("/v1/leases", json={"namespace": NS.hex, "keys": [], "ttl_s": 10**6}), 400, "malformed_body"),
@@ -126,6 +127,9 @@ async def test_query_reports_existence_and_the_leading_prefix(client: TestClient
         assert (await client.put(url(KEYS[i]), data=encoded(i))).status == 201
     resp = await client.post("/v1/blocks/query", json={"namespace": NS.hex, "keys": [str(k) for k in KEYS[:5]]})
     assert await resp.json() == {"exists": [True, True, False, True, False], "prefix": 2}
+    for keys, prefix in ((KEYS[:5], 2), (KEYS[2:5], 0), (KEYS[3:4], 1), (KEYS[:2], 2)):
+        resp = await client.post("/v1/blocks/query", json={"namespace": NS.hex, "keys": [str(k) for k in keys], "prefix_only": True})
+        assert await resp.json() == {"prefix": prefix}
 
 
 async def test_budget_eviction_spares_leased_blocks_and_reaps_expired_leases(client: TestClient, pool: MemoryPool) -> None:

@@ -283,7 +283,7 @@ class FakeCacheStore:
             return web.json_response({"error": {"message": "pool down"}}, status=self.status)
         exists = [f"{body['namespace']}:{k}" in self.blocks for k in body["keys"]]
         prefix = next((i for i, e in enumerate(exists) if not e), len(exists))
-        return web.json_response({"exists": exists, "prefix": prefix})
+        return web.json_response({"prefix": prefix} if body.get("prefix_only") else {"exists": exists, "prefix": prefix})
 
     async def start(self) -> str:
         await self.runner.setup()
@@ -305,7 +305,7 @@ async def test_prompt_fully_in_the_pool_skips_prefill() -> None:
         client = c.openai()
         await client.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
         assert len(c.prefills[0].requests) == 1  # not all there: prefill runs
-        assert store.queries[-1] == {"namespace": NAMESPACE, "keys": keys}
+        assert store.queries[-1] == {"namespace": NAMESPACE, "keys": keys, "prefix_only": True}
         store.blocks.add(f"{NAMESPACE}:{keys[-1]}")
         r = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
         assert len(c.prefills[0].requests) == 1  # skipped

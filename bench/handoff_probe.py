@@ -1,0 +1,107 @@
+"""One prompt's handoff transfers outside the services, in the patterns the services use.
+
+``bench.gpu_pd`` shows prefill writing a 2048-token prompt's 47 MB at ~0.9-1.4 GB/s and
+decode reading it at ~1.1-1.7 GB/s, while ``bench/pool_throughput.py`` moves the same
+blocks at 1.6-2.0 GB/s on one Redis. This probe times, on one Redis and on a local
+Redis Cluster, with the services' pool settings:
+
+- ``put, all at once``: pool_throughput's encode + put (every block handed over at once,
+  in pipelines of ``pipeline_blocks``);
+- ``writer W x B``: prefill's way (services/worker/transfer.py ``store_blocks``): every
+  block submitted to an :class:`AsyncWriter` of W workers taking batches of B blocks;
+- ``get, all at once``: one ``get_blocks_into`` of every block (decode's serial load);
+- ``get, runs of K``: consecutive ``get_blocks_into`` calls of K blocks (the streamed
+  handoff's fetch of each newly durable run).
+
+    python -m bench.handoff_probe --redis-bin /tmp/redis-root/usr/bin --nodes 0,4
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from bench.pool_throughput import Prompt, start_redis  # noqa: E402  (sets OMP_WAIT_POLICY, sys.path)
+from libs.kvpool.config import PoolConfig
+from libs.kvpool.redis_pool import RedisPool
+from libs.kvpool.writer import AsyncWriter
+from services.launch.redis_cluster import LocalRedisCluster
+
+
+async def probe(url: str, args: argparse.Namespace) -> list[tuple[str, float]]:
+    pool = RedisPool(PoolConfig(url=url, key_prefix="probe"))
+    prompt = Prompt(0)
+    rows: list[tuple[str, float]] = []
+
+    async def timed(label: str, fn) -> None:
+        for _ in range(args.warmup):
+            await fn()
+        times = []
+        for _ in range(args.reps):
+            t0 = time.perf_counter()
+            await fn()
+            times.append(time.perf_counter() - t0)
+        ms = statistics.median(times) * 1e3
+        rows.append((label, ms))
+        print(f"  {label:<28} {ms:7.1f} ms  {prompt.nbytes / ms / 1e6:5.2f} GB/s", flush=True)
+
+    await timed("put, all at once", lambda: prompt.encode_put(pool, 16))
+    for workers, batch in args.writers:
+        async def through_writer(workers: int = workers, batch: int = batch) -> None:
+            async with AsyncWriter(pool, workers=workers, batch_blocks=batch) as writer:
+                session = writer.begin()
+                for key, row in zip(prompt.keys, prompt.src_rows):
+                    await session.submit(prompt.ns, key, prompt.codec.encode_pending(row, 16))
+                report = await session.wait_all_done()
+                assert report.ok
+
+        await timed(f"writer {workers} x {batch}", through_writer)
+    await timed("get, all at once", lambda: prompt.get_decode(pool))
+    for k in args.runs:
+        async def in_runs(k: int = k) -> None:
+            for lo in range(0, len(prompt.keys), k):
+                out = await pool.get_blocks_into(prompt.ns, prompt.keys[lo : lo + k], prompt.dests[lo : lo + k])
+                assert not any(out), out
+
+        await timed(f"get, runs of {k}", in_runs)
+    prompt.check()
+    await pool.close()
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--redis-bin", default="")
+    ap.add_argument("--redis-args", default="")
+    ap.add_argument("--nodes", default="0,4", help="0 = one Redis, N = an N-node cluster")
+    ap.add_argument("--writers", default="4x8,4x16,8x16,4x32,16x8")
+    ap.add_argument("--runs", default="8,32")
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--warmup", type=int, default=2)
+    args = ap.parse_args()
+    args.writers = [tuple(int(x) for x in w.split("x")) for w in args.writers.split(",") if w]
+    args.runs = [int(k) for k in args.runs.split(",") if k]
+    server = args.redis_server = os.path.join(args.redis_bin, "redis-server") if args.redis_bin else "redis-server"
+    cli = args.redis_cli = os.path.join(args.redis_bin, "redis-cli") if args.redis_bin else "redis-cli"
+    for n in (int(x) for x in args.nodes.split(",")):
+        print(f"{'one Redis' if n == 0 else f'{n}-node cluster'}: 128 blocks of 368,664 B", flush=True)
+        if n == 0:
+            with tempfile.TemporaryDirectory() as work:
+                child, port = start_redis(args, work)
+                try:
+                    asyncio.run(probe(f"redis://127.0.0.1:{port}/0", args))
+                finally:
+                    child.stop()
+        else:
+            with LocalRedisCluster(n, maxmemory=4 << 30, extra_args=args.redis_args.split(),
+                                   redis_server=server, redis_cli=cli, log_dir=Path(tempfile.mkdtemp())) as cluster:
+                asyncio.run(probe(cluster.url, args))
+
+
+if __name__ == "__main__":
+    main()
