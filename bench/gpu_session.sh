@@ -57,11 +57,13 @@ for s in "$@"; do
              step fp8_tune $((${FP8_TUNE_S:-125} + 25)) python3 -m bench.fp8_tune --budget-s ${FP8_TUNE_S:-125}
              step fp8_gemm 75 python3 -m bench.fp8_gemm_bench --write-threshold --out bench/results/fp8_gemm_h100.json
              step fp8_decode 60 python3 -m bench.fp8_decode_bench --out bench/results/fp8_decode_h100.json ;;
-        handoff) # the pool's rate on one Redis and 1/4-node clusters, then the PD path (issue 8)
+        handoff) # the pool's rate on one Redis and 1/4-node clusters, one prompt's transfers, then the PD path
+             # on one Redis and a 4-node cluster with its per-phase timeline (issue 8)
              step pool 90 python3 bench/pool_throughput.py --redis-bin /tmp/redis-root/usr/bin --redis-args "--io-threads 4" \
-                --reps 3 --cluster-sizes 1,4 --markdown bench/results/pool_h100_r3.md --json bench/results/pool_h100_r3.json
-             step gpu_pd 100 python3 -m bench.gpu_pd --tokenizer "$TOK" --prompt-len 2048 --requests 6 \
-                --prefill-chunks 512,2048 --out bench/results/gpu_pd_h100_r3.json ;;
+                --reps 3 --cluster-sizes 1,4 --markdown bench/results/pool_h100_r6.md --json bench/results/pool_h100_r6.json
+             step handoff_probe 60 python3 -m bench.handoff_probe --redis-bin /tmp/redis-root/usr/bin --nodes 0,4
+             step gpu_pd 150 python3 -m bench.gpu_pd --tokenizer "$TOK" --prompt-len 2048 --requests 10 \
+                --prefill-chunks 2048 --redis-nodes 0,4 --out bench/results/gpu_pd_h100_r8.json ;;
         moe) step moe 240 python3 -m bench.moe_bench --write-thresholds --reps 5 --warmup 2 \
                 --out bench/results/moe_bench_h100.json --markdown bench/results/moe_bench_h100.md ;;
         moe_fp8) # FP8 experts: the GPU tests, then FP8 vs bf16 grouped GEMMs and layers
