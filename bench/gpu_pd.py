@@ -209,7 +209,7 @@ async def drive(url: str, args: argparse.Namespace, chunk: int) -> list[dict]:
 def cluster_config(args: argparse.Namespace, model: str | None, chunk: int, redis_nodes: int) -> ClusterConfig:
     cuda = args.device.startswith("cuda")
     return ClusterConfig(
-        router_port=free_port(), model=model, device=args.device, threads=args.threads, pool_gb=8 if cuda else 2,
+        router_port=free_port(), model=model, device=args.device, threads=args.threads, pool_gb=args.pool_gb or (8 if cuda else 2),
         redis_cluster=redis_nodes, redis_args=args.redis_args.split(),
         log_dir=Path("/tmp/tidepool-gpu-pd-logs"),
         worker_args=["--max-model-len", "4096", *(["--kv-cache-gb", "4"] if cuda else ["--num-blocks", "512"]), *args.worker_args.split()],
@@ -233,7 +233,7 @@ def report(args: argparse.Namespace, colo: dict[str, list[dict]], rows: list[dic
     chunked = "; ".join(f"{c}-token chunks: TTFT {ms(med(colo[str(c)], 'ttft_s'))} ms" for c in args.prefill_chunks if str(c) in colo)
     out = [f"\n{device}: {args.prompt_len}-token prompts, median of {args.requests} per row "
            f"({'bf16, random SmolLM2-135M weights' if args.device.startswith('cuda') else 'float32, SmolLM2-135M-Instruct GGUF'}; "
-           f"{args.threads} torch threads per model process; Redis flags '{args.redis_args}'; worker flags '{args.worker_args}')\n",
+           f"{args.threads} torch threads per model process; pool {args.pool_gb or 'default'} GB; Redis flags '{args.redis_args}'; worker flags '{args.worker_args}')\n",
            f"co-located engine (one process, no pool): TTFT {ms(colo_ttft)} ms, TTFT + one decode step {ms(colo_second)} ms"
            + (f" (the same engine with its step budget at the prefill chunk, what chunking alone costs: {chunked})" if chunked else "") + "\n"]
     headers = ["pool", "prefill chunk", "handoff", "client TTFT ms", "client 2nd token ms", "vs co-located TTFT + 1 step",
@@ -282,6 +282,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="torch threads per model process (default 4 on CUDA, 1 on CPU)")
     ap.add_argument("--redis-nodes", default="0", help="comma-separated pools to run: 0 = one Redis, N = a local N-node Redis Cluster")
     ap.add_argument("--redis-args", default="", help="more redis-server flags, e.g. '--io-threads 4 --io-threads-do-reads yes'")
+    ap.add_argument("--pool-gb", type=float, default=None,
+                    help="the pool's Redis memory (default 8 on CUDA: every request writes into new server memory); "
+                         "a small pool runs at its budget, evicting, as a pool in service does")
     ap.add_argument("--worker-args", default="", help="more prefill and decode flags, e.g. '--pool-workers 8'")
     ap.add_argument("--out", default=None, help="write the rows and the report as JSON here")
     ap.add_argument("--colocated-only", action="store_true", help=argparse.SUPPRESS)

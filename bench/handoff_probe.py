@@ -13,6 +13,10 @@ Redis Cluster, with the services' pool settings:
 - ``get, runs of K``: consecutive ``get_blocks_into`` calls of K blocks (the streamed
   handoff's fetch of each newly durable run).
 
+The put rows overwrite the same keys every repetition (the servers reuse the values'
+memory); ``new keys`` rows write a prompt never seen before each time, as the services do
+until the pool is full (the servers' memory grows, page by page).
+
     python -m bench.handoff_probe --redis-bin /tmp/redis-root/usr/bin --nodes 0,4
 """
 
@@ -27,6 +31,7 @@ import time
 from pathlib import Path
 
 from bench.pool_throughput import Prompt, start_redis  # noqa: E402  (sets OMP_WAIT_POLICY, sys.path)
+from libs.blocks.keys import Namespace, block_keys
 from libs.kvpool.config import PoolConfig
 from libs.kvpool.redis_pool import RedisPool
 from libs.kvpool.writer import AsyncWriter
@@ -38,29 +43,45 @@ async def probe(url: str, args: argparse.Namespace) -> list[tuple[str, float]]:
     prompt = Prompt(0)
     rows: list[tuple[str, float]] = []
 
-    async def timed(label: str, fn) -> None:
+    async def timed(label: str, fn, setup=None) -> None:
         for _ in range(args.warmup):
+            await setup() if setup else None
             await fn()
         times = []
         for _ in range(args.reps):
+            await setup() if setup else None
             t0 = time.perf_counter()
             await fn()
             times.append(time.perf_counter() - t0)
         ms = statistics.median(times) * 1e3
         rows.append((label, ms))
-        print(f"  {label:<28} {ms:7.1f} ms  {prompt.nbytes / ms / 1e6:5.2f} GB/s", flush=True)
+        print(f"  {label:<50} {ms:7.1f} ms  {prompt.nbytes / ms / 1e6:5.2f} GB/s", flush=True)
 
     await timed("put, all at once", lambda: prompt.encode_put(pool, 16))
-    for workers, batch in args.writers:
-        async def through_writer(workers: int = workers, batch: int = batch) -> None:
-            async with AsyncWriter(pool, workers=workers, batch_blocks=batch) as writer:
-                session = writer.begin()
-                for key, row in zip(prompt.keys, prompt.src_rows):
-                    await session.submit(prompt.ns, key, prompt.codec.encode_pending(row, 16))
-                report = await session.wait_all_done()
-                assert report.ok
+    fresh = iter(range(10**9))
+    written: list = []  # (namespace, keys) of the new-keys rows, oldest first
 
-        await timed(f"writer {workers} x {batch}", through_writer)
+    async def evict_oldest() -> None:  # what cache_store does at its budget: the servers reuse that memory
+        if written:
+            ns, keys = written.pop(0)
+            await pool.delete_blocks(ns, keys)
+
+    for workers, batch in args.writers:
+        for mode in ("same keys", "new keys", "new keys, the oldest evicted first"):
+            async def through_writer(workers: int = workers, batch: int = batch, mode: str = mode) -> None:
+                ns, keys = prompt.ns, prompt.keys
+                if mode != "same keys":
+                    ns = Namespace(model_digest=f"probe-{next(fresh)}", dtype="bf16", block_size=16)
+                    keys = block_keys(ns, list(range(len(prompt.keys) * 16)))
+                    written.append((ns, keys))
+                async with AsyncWriter(pool, workers=workers, batch_blocks=batch) as writer:
+                    session = writer.begin()
+                    for key, row in zip(keys, prompt.src_rows):
+                        await session.submit(ns, key, prompt.codec.encode_pending(row, 16))
+                    report = await session.wait_all_done()
+                    assert report.ok
+
+            await timed(f"writer {workers} x {batch}, {mode}", through_writer, evict_oldest if "evicted" in mode else None)
     await timed("get, all at once", lambda: prompt.get_decode(pool))
     for k in args.runs:
         async def in_runs(k: int = k) -> None:
@@ -79,7 +100,7 @@ def main() -> None:
     ap.add_argument("--redis-bin", default="")
     ap.add_argument("--redis-args", default="")
     ap.add_argument("--nodes", default="0,4", help="0 = one Redis, N = an N-node cluster")
-    ap.add_argument("--writers", default="4x8,4x16,8x16,4x32,16x8")
+    ap.add_argument("--writers", default="4x16,4x32")
     ap.add_argument("--runs", default="8,32")
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--warmup", type=int, default=2)
