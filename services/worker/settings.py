@@ -87,8 +87,8 @@ class WorkerSettings(BaseSettings):
             raise ValueError("threads must be >= 1")
         if self.tensor_parallel_size < 1 or self.tp_timeout_s <= 0:
             raise ValueError("tensor_parallel_size must be >= 1 and tp_timeout_s > 0")
-        if self.max_queue_depth < 1 or self.retry_after_s < 1:
-            raise ValueError("max_queue_depth and retry_after_s must be >= 1")
+        if min(self.max_queue_depth, self.retry_after_s, self.pool_workers, self.pool_write_batch) < 1:
+            raise ValueError("max_queue_depth, retry_after_s, pool_workers and pool_write_batch must be >= 1")
         if min(self.heartbeat_s, self.load_timeout_s, self.pool_check_s, self.handoff_timeout_s) <= 0:
             raise ValueError("heartbeat_s, load_timeout_s, pool_check_s and handoff_timeout_s must be > 0")
         from libs.engine.spec.config import parse_speculative_config

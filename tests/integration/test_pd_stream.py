@@ -66,7 +66,9 @@ def test_decode_loads_blocks_before_prefill_finishes(cluster, client, reference_
     assert dec["first_load_done_at"] < pre["worker"]["compute_done_at"]
     assert 0 < dec["early_blocks"] <= n_blocks
     assert dec["pool_hit_blocks"] == n_blocks and not dec["pool_miss_reasons"]
-    assert dec["handoff_updates"] == a["handoff_updates"] >= 2  # progress..., then the last one
+    # progress..., then the last one; the router cuts off a progress post still in flight when
+    # the last one is due (services/router/handoff.py), which decode may or may not have taken
+    assert a["handoff_updates"] >= 2 and a["handoff_updates"] <= dec["handoff_updates"] <= a["handoff_updates"] + 1
     assert dec["load_tail_s"] <= dec["load_s"] + 1e-6  # part of the loading overlapped prefill
 
     # every counter moved by what this one request did
@@ -74,7 +76,7 @@ def test_decode_loads_blocks_before_prefill_finishes(cluster, client, reference_
     assert d(p, "tidepool_prefill_streamed_blocks_total") == pre["worker"]["streamed_blocks"]
     assert d(dc, "tidepool_handoff_early_blocks_total") == dec["early_blocks"]
     assert d(dc, "tidepool_handoff_updates_total", kind="final") == 1
-    assert d(dc, "tidepool_handoff_updates_total", kind="progress") == a["handoff_updates"] - 1
+    assert d(dc, "tidepool_handoff_updates_total", kind="progress") == dec["handoff_updates"] - 1
     assert d(r, "tidepool_router_handoff_updates_total", kind="final") == 1
     assert d(r, "tidepool_router_handoff_updates_total", kind="progress") == a["handoff_updates"] - 1
     assert d(r, "tidepool_router_handoff_updates_total", kind="failed") == 0

@@ -308,3 +308,16 @@ async def test_session_and_writer_misuse_is_refused() -> None:
 def test_a_writer_needs_a_running_loop() -> None:
     with pytest.raises(RuntimeError):
         AsyncWriter(MemoryPool())
+
+
+def test_worker_write_settings_are_checked_at_start_up(capsys) -> None:
+    from services.common.settings import parse_settings
+    from services.worker.settings import WorkerSettings
+
+    s = parse_settings(WorkerSettings, ["--pool-workers", "2", "--pool-write-batch", "32"], {})
+    assert (s.pool_workers, s.pool_write_batch) == (2, 32)
+    assert parse_settings(WorkerSettings, [], {}).pool_write_batch == 16
+    for flag in ("--pool-workers", "--pool-write-batch"):
+        with pytest.raises(SystemExit) as e:
+            parse_settings(WorkerSettings, [flag, "0"], {})
+        assert e.value.code == 2 and "must be >= 1" in capsys.readouterr().err
