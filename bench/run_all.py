@@ -57,6 +57,8 @@ BENCHES = [
           quick=["-m", "bench.cpu_linear_bench", "--threads", "1", "--reps", "2", "--max-tokens", "16", "--out", "{out}/cpu_linear.json"]),
     Bench("pool_throughput", ["bench/pool_throughput.py", "--reps", "2", "--markdown", "{out}/pool_throughput.md"], 600,
           needs=["redis-server", "redis-benchmark"], what="KV pool client vs redis-benchmark"),
+    Bench("handoff_probe", ["-m", "bench.handoff_probe", "--nodes", "0,4", "--reps", "5"], 300, needs=["redis-server", "redis-cli"],
+          what="one prompt's pool writes and reads in the services' patterns (writer, new keys, decode's runs), one Redis and a 4-node cluster"),
     Bench("pd_vs_engine", ["-m", "bench.pd_vs_engine", "--threads", "1", "--requests", "16", "--concurrency", "8",
                             "--output-len", "uniform:16-32", "--handoff-requests", "3", "--num-blocks", "512"], 900,
           needs=["redis-server"], what="PD through the router vs the in-process engine"),
