@@ -352,6 +352,8 @@ def _prompts(value: Any, vocab_size: int) -> tuple[str | tuple[int, ...], ...]:
         raise bad_request(f"'prompt' must be a string or an array, got {json_type(value)}", "prompt", "invalid_type")
     if not value:
         raise bad_request("'prompt' must not be an empty array", "prompt")
+    if set(map(type, value)) == {int}:  # the common array: token ids, checked at C speed
+        return (token_ids(value, "prompt", vocab_size),)
     if all(type(v) is str for v in value):
         return tuple(value)
     if all(as_int(v) is not None for v in value):
@@ -372,6 +374,8 @@ def token_ids(value: Any, name: str, vocab_size: int, *, allow_empty: bool = Fal
         raise bad_request(f"'{name}' must be an array of token ids, got {json_type(value)}", name, "invalid_type")
     if not value and not allow_empty:
         raise bad_request(f"'{name}' must not be empty", name)
+    if value and set(map(type, value)) == {int} and 0 <= min(value) and max(value) < vocab_size:
+        return tuple(value)  # exact ints in range (C speed); anything else gets the per-id check and its message
     ids = [as_int(t) for t in value]
     for i, t in enumerate(ids):
         if t is None:

@@ -99,12 +99,17 @@ def check_tree(value: Any, max_depth: int) -> None:
             items = node.values()
         else:
             items = node
+            if _SCALARS.issuperset(set(map(type, node))):
+                continue  # numbers, booleans, nulls: nothing to check (a prompt's token ids, at C speed)
         for item in items:
             kind = type(item)
             if kind is dict or kind is list:
                 stack.append((item, depth + 1))
             elif kind is str:
                 _check_text(item)
+
+
+_SCALARS = frozenset((int, float, bool, type(None)))
 
 
 def _check_text(text: str) -> None:
