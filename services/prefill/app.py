@@ -130,8 +130,7 @@ class PrefillJob:
     progress_done: bool = False
     streamed_blocks: int = 0  # blocks durable before compute finished
     compute_done_at: float = 0.0  # wall clock when compute ended (decode's ``load_done_at`` is comparable on one host)
-    leased_at: float = 0.0  # wall clock when the lease and the pool's prefix query were done
-    engine_at: float = 0.0  # wall clock when the prompt went to the engine
+    leased_at: float = 0.0  # wall clock when the lease was taken (or given up: the pool is down)
     _lease: "asyncio.Task[None] | None" = field(default=None, init=False, repr=False)  # taking the lease
     _announced: "asyncio.Task[None] | None" = field(default=None, init=False, repr=False)  # the first progress
     prompt_scores: PromptLogprobs | None = None  # the prompt's logprobs, when asked (echo with logprobs)
@@ -200,7 +199,6 @@ class PrefillJob:
             load = await load_blocks(rt, keys[:pool_run], local, max_tokens=len(prompt) - 1)
 
         t_engine = time.perf_counter()
-        self.engine_at = time.time()
         engine0 = _engine_clock(rt)
         stream = rt.engine.add_request(
             msg.request_id, prompt, self.params, kv_import=load.kv_import, export_kv=True, stream_export=self.streamed,
@@ -311,7 +309,7 @@ class PrefillJob:
             # The request's phases in wall time (one host: comparable with decode's and the client's).
             "received_at": wall_clock(self.t0),
             "leased_at": self.leased_at,
-            "engine_at": self.engine_at,
+            "engine_at": wall_clock(t_engine),
             "compute_done_at": self.compute_done_at,
             "written_at": time.time(),
             **self.engine_time,
