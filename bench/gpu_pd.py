@@ -195,8 +195,8 @@ async def drive(url: str, args: argparse.Namespace, chunk: int) -> list[dict]:
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as s:
         async with s.get(url + "/v1/models") as r:
             model = (await r.json())["data"][0]["id"]
-        fresh = iter(prompts(2 * (WARMUP + args.requests), args.prompt_len, seed=1000 + chunk))
-        for _ in range(WARMUP):  # kernels, graphs, connections, both paths
+        fresh = iter(prompts(2 * (args.warmup + args.requests), args.prompt_len, seed=1000 + chunk))
+        for _ in range(args.warmup):  # kernels, graphs, connections, both paths (and a small pool filled to its budget)
             for mode in (True, False):
                 await one(s, url, model, next(fresh), mode)
         rows = []
@@ -285,6 +285,8 @@ def main() -> None:
     ap.add_argument("--pool-gb", type=float, default=None,
                     help="the pool's Redis memory (default 8 on CUDA: every request writes into new server memory); "
                          "a small pool runs at its budget, evicting, as a pool in service does")
+    ap.add_argument("--warmup", type=int, default=WARMUP,
+                    help="untimed requests per handoff mode first (enough of them fill a small --pool-gb to its budget)")
     ap.add_argument("--worker-args", default="", help="more prefill and decode flags, e.g. '--pool-workers 8'")
     ap.add_argument("--out", default=None, help="write the rows and the report as JSON here")
     ap.add_argument("--colocated-only", action="store_true", help=argparse.SUPPRESS)

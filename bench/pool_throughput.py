@@ -22,7 +22,9 @@ moving bytes meanwhile), so it is a cost in CPU, not all of it in latency.
 
 Then, against local Redis Clusters of 1, 2 and 4 nodes (``--cluster-sizes``): aggregate
 ``get + decode`` and ``encode + put`` of ``--concurrency`` prompts at once (the pool shards
-each prompt over 16 partitions spread over the nodes), beside ``redis-benchmark --cluster``
+each prompt over 16 partitions spread over the nodes), dealt over ``--client-processes``
+client processes (several prefill and decode instances share one pool; one Python process
+is itself a limit at these rates), beside ``redis-benchmark --cluster``
 on the same cluster, and the ratio to the 1-node cluster (the goal: >= 2.5x at 4 nodes, on
 a host whose cores are not the limit).
 
@@ -44,6 +46,7 @@ import csv
 import datetime
 import io
 import json
+import multiprocessing
 import os
 import platform
 import shutil
@@ -289,9 +292,39 @@ async def single_redis(url: str, port: int, args: argparse.Namespace) -> Samples
     return samples
 
 
-async def on_cluster(url: str, port: int, nodes: int, args: argparse.Namespace) -> Samples:
+def _client_process(url: str, indices: list[int], args: argparse.Namespace, barrier, results) -> None:  # noqa: ANN001
+    """One client process of the cluster rows: its prompts at once, each round started by
+    ``barrier`` together with the other processes; reports each call's monotonic span."""
+    torch.set_num_threads(1)
+
+    async def run() -> None:
+        ours = await Ours(url, [Prompt(i) for i in indices], args.cluster_model, args).start()
+        try:
+            for _ in range(args.reps):
+                for label in BASELINE:
+                    for _ in range(args.rounds):
+                        await asyncio.to_thread(barrier.wait)
+                        t0 = time.monotonic()
+                        await ours.calls[label]()
+                        results.put((label, t0, time.monotonic(), ours.nbytes))
+        finally:
+            await ours.close()
+
+    uvloop.run(run())
+
+
+def on_cluster(url: str, port: int, nodes: int, args: argparse.Namespace) -> Samples:
+    """``--concurrency`` prompts at once, dealt over ``--client-processes`` client processes
+    (separate instances, as prefill and decode are): aggregate GB/s of each round is every
+    process's bytes over the span from the first start to the last end."""
+    ctx = multiprocessing.get_context("spawn")
+    procs = max(1, min(args.client_processes, args.concurrency))
+    barrier, results = ctx.Barrier(procs + 1), ctx.Queue()
+    workers = [ctx.Process(target=_client_process, args=(url, list(range(i, args.concurrency, procs)), args, barrier, results), daemon=True)
+               for i in range(procs)]
+    for w in workers:
+        w.start()
     samples = Samples()
-    ours = await Ours(url, [Prompt(i) for i in range(args.concurrency)], args.cluster_model, args).start()
     try:
         for _ in range(args.reps):
             theirs = redis_benchmark(
@@ -300,11 +333,21 @@ async def on_cluster(url: str, port: int, nodes: int, args: argparse.Namespace) 
             for test, gbps in theirs.items():
                 samples.add(f"redis-benchmark {test}", gbps)
             for label in BASELINE:
-                gbps, _, _, _ = await ours.row(label)
+                rates = []
+                for _ in range(args.rounds):
+                    barrier.wait(timeout=300)
+                    spans = [results.get(timeout=300) for _ in range(procs)]
+                    rates.append(sum(s[3] for s in spans) / (max(s[2] for s in spans) - min(s[1] for s in spans)) / 1e9)
+                gbps = statistics.median(rates)
                 samples.add(label, gbps)
                 samples.add(f"{label} ratio", gbps / theirs[BASELINE[label]])
     finally:
-        await ours.close()
+        for w in workers:
+            w.join(timeout=60)
+            if w.is_alive():
+                w.kill()
+    if any(w.exitcode for w in workers):
+        raise RuntimeError(f"a client process failed: exit codes {[w.exitcode for w in workers]}")
     return samples
 
 
@@ -337,6 +380,8 @@ def main() -> None:
     parser.add_argument("--cluster-sizes", default="1,2,4", help="Redis Cluster sizes to run (empty: none)")
     parser.add_argument("--cluster-model", default="threads", choices=BULK_MODELS)
     parser.add_argument("--concurrency", type=int, default=4, help="prompts in flight at once on the clusters")
+    parser.add_argument("--client-processes", type=int, default=1,
+                        help="client processes the clusters' prompts are dealt over (1: all in one process)")
     parser.add_argument("--redis-bin", default="", help="folder with redis-server, redis-cli, redis-benchmark (default: PATH)")
     parser.add_argument("--redis-args", default="", help="extra redis-server flags, e.g. '--io-threads 4'")
     parser.add_argument("--markdown", type=Path, help="also write the tables to this file")
@@ -376,7 +421,7 @@ def main() -> None:
     if sizes:
         lines += [
             "",
-            f"| Redis Cluster ({args.concurrency} prompts at once, {args.cluster_model}) | nodes | GB/s | ratio to redis-benchmark --cluster | vs 1 node | redis-benchmark --cluster GB/s |",
+            f"| Redis Cluster ({args.concurrency} prompts at once in {args.client_processes} client process(es), {args.cluster_model}) | nodes | GB/s | ratio to redis-benchmark --cluster | vs 1 node | redis-benchmark --cluster GB/s |",
             "|---|---:|---:|---:|---:|---:|",
         ]
         base: dict[str, float] = {}
@@ -385,7 +430,7 @@ def main() -> None:
                 n, maxmemory=4 << 30, extra_args=args.redis_args.split(),
                 redis_server=args.redis_server, redis_cli=args.redis_cli,
             ) as nodes:
-                samples = uvloop.run(on_cluster(nodes.url, nodes.ports[0], n, args))
+                samples = on_cluster(nodes.url, nodes.ports[0], n, args)
             raw[f"cluster-{n}"] = samples.values
             for label, test in BASELINE.items():
                 base.setdefault(label, samples.median(label))
