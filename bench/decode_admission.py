@@ -20,9 +20,10 @@ Rows: ``import`` (decode's case), ``local hit`` (the same prompt again: its bloc
 the engine's prefix cache, no import: the admission and step alone), and ``import, sync``
 (async scheduling off: whether reading a step's ids one step late costs the first token).
 ``--profile`` adds the torch profiler's table of one ``import`` request (host ops and
-kernels, by total time).
+kernels, by total time); ``--sync-debug`` prints the stack of every call that waits for the
+device during one (``torch.cuda.set_sync_debug_mode``).
 
-    python -m bench.decode_admission [--requests 12] [--prompt-len 2048] [--profile] [--out results.json]
+    python -m bench.decode_admission [--requests 12] [--prompt-len 2048] [--profile] [--sync-debug] [--out results.json]
 """
 
 from __future__ import annotations
@@ -103,6 +104,7 @@ async def one(ae: StampedEngine, rid: str, prompt: list[int], first: int, kv: KV
     posted = next(p for p in ae.posted if p >= t0)
     admitted = ae.admitted.pop(rid)
     first_step = history[steps0] if len(history) > steps0 else {}
+    second_step = history[steps0 + 1] if len(history) > steps0 + 1 else {}
     ms = lambda t: (t - t0) * 1e3  # noqa: E731
     return {
         "engine thread admits": ms(admitted),
@@ -111,6 +113,7 @@ async def one(ae: StampedEngine, rid: str, prompt: list[int], first: int, kv: KV
         "posted": ms(posted),
         "on the loop": ms(on_loop),
         "first step phases us": {k: round(v * 1e6, 1) for k, v in first_step.items()},
+        "second step phases us": {k: round(v * 1e6, 1) for k, v in second_step.items()},
         "steps": len(history) - steps0,
     }
 
@@ -141,6 +144,24 @@ async def run_rows(eng: LLMEngine, args: argparse.Namespace, label: str, *, loca
                 await one(ae, f"{label}-profiled", prompt, 7, kv)
             print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25), flush=True)
             print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15), flush=True)
+        if args.sync_debug and not local and label == "import":
+            # Every call that waits for the device, with the stack that made it (the engine
+            # thread's steps of one request; steady decode steps make none).
+            import traceback
+            import warnings
+
+            def show(message, category, filename, lineno, file=None, line=None):  # noqa: ANN001
+                print(f"SYNC: {message}", "".join(traceback.format_stack(limit=14)[:-2]), sep="\n", flush=True)
+
+            warnings.showwarning = show
+            warnings.simplefilter("always")
+            prompt = torch.randint(100, eng.vocab_size, (args.prompt_len,), generator=g).tolist()
+            kv = staged(eng, args.prompt_len)
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                await one(ae, f"{label}-sync-debug", prompt, 7, kv)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
     finally:
         await ae.stop()
     return rows
@@ -151,9 +172,11 @@ MARKS = ("engine thread admits", "first step launched", "ids on host", "posted",
 
 def report(label: str, rows: list[dict]) -> str:
     med = {k: statistics.median(r[k] for r in rows) for k in MARKS}
-    phases = {k: statistics.median(r["first step phases us"].get(k, 0.0) for r in rows) for k in rows[0]["first step phases us"]}
     marks = ", ".join(f"{k} {v:.2f}" for k, v in med.items())
-    return f"{label}: ms since add_request (medians of {len(rows)}): {marks}; first step's host phases (us): {phases}; steps per request {rows[0]['steps']}"
+    steps = "; ".join(f"{which} step's host phases (us): " + ", ".join(
+        f"{k} {statistics.median(r[f'{which} step phases us'].get(k, 0.0) for r in rows):.0f}" for k in rows[0][f"{which} step phases us"])
+        for which in ("first", "second"))
+    return f"{label}: ms since add_request (medians of {len(rows)}): {marks}; {steps}; steps per request {rows[0]['steps']}"
 
 
 def main() -> None:
@@ -162,6 +185,7 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=2048)
     p.add_argument("--requests", type=int, default=12)
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--sync-debug", action="store_true", help="print the stack of every device sync of one import request")
     p.add_argument("--out")
     args = p.parse_args()
     out: dict[str, list[dict]] = {}

@@ -216,8 +216,10 @@ class AsyncEngine:
             self._refresh(dt)
             if outputs:
                 self._post(self._deliver, outputs)
-            elif eng.num_running == 0 and eng.num_waiting == 0:
-                # Only exports waiting for staging: don't spin while the consumer writes.
+            elif eng.num_running == 0 and eng.num_waiting == 0 and not eng.num_steps_in_flight:
+                # Only exports waiting for staging: don't spin while the consumer writes. (A
+                # step in flight is read at once: with async scheduling a request's last
+                # token is in flight after its sequence retired, and would wait here.)
                 self._wake.wait(0.002)
                 self._wake.clear()
         self._drain_inbox()

@@ -332,6 +332,11 @@ class LLMEngine:
         return len(self.scheduler.running)
 
     @property
+    def num_steps_in_flight(self) -> int:
+        """Steps launched whose ids are not read yet (async scheduling: up to two)."""
+        return len(self._in_flight)
+
+    @property
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
 

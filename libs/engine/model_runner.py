@@ -88,10 +88,12 @@ class SlotState:
             self.counts[slot].index_add_(0, out, torch.ones(out.numel(), device=self.device))
         prompt = to_device([t for t in prompt_ids if t < V], self.device)
         if prompt.numel():
-            self.prompt_seen[slot, prompt] = True
+            self.prompt_seen[slot].index_fill_(0, prompt, True)
 
     def set_last(self, slot: int, token: int) -> None:
-        self.last_sampled[slot] = token
+        # fill_ takes the token as a kernel argument; ``last_sampled[slot] = token`` copies
+        # it from pageable memory and waits for the stream (behind a PD import: ~0.6 ms).
+        self.last_sampled[slot : slot + 1].fill_(token)
 
     def record(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
         """Sampled ``tokens`` of distinct ``slots``: the next step's input ids, and counted."""

@@ -185,6 +185,40 @@ def test_kv_export_import_through_pinned_staging(models):
     assert pre.swapper.in_use == 0 and dec.swapper.in_use == 0
 
 
+@pytest.mark.parametrize("penalties", [False, True])
+def test_launching_an_imported_sequence_never_waits_for_the_device(models, penalties):
+    """A PD decode's first step (the import, the new slot's last token and penalty state,
+    the forward) only enqueues work: a call that waits for the stream there would wait for
+    the 47 MB import of a 2048-token prompt (``last_sampled[slot] = token`` did: ~0.6 ms on
+    an H100, bench/decode_admission.py). Every launch runs under sync-debug "error"."""
+    _, loaded = models
+    dec = make(loaded, swap_max_blocks=4, async_scheduling="on")
+    ids = prompts(1)[0] + list(range(100, 150))
+    n = -(-len(ids) // dec.config.block_size)
+    bufs = [dec.swapper.acquire(min(4, n - i)) for i in range(0, n, 4)]
+    for b in bufs:
+        b.host.zero_()
+    execute = dec.runner.execute
+
+    def strict(step, pre_ops):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return execute(step, pre_ops)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    dec.runner.execute = strict
+    extra = dict(presence_penalty=0.5, repetition_penalty=1.2) if penalties else {}
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, **extra)
+    dec.add_request("d", ids, params, output_prefix=[7], kv_import=KVImport(bufs, 0, len(ids)))
+    got = []
+    while dec.has_unfinished_requests():
+        for o in dec.step():
+            got += [t for c in o.outputs for t in c.new_token_ids]
+    assert len(got) == 5 and dec.num_prompt_tokens_computed == 0
+    assert dec.swapper.in_use == 0
+
+
 @pytest.mark.parametrize("async_scheduling", ["off", "on"])
 def test_streamed_export_on_cuda_equals_the_export_at_the_end(models, async_scheduling):
     """Chunk-wise gathers (swap_out after each chunk's step is read back, pinned staging)
