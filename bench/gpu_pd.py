@@ -154,6 +154,7 @@ async def one(session: aiohttp.ClientSession, url: str, model: str, prompt: list
         "first_decode_step_s": (dec.get("first_token_s") or 0.0) - decode_wait,
         "early_share": dec.get("early_blocks", 0) / blocks,
         "bytes_written": pre.get("bytes_written", 0),
+        "write_fail_reasons": pre["worker"].get("write_fail_reasons", {}),
         "bytes_read": dec.get("bytes_read", 0),
         "timeline": timeline(wall0, pre["worker"], dec, first, second),
         "trace": trace,  # the router's whole trace
@@ -267,6 +268,14 @@ def report(args: argparse.Namespace, colo: dict[str, list[dict]], rows: list[dic
             cells.append(ms(statistics.median(vals)) if vals else "")
         lines.append([label, *cells])
     out.append(table(heads, lines))
+    refused = [r for r in rows if r.get("write_fail_reasons")]
+    if refused:  # such a request's decode computed what the pool did not get: not a handoff measurement
+        reasons: dict[str, int] = {}
+        for r in refused:
+            for k, n in r["write_fail_reasons"].items():
+                reasons[k] = reasons.get(k, 0) + n
+        out.append(f"\n**{len(refused)} of {len(rows)} requests had prefill writes refused** (blocks by reason: {reasons}): "
+                   "their decode recomputed the missing tail, so the medians above mix them in.")
     out.append(f"\nKV moved per request: {med(rows, 'bytes_written') / 1e6:.1f} MB written, {med(rows, 'bytes_read') / 1e6:.1f} MB read. "
                "Goals (H100, 2048 tokens): client time to the second token <= 60 ms and <= 1.5x the co-located TTFT + one step.")
     return "\n".join(out)

@@ -172,6 +172,10 @@ class MemoryPool(BlockPool):
             counters=dict(self._counters),
         )
 
+    async def memory_fill(self) -> float:
+        await self._enter("memory_fill")
+        return self._bytes / self.capacity_bytes if self.capacity_bytes else 0.0
+
     async def evict(self, budget_bytes: int, max_blocks: int) -> EvictResult:
         await self._enter("evict")
         evicted = freed = 0

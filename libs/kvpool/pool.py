@@ -296,6 +296,15 @@ class BlockPool(ABC):
         """Delete least recently used unleased blocks until ``bytes <= budget_bytes`` or ``max_blocks`` went."""
 
     @abstractmethod
+    async def memory_fill(self) -> float:
+        """The fullest server's used memory over its memory limit (0.0 where none is set).
+
+        A byte budget counts values; a server also holds their allocator overhead, keys,
+        bookkeeping and client buffers, and refuses writes (OOM) at its limit. The policy
+        loop evicts by this too, so that a budget set too close to the limit (or a pool
+        whose overhead grew) still leaves room for writes."""
+
+    @abstractmethod
     async def reap_leases(self, max_leases: int = 1000) -> int:
         """Release leases whose TTL has passed; returns how many."""
 

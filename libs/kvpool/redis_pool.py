@@ -536,6 +536,24 @@ class RedisPool(BlockPool):
                 counters[name] = counters.get(name, 0) + int(raw[i + 1])
         return PoolStats.from_counters(blocks=blocks, bytes=nbytes, leases=leases, pinned_blocks=pinned, counters=counters)
 
+    async def memory_fill(self) -> float:
+        """``used_memory / maxmemory`` of the fullest node (``INFO memory``); a lost node is
+        skipped, as in ``stats``."""
+        slots, _ = await self.layout()
+        fills = await asyncio.gather(*(self._node_fill(node) for node in slots.nodes), return_exceptions=True)
+        for f in fills:
+            if isinstance(f, BaseException) and not isinstance(f, PoolUnavailable):
+                raise PoolError(f"redis INFO memory failed: {f}") from f
+        return max((f for f in fills if isinstance(f, float)), default=0.0)
+
+    async def _node_fill(self, node: Node) -> float:
+        (info,) = await self.control.roundtrip(node, [("INFO", "memory")])
+        if isinstance(info, Exception):
+            raise PoolError(f"INFO memory failed on {node}: {info}")
+        fields = dict(line.split(":", 1) for line in info.decode().splitlines() if ":" in line)
+        limit = int(fields.get("maxmemory", "0"))
+        return int(fields["used_memory"]) / limit if limit else 0.0
+
     async def evict(self, budget_bytes: int, max_blocks: int) -> EvictResult:
         """Global LRU over every partition (module docstring, "evict")."""
         if max_blocks <= 0:

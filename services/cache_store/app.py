@@ -248,6 +248,8 @@ def build_app(settings: CacheStoreSettings, *, pool: BlockPool | None = None) ->
         pool,
         budget_bytes=settings.budget_bytes,
         interval_s=settings.maintenance_interval_s,
+        pressure_interval_s=settings.pressure_interval_s,
+        memory_high_watermark=settings.memory_high_watermark,
         evict_batch=settings.evict_batch,
     )
     registry = CollectorRegistry()

@@ -53,3 +53,7 @@ class PoolCollector(Collector):
         yield CounterMetricFamily("tidepool_cache_store_policy_failed_passes", "policy passes that failed", value=c.failed_passes)
         yield CounterMetricFamily("tidepool_cache_store_reaped_leases", "expired leases reaped", value=c.reaped_leases)
         yield CounterMetricFamily("tidepool_cache_store_outages", "times Redis became unreachable", value=c.outages)
+        yield CounterMetricFamily(
+            "tidepool_cache_store_memory_evictions", "policy passes that evicted below the budget for Redis' memory", value=c.memory_evictions
+        )
+        yield GaugeMetricFamily("tidepool_pool_memory_fill", "the fullest Redis server's used / max memory", value=c.memory_fill)

@@ -7,8 +7,19 @@ loop (or an explicit DELETE) removes it. Each pass:
    (before evicting: an expired lease must not keep a block alive for one more pass);
 2. evicts least recently used unleased blocks, ``evict_batch`` per script call so that
    Redis is never paused for long, until the pool's bytes are within the budget or only
-   pinned blocks are left;
+   pinned blocks are left; then, if the fullest Redis server uses more than
+   ``memory_high_watermark`` of its ``maxmemory``, further down to the bytes that bring it
+   to the watermark. The budget counts value bytes only; each value also costs allocator
+   overhead (a 368,664-byte SmolLM2 block takes a 393,216-byte allocation), and clients'
+   query and output buffers count toward ``maxmemory`` too. A budget of 80% of
+   ``maxmemory`` left too little of the rest for those on an H100: prefill's writes were
+   refused (OOM) for 7-12 of 24 handoffs in a 1.5 GB pool at its budget, and in a small
+   pool before the budget was ever reached (bench/RESULTS.md, issue 8);
 3. reads the pool-wide statistics that /metrics and /stats serve.
+
+Passes run every ``interval_s``, or every ``pressure_interval_s`` after a pass that had to
+evict: a pool written faster than its slack above the budget per ``interval_s`` would
+otherwise fill that slack between passes and refuse writes (OOM) until the next one.
 
 A failing pass (Redis down, restarting, timing out) is counted, logged once per outage and
 retried on the next tick: the loop never exits on an error, and the pool client
@@ -36,6 +47,8 @@ class PolicyCounters:
     reaped_leases: int = 0
     evicted_blocks: int = 0
     evicted_bytes: int = 0
+    memory_evictions: int = 0  # passes that evicted below the budget for the servers' memory
+    memory_fill: float = 0.0  # the fullest server's used / max memory at the last pass
     last_error: str | None = None
     last_pass_s: float = 0.0
     outages: int = 0
@@ -43,10 +56,18 @@ class PolicyCounters:
 
 
 class PolicyLoop:
-    def __init__(self, pool: BlockPool, *, budget_bytes: int, interval_s: float, evict_batch: int) -> None:
+    def __init__(
+        self, pool: BlockPool, *, budget_bytes: int, interval_s: float, evict_batch: int, pressure_interval_s: float | None = None,
+        memory_high_watermark: float = 0.9,
+    ) -> None:
+        if not 0 < memory_high_watermark <= 1:
+            raise ValueError(f"memory_high_watermark must be in (0, 1], got {memory_high_watermark}")
+        self.memory_high_watermark = memory_high_watermark
         self.pool = pool
         self.budget_bytes = budget_bytes
         self.interval_s = interval_s
+        self.pressure_interval_s = min(interval_s, pressure_interval_s if pressure_interval_s is not None else interval_s)
+        self.under_pressure = False  # the last pass evicted: the pool is being filled at its budget
         self.evict_batch = evict_batch
         self.counters = PolicyCounters()
         self.snapshot: PoolStats | None = None  # the latest pool statistics
@@ -77,19 +98,32 @@ class PolicyLoop:
     async def _run(self) -> None:
         while not self._stopping:
             await self.run_pass()
-            await asyncio.sleep(self.interval_s)
+            await asyncio.sleep(self.pressure_interval_s if self.under_pressure else self.interval_s)
+
+    async def _evict_to(self, budget: int) -> int:
+        """Evict to ``budget`` bytes, ``evict_batch`` blocks per call; the bytes left."""
+        while True:
+            result = await self.pool.evict(budget, self.evict_batch)
+            self.under_pressure |= result.evicted > 0
+            self.counters.evicted_blocks += result.evicted
+            self.counters.evicted_bytes += result.freed_bytes
+            if result.evicted < self.evict_batch or result.bytes_after <= budget:
+                return result.bytes_after
 
     async def run_pass(self) -> bool:
         """One reap/evict/stats pass; ``False`` (and counted) if the pool failed."""
         start = time.perf_counter()
+        self.under_pressure = False
         try:
             self.counters.reaped_leases += await self.pool.reap_leases()
-            while True:
-                result = await self.pool.evict(self.budget_bytes, self.evict_batch)
-                self.counters.evicted_blocks += result.evicted
-                self.counters.evicted_bytes += result.freed_bytes
-                if result.evicted < self.evict_batch or result.bytes_after <= self.budget_bytes:
-                    break
+            bytes_now = await self._evict_to(self.budget_bytes)
+            fill = self.counters.memory_fill = await self.pool.memory_fill()
+            if fill > self.memory_high_watermark and bytes_now > 0:
+                # Blocks spread evenly over the servers, so scaling the pool's bytes scales
+                # the fullest server's share of them (its fixed overhead makes this land a
+                # little above the watermark; the next pass takes the rest).
+                self.counters.memory_evictions += 1
+                await self._evict_to(int(bytes_now * self.memory_high_watermark / fill))
             self.snapshot = await self.pool.stats()
         except Exception as exc:  # the loop must outlive any failure, or eviction stops for good
             kind = type(exc).__name__

@@ -27,6 +27,14 @@ class CacheStoreSettings(BaseSettings):
     maintenance_interval_s: float = setting(
         0.5, help="seconds between policy passes (reap expired leases, evict to the budget, refresh stats)"
     )
+    pressure_interval_s: float = setting(
+        0.02, help="seconds between policy passes after one that had to evict (the pool is filled at its budget): "
+        "eviction keeps pace with the writes instead of Redis refusing them (OOM) between passes"
+    )
+    memory_high_watermark: float = setting(
+        0.9, help="fraction of Redis' maxmemory (the fullest server's) above which blocks are evicted below the budget: "
+        "values' allocator overhead and clients' buffers count there, and Redis refuses writes (OOM) at maxmemory"
+    )
     evict_batch: int = setting(256, help="most blocks one eviction script deletes (bounds Redis' pause)")
     lease_ttl_s: float = setting(30.0, help="lease TTL when POST /v1/leases names none")
     max_lease_ttl_s: float = setting(600.0, help="longest lease TTL a client may ask for")
@@ -39,9 +47,11 @@ class CacheStoreSettings(BaseSettings):
         for name in ("max_value_bytes", "evict_batch", "max_query_keys"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("maintenance_interval_s", "lease_ttl_s", "max_lease_ttl_s", "redis_timeout_s"):
+        for name in ("maintenance_interval_s", "pressure_interval_s", "lease_ttl_s", "max_lease_ttl_s", "redis_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if not 0 < self.memory_high_watermark <= 1:
+            raise ValueError(f"memory_high_watermark must be in (0, 1], got {self.memory_high_watermark}")
         if self.lease_ttl_s > self.max_lease_ttl_s:
             raise ValueError("lease_ttl_s cannot exceed max_lease_ttl_s")
         self.pool_config()  # a bad URL or prefix fails at startup, with the usage line

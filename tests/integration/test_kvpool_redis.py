@@ -130,6 +130,49 @@ async def test_a_full_redis_refuses_single_blocks_and_keeps_serving(redis_factor
         assert await pool.put_blocks(NS, [(keys[-1], vals[-1])]) == [None]
 
 
+async def test_eviction_by_redis_memory_keeps_a_pool_writable_below_its_byte_budget(redis_factory: Callable[..., RedisServer]) -> None:
+    """A byte budget above what Redis can hold (values' allocator overhead and buffers count
+    toward maxmemory, not toward the budget): the policy loop also evicts by the server's
+    used memory, so writes between its passes are never refused. Without it this pool
+    fills up and refuses every write past ~6 MB (the budget is never reached)."""
+    from libs.blocks.keys import block_keys
+    from services.cache_store.policy import PolicyLoop
+
+    server = redis_factory(maxmemory="6mb")
+    keys = block_keys(NS, list(range(4 * 48)))
+    vals = values(len(keys), nbytes=256 * 1024)  # 12 MB in all
+    async with RedisPool(PoolConfig(url=server.url, key_prefix=unique_prefix())) as pool:
+        policy = PolicyLoop(pool, budget_bytes=1 << 30, interval_s=1.0, evict_batch=64, memory_high_watermark=0.85)
+        refused = []
+        for key, val in zip(keys, vals):
+            refused += [r.reason for r in await pool.put_blocks(NS, [(key, val)]) if r is not None]
+            assert await policy.run_pass()
+        assert refused == []
+        assert policy.counters.memory_evictions > 0 and policy.counters.evicted_blocks > 0
+        assert policy.counters.memory_fill < 0.95
+        client = aioredis.from_url(server.url)
+        try:
+            info = await client.info("memory")
+        finally:
+            await client.aclose()
+        assert await pool.memory_fill() == pytest.approx(info["used_memory"] / info["maxmemory"], rel=0.05)
+        assert (await pool.stats()).bytes < 6 * 2**20  # the budget (1 GB) had nothing to do with it
+
+
+async def test_memory_fill_is_the_fullest_node_of_a_cluster(redis_cluster) -> None:
+    async with RedisPool(PoolConfig(url=redis_cluster.url, key_prefix=unique_prefix())) as pool:
+        fill = await pool.memory_fill()
+    fills = []
+    for port in redis_cluster.ports:
+        client = aioredis.Redis(port=port)
+        try:
+            info = await client.info("memory")
+        finally:
+            await client.aclose()
+        fills.append(info["used_memory"] / info["maxmemory"])
+    assert 0 < fill < 1 and fill == pytest.approx(max(fills), rel=0.1)
+
+
 async def test_a_dropped_connection_is_retried(pool: RedisPool, pool_config: PoolConfig) -> None:
     await put_ok(pool, KEYS[:2], values(2))
     raw = aioredis.from_url(pool_config.url)

@@ -240,3 +240,62 @@ async def test_the_policy_loop_stops_even_if_a_cancellation_is_swallowed() -> No
     policy.start()
     await asyncio.wait_for(entered.wait(), 5)
     await asyncio.wait_for(policy.stop(), 5)
+
+
+async def test_the_policy_loop_keeps_pace_with_a_pool_filled_at_its_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    """After a pass that had to evict, the next comes after ``pressure_interval_s``, not the
+    full interval: writes arriving faster than one budget's slack per interval would
+    otherwise find Redis full (OOM) between passes. A pass with nothing to evict goes back
+    to the full interval."""
+    from services.cache_store import policy as policy_module
+    from services.cache_store.policy import PolicyLoop
+
+    pool = MemoryPool(capacity_bytes=5 * FULL)  # "maxmemory": two blocks of slack above the budget
+    policy = PolicyLoop(pool, budget_bytes=3 * FULL, interval_s=30.0, pressure_interval_s=0.01, evict_batch=8)
+    sleeps: list[float] = []
+    written = iter(range(4 * 6))
+    refused: list[str] = []
+    real_sleep = asyncio.sleep
+
+    async def writes_between_passes(seconds: float) -> None:
+        """Each pause of the loop: the writers add as much as that pause lets them (two
+        blocks in a short one, more in a long one), then the loop goes on."""
+        if seconds == 0:  # the pool twin yielding inside a call, not the loop's pause
+            return await real_sleep(0)
+        sleeps.append(seconds)
+        for _ in range(2 if seconds < 1 else 4):
+            i = next(written, None)
+            if i is None:
+                policy._stopping = True
+                break
+            key = block_keys(Namespace(model_digest=f"fill-{i}", dtype="float16", block_size=4), [1, 2, 3, 4])[0]
+            errors = await pool.put_blocks(NS, [(key, encoded(i))])
+            refused.extend(e.reason for e in errors if e is not None)
+        await real_sleep(0)
+
+    monkeypatch.setattr(policy_module.asyncio, "sleep", writes_between_passes)
+    await policy._run()
+    assert policy.counters.evicted_blocks > 0
+    assert refused == [], "writes between passes at the pressure interval must fit the slack"
+    # Nothing to evict at first (empty pool): the full interval; then the pool sits at its
+    # budget and every pass evicts, so the short one.
+    assert sleeps[0] == 30.0 and set(sleeps[2:]) == {0.01}
+
+
+async def test_the_policy_loop_evicts_by_the_servers_memory_below_its_budget() -> None:
+    """The twin's capacity stands for Redis' maxmemory: a pool at 95% of it is brought to
+    the high watermark although its byte budget is far away, and takes writes again."""
+    from services.cache_store.policy import PolicyLoop
+
+    pool = MemoryPool(capacity_bytes=20 * FULL)
+    for i in range(19):
+        key = block_keys(Namespace(model_digest=f"mem-{i}", dtype="float16", block_size=4), [1, 2, 3, 4])[0]
+        assert await pool.put_blocks(NS, [(key, encoded(i))]) == [None]
+    policy = PolicyLoop(pool, budget_bytes=1000 * FULL, interval_s=1.0, evict_batch=4, memory_high_watermark=0.8)
+    assert await policy.run_pass()
+    assert policy.counters.memory_evictions == 1 and policy.counters.memory_fill == pytest.approx(0.95)
+    assert await pool.memory_fill() <= 0.8
+    assert policy.counters.evicted_blocks == 3  # the oldest first, as many as the watermark needs
+    assert await policy.run_pass() and policy.counters.memory_evictions == 1  # under the watermark: nothing more
+    with pytest.raises(ValueError):
+        PolicyLoop(pool, budget_bytes=0, interval_s=1.0, evict_batch=4, memory_high_watermark=0)
