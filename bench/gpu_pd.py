@@ -207,6 +207,23 @@ async def drive(url: str, args: argparse.Namespace, chunk: int) -> list[dict]:
         return rows
 
 
+def pool_state(cluster: LocalCluster) -> str:
+    """The pool after a row: cache_store's statistics and policy counters, and each Redis
+    server's memory (a pool at its budget must still take writes: any refused shows here)."""
+    stats = cluster.get_json(cluster.cache_store.url + "/v1/stats")
+    pol = stats.get("policy", {})
+    keep = ("passes", "evicted_blocks", "memory_evictions", "memory_fill", "last_pass_s")
+    ports = cluster.redis_nodes.ports if cluster.redis_nodes is not None else [cluster._redis_port]
+    mem = []
+    for port in ports:
+        info = subprocess.run([shutil.which("redis-cli") or "redis-cli", "-p", str(port), "info", "memory"], capture_output=True, text=True).stdout
+        f = dict(line.split(":", 1) for line in info.splitlines() if ":" in line)
+        if f.get("maxmemory", "0") != "0":
+            mem.append(f"{int(f['used_memory']) / int(f['maxmemory']):.2f} (clients {int(f.get('mem_clients_normal', 0)) / 1e6:.1f} MB)")
+    return (f"pool after the row: {stats.get('blocks')} blocks, {stats.get('bytes', 0) / 1e9:.2f} GB, pinned {stats.get('pinned_blocks')}, "
+            f"write errors {stats.get('write_errors')}; policy {({k: pol.get(k) for k in keep})}; servers' used/max memory: {', '.join(mem)}")
+
+
 def cluster_config(args: argparse.Namespace, model: str | None, chunk: int, redis_nodes: int) -> ClusterConfig:
     cuda = args.device.startswith("cuda")
     return ClusterConfig(
@@ -321,6 +338,7 @@ def main() -> None:
         for chunk in args.prefill_chunks:
             with LocalCluster(cluster_config(args, model, chunk, nodes)) as cluster:
                 got = [{"redis_nodes": nodes, **r} for r in asyncio.run(drive(cluster.url, args, chunk))]
+                print(pool_state(cluster), flush=True)
             rows += got
             # As it goes, so that a run cut short by a time limit still says something.
             print(f"{pool_name(nodes)}, {chunk}-token chunks: client 2nd token median "
