@@ -8,7 +8,7 @@ loop (or an explicit DELETE) removes it. Each pass:
 2. evicts least recently used unleased blocks, ``evict_batch`` per script call so that
    Redis is never paused for long, until the pool's bytes are within the budget or only
    pinned blocks are left; then, if the fullest Redis server uses more than
-   ``memory_high_watermark`` of its ``maxmemory``, further down to the bytes that bring it
+   ``memory_high_watermark`` (0.8) of its ``maxmemory``, further down to the bytes that bring it
    to the watermark. The budget counts value bytes only; each value also costs allocator
    overhead (a 368,664-byte SmolLM2 block takes a 393,216-byte allocation), and clients'
    query and output buffers count toward ``maxmemory`` too. A budget of 80% of
@@ -17,9 +17,10 @@ loop (or an explicit DELETE) removes it. Each pass:
    pool before the budget was ever reached (bench/RESULTS.md, issue 8);
 3. reads the pool-wide statistics that /metrics and /stats serve.
 
-Passes run every ``interval_s``, or every ``pressure_interval_s`` after a pass that had to
-evict: a pool written faster than its slack above the budget per ``interval_s`` would
-otherwise fill that slack between passes and refuse writes (OOM) until the next one.
+Passes run every ``interval_s``, or every ``pressure_interval_s`` while the pool is at its
+budget or watermark (a pass evicted, or left it within 5% of either): a pool written faster
+than its slack per ``interval_s`` would otherwise fill that slack between passes and refuse
+writes (OOM) until the next one.
 
 A failing pass (Redis down, restarting, timing out) is counted, logged once per outage and
 retried on the next tick: the loop never exits on an error, and the pool client
@@ -36,6 +37,11 @@ from dataclasses import dataclass, field
 from libs.kvpool.pool import BlockPool, PoolError, PoolStats
 
 log = logging.getLogger("tidepool.cache_store.policy")
+
+# A pool within this fraction of its budget or memory watermark is "at" it: passes come every
+# pressure_interval_s (right after an eviction it sits exactly at the budget, and a pass that
+# finds nothing to evict must not send the loop back to its long interval).
+NEAR = 0.95
 
 
 @dataclass
@@ -58,7 +64,7 @@ class PolicyCounters:
 class PolicyLoop:
     def __init__(
         self, pool: BlockPool, *, budget_bytes: int, interval_s: float, evict_batch: int, pressure_interval_s: float | None = None,
-        memory_high_watermark: float = 0.9,
+        memory_high_watermark: float = 0.8,
     ) -> None:
         if not 0 < memory_high_watermark <= 1:
             raise ValueError(f"memory_high_watermark must be in (0, 1], got {memory_high_watermark}")
@@ -67,7 +73,7 @@ class PolicyLoop:
         self.budget_bytes = budget_bytes
         self.interval_s = interval_s
         self.pressure_interval_s = min(interval_s, pressure_interval_s if pressure_interval_s is not None else interval_s)
-        self.under_pressure = False  # the last pass evicted: the pool is being filled at its budget
+        self.under_pressure = False  # the last pass evicted, or left the pool near a limit
         self.evict_batch = evict_batch
         self.counters = PolicyCounters()
         self.snapshot: PoolStats | None = None  # the latest pool statistics
@@ -123,7 +129,9 @@ class PolicyLoop:
                 # the fullest server's share of them (its fixed overhead makes this land a
                 # little above the watermark; the next pass takes the rest).
                 self.counters.memory_evictions += 1
-                await self._evict_to(int(bytes_now * self.memory_high_watermark / fill))
+                bytes_now = await self._evict_to(int(bytes_now * self.memory_high_watermark / fill))
+            # Near either limit, the next writes may cross it before a full interval passes.
+            self.under_pressure |= bytes_now >= NEAR * self.budget_bytes or fill >= NEAR * self.memory_high_watermark
             self.snapshot = await self.pool.stats()
         except Exception as exc:  # the loop must outlive any failure, or eviction stops for good
             kind = type(exc).__name__

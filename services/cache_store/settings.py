@@ -32,7 +32,7 @@ class CacheStoreSettings(BaseSettings):
         "eviction keeps pace with the writes instead of Redis refusing them (OOM) between passes"
     )
     memory_high_watermark: float = setting(
-        0.9, help="fraction of Redis' maxmemory (the fullest server's) above which blocks are evicted below the budget: "
+        0.8, help="fraction of Redis' maxmemory (the fullest server's) above which blocks are evicted below the budget: "
         "values' allocator overhead and clients' buffers count there, and Redis refuses writes (OOM) at maxmemory"
     )
     evict_batch: int = setting(256, help="most blocks one eviction script deletes (bounds Redis' pause)")
