@@ -159,6 +159,30 @@ async def test_eviction_by_redis_memory_keeps_a_pool_writable_below_its_byte_bud
         assert (await pool.stats()).bytes < 6 * 2**20  # the budget (1 GB) had nothing to do with it
 
 
+async def test_cluster_eviction_stays_global_lru_when_the_oldest_blocks_share_a_partition(redis_cluster) -> None:
+    """Each partition scans only about twice its share of what the excess needs; when the
+    oldest blocks all sit in one partition, the rounds (cut at that partition's horizon)
+    must still evict exactly the oldest, in order."""
+    from libs.blocks.keys import block_keys
+    from libs.kvpool.pool import block_id
+    from libs.kvpool.topology import CLUSTER_PARTITIONS, partition_of
+
+    keys = block_keys(NS, list(range(4 * 2000)))
+    in_zero = [k for k in keys if partition_of(block_id(NS, k), CLUSTER_PARTITIONS) == 0][:40]
+    others = [k for k in keys if partition_of(block_id(NS, k), CLUSTER_PARTITIONS) != 0][:200]
+    async with RedisPool(PoolConfig(url=redis_cluster.url, key_prefix=unique_prefix())) as pool:
+        for k in in_zero:  # the oldest, one at a time so their LRU stamps are ordered
+            await put_ok(pool, [k], values(1))
+            await asyncio.sleep(0.002)
+        await asyncio.sleep(0.01)
+        await put_ok(pool, others, values(len(others)))
+        total = (await pool.stats()).bytes
+        result = await pool.evict(budget_bytes=total - 30 * VALUE_NBYTES, max_blocks=256)
+        assert result.evicted == 30 and result.bytes_after == total - 30 * VALUE_NBYTES
+        exists = await pool.exists_blocks(NS, in_zero + others)
+        assert exists == [False] * 30 + [True] * (10 + len(others))
+
+
 async def test_memory_fill_is_the_fullest_node_of_a_cluster(redis_cluster) -> None:
     async with RedisPool(PoolConfig(url=redis_cluster.url, key_prefix=unique_prefix())) as pool:
         fill = await pool.memory_fill()
