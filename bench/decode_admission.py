@@ -88,8 +88,8 @@ def staged(eng: LLMEngine, prompt_len: int) -> KVImport:
     return KVImport(buffers, first_block=0, num_tokens=prompt_len)
 
 
-async def one(ae: StampedEngine, rid: str, prompt: list[int], first: int, kv: KVImport | None) -> dict:
-    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+async def one(ae: StampedEngine, rid: str, prompt: list[int], first: int, kv: KVImport | None, max_tokens: int) -> dict:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     history = ae.engine.phases.history
     steps0 = len(history)
     t0 = time.perf_counter()
@@ -127,12 +127,12 @@ async def run_rows(eng: LLMEngine, args: argparse.Namespace, label: str, *, loca
         for i in range(WARMUP + args.requests):
             prompt = torch.randint(100, eng.vocab_size, (args.prompt_len,), generator=g).tolist()
             if local:  # compute it once: the second time its blocks are a local prefix hit
-                await one(ae, f"{label}-{i}-warm", prompt, 7, None)
+                await one(ae, f"{label}-{i}-warm", prompt, 7, None, args.max_tokens)
                 kv = None
             else:
                 kv = staged(eng, args.prompt_len)
             ae.posted.clear()
-            row = await one(ae, f"{label}-{i}", prompt, 7, kv)
+            row = await one(ae, f"{label}-{i}", prompt, 7, kv, args.max_tokens)
             if i >= WARMUP:
                 rows.append(row)
         if args.profile and not local and label == "import":
@@ -141,7 +141,7 @@ async def run_rows(eng: LLMEngine, args: argparse.Namespace, label: str, *, loca
             prompt = torch.randint(100, eng.vocab_size, (args.prompt_len,), generator=g).tolist()
             kv = staged(eng, args.prompt_len)
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                await one(ae, f"{label}-profiled", prompt, 7, kv)
+                await one(ae, f"{label}-profiled", prompt, 7, kv, args.max_tokens)
             print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25), flush=True)
             print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15), flush=True)
         if args.sync_debug and not local and label == "import":
@@ -159,7 +159,7 @@ async def run_rows(eng: LLMEngine, args: argparse.Namespace, label: str, *, loca
             kv = staged(eng, args.prompt_len)
             torch.cuda.set_sync_debug_mode("warn")
             try:
-                await one(ae, f"{label}-sync-debug", prompt, 7, kv)
+                await one(ae, f"{label}-sync-debug", prompt, 7, kv, args.max_tokens)
             finally:
                 torch.cuda.set_sync_debug_mode("default")
     finally:
@@ -186,6 +186,7 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=12)
     p.add_argument("--profile", action="store_true")
     p.add_argument("--sync-debug", action="store_true", help="print the stack of every device sync of one import request")
+    p.add_argument("--max-tokens", type=int, default=2, help="counting prefill's first token (gpu_pd asks 3)")
     p.add_argument("--out")
     args = p.parse_args()
     out: dict[str, list[dict]] = {}

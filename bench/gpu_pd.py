@@ -174,6 +174,7 @@ PHASES = [
     ("decode acts on the last update", "decode", "final_update_at"),  # after any fetch in flight
     ("decode: blocks loaded", "decode", "load_done_at"),
     ("decode engine gets the request", "decode", "engine_at"),
+    ("decode engine: first token on the host", "decode", "engine_first_token_at"),
     ("decode: first token out", "decode", "first_token_at"),
     ("client: second token", "client", "second"),
 ]

@@ -92,6 +92,9 @@ def request_output(request_id: str, family: list[Sequence], exports: "ExportQueu
             metrics["queue_s"] = head.first_scheduled_time - head.arrival_time
         if head.first_token_time is not None:
             metrics["ttft_s"] = head.first_token_time - head.arrival_time
+            # when the first token's id was on the host (time.monotonic): services put it in
+            # their traces' timelines, apart from when their event loop had it
+            metrics["first_token_monotonic"] = head.first_token_time
     return RequestOutput(
         request_id,
         outs,

@@ -196,6 +196,8 @@ def _trace(rt, load, local_blocks, out, t0, t_queued, first_token_at, n_out) -> 
         "received_at": wall_clock(t0),
         "engine_at": wall_clock(t_queued),
         "first_token_at": wall_clock(first_token_at) if first_token_at else None,
+        # the engine thread had the id on the host (the rest, to first_token_at, is the hand-over to this loop)
+        "engine_first_token_at": wall_clock(t, time.monotonic) if (t := out.metrics.get("first_token_monotonic")) else None,
         "decode_s": now - t_queued,
         "output_tokens": n_out,
         "total_s": now - t0,

@@ -53,8 +53,8 @@ def engine_logprob(lp: TokenLogprobs) -> TokenLogprob:
     return TokenLogprob(lp.token_id, lp.logprob, list(lp.top_ids), list(lp.top_logprobs))
 
 
-def wall_clock(perf: float) -> float:
-    """The wall-clock time (``time.time()``) of a ``time.perf_counter()`` reading: traces
-    state phases in wall time so those of the services on one host line up in one
-    timeline (bench/gpu_pd.py prints it)."""
-    return time.time() - (time.perf_counter() - perf)
+def wall_clock(perf: float, clock=time.perf_counter) -> float:  # noqa: ANN001 - a time function
+    """The wall-clock time (``time.time()``) of a ``clock()`` reading (``time.perf_counter``,
+    or the engine's ``time.monotonic``): traces state phases in wall time so those of the
+    services on one host line up in one timeline (bench/gpu_pd.py prints it)."""
+    return time.time() - (clock() - perf)
