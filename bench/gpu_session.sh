@@ -59,8 +59,10 @@ for s in "$@"; do
              step fp8_decode 60 python3 -m bench.fp8_decode_bench --out bench/results/fp8_decode_h100.json ;;
         handoff) # the pool's rate on one Redis and 1/4-node clusters, one prompt's transfers, then the PD path
              # on one Redis and a 4-node cluster with its per-phase timeline (issue 8)
-             step pool 90 python3 bench/pool_throughput.py --redis-bin /tmp/redis-root/usr/bin --redis-args "--io-threads 4" \
-                --reps 3 --cluster-sizes 1,4 --markdown bench/results/pool_h100_r6.md --json bench/results/pool_h100_r6.json
+             step pool 90 python3 bench/pool_throughput.py --redis-bin /tmp/redis-root/usr/bin --models threads \
+                --reps 3 --cluster-sizes 1,4 --client-processes 8 --concurrency 8 \
+                --markdown bench/results/pool_h100_r6.md --json bench/results/pool_h100_r6.json
+             step decode_admission 90 python3 -m bench.decode_admission --requests 12 --max-tokens 3
              step handoff_probe 60 python3 -m bench.handoff_probe --redis-bin /tmp/redis-root/usr/bin --nodes 0,4
              step gpu_pd 150 python3 -m bench.gpu_pd --tokenizer "$TOK" --prompt-len 2048 --requests 10 \
                 --prefill-chunks 2048 --redis-nodes 0,4 --out bench/results/gpu_pd_h100_r8.json ;;
