@@ -216,8 +216,9 @@ def pool_state(cluster: LocalCluster) -> str:
     keep = ("passes", "evicted_blocks", "memory_evictions", "memory_fill", "last_pass_s")
     ports = cluster.redis_nodes.ports if cluster.redis_nodes is not None else [cluster._redis_port]
     mem = []
-    for port in ports:
-        info = subprocess.run([shutil.which("redis-cli") or "redis-cli", "-p", str(port), "info", "memory"], capture_output=True, text=True).stdout
+    cli = shutil.which("redis-cli")
+    for port in ports if cli else []:
+        info = subprocess.run([cli, "-p", str(port), "info", "memory"], capture_output=True, text=True).stdout
         f = dict(line.split(":", 1) for line in info.splitlines() if ":" in line)
         if f.get("maxmemory", "0") != "0":
             mem.append(f"{int(f['used_memory']) / int(f['maxmemory']):.2f} (clients {int(f.get('mem_clients_normal', 0)) / 1e6:.1f} MB)")
