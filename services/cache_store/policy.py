@@ -17,10 +17,11 @@ loop (or an explicit DELETE) removes it. Each pass:
    pool before the budget was ever reached (bench/RESULTS.md, issue 8);
 3. reads the pool-wide statistics that /metrics and /stats serve.
 
-Passes run every ``interval_s``, or every ``pressure_interval_s`` while the pool is at its
-budget or watermark (a pass evicted, or left it within 5% of either): a pool written faster
-than its slack per ``interval_s`` would otherwise fill that slack between passes and refuse
-writes (OOM) until the next one.
+Passes run every ``interval_s``, or every ``pressure_interval_s`` while the pool is filled
+at its budget or watermark (a pass evicted, or found it within 5% of either and grown since
+the previous pass): a pool written faster than its slack per ``interval_s`` would otherwise
+fill that slack between passes and refuse writes (OOM) until the next one. Memory counts
+whatever else the servers hold too: a pool sharing Redis with other data gives way to it.
 
 A failing pass (Redis down, restarting, timing out) is counted, logged once per outage and
 retried on the next tick: the loop never exits on an error, and the pool client
@@ -38,9 +39,10 @@ from libs.kvpool.pool import BlockPool, PoolError, PoolStats
 
 log = logging.getLogger("tidepool.cache_store.policy")
 
-# A pool within this fraction of its budget or memory watermark is "at" it: passes come every
-# pressure_interval_s (right after an eviction it sits exactly at the budget, and a pass that
-# finds nothing to evict must not send the loop back to its long interval).
+# A pool within this fraction of its budget or memory watermark, and growing, is "at" it:
+# passes come every pressure_interval_s (right after an eviction it sits exactly at the
+# budget, and a pass that finds nothing to evict must not send the loop back to its long
+# interval while writes keep coming; an idle full pool goes back to it).
 NEAR = 0.95
 
 
@@ -73,7 +75,8 @@ class PolicyLoop:
         self.budget_bytes = budget_bytes
         self.interval_s = interval_s
         self.pressure_interval_s = min(interval_s, pressure_interval_s if pressure_interval_s is not None else interval_s)
-        self.under_pressure = False  # the last pass evicted, or left the pool near a limit
+        self.under_pressure = False  # the last pass evicted, or found the pool near a limit and growing
+        self._last_bytes = 0  # the pool's bytes after the previous pass
         self.evict_batch = evict_batch
         self.counters = PolicyCounters()
         self.snapshot: PoolStats | None = None  # the latest pool statistics
@@ -131,7 +134,9 @@ class PolicyLoop:
                 self.counters.memory_evictions += 1
                 bytes_now = await self._evict_to(int(bytes_now * self.memory_high_watermark / fill))
             # Near either limit, the next writes may cross it before a full interval passes.
-            self.under_pressure |= bytes_now >= NEAR * self.budget_bytes or fill >= NEAR * self.memory_high_watermark
+            near = bytes_now >= NEAR * self.budget_bytes or fill >= NEAR * self.memory_high_watermark
+            self.under_pressure |= near and bytes_now > self._last_bytes
+            self._last_bytes = bytes_now
             self.snapshot = await self.pool.stats()
         except Exception as exc:  # the loop must outlive any failure, or eviction stops for good
             kind = type(exc).__name__
