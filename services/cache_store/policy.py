@@ -18,8 +18,8 @@ loop (or an explicit DELETE) removes it. Each pass:
 3. reads the pool-wide statistics that /metrics and /stats serve.
 
 Passes run every ``interval_s``, or every ``pressure_interval_s`` while the pool is filled
-at its budget or watermark (a pass evicted, or found it within 5% of either and grown since
-the previous pass): a pool written faster than its slack per ``interval_s`` would otherwise
+at its budget or watermark (within the last ``interval_s`` a pass evicted, or found it
+within 5% of either and grown since the pass before): a pool written faster than its slack per ``interval_s`` would otherwise
 fill that slack between passes and refuse writes (OOM) until the next one. Memory counts
 whatever else the servers hold too: a pool sharing Redis with other data gives way to it.
 
@@ -34,15 +34,14 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 from libs.kvpool.pool import BlockPool, PoolError, PoolStats
 
 log = logging.getLogger("tidepool.cache_store.policy")
 
-# A pool within this fraction of its budget or memory watermark, and growing, is "at" it:
-# passes come every pressure_interval_s (right after an eviction it sits exactly at the
-# budget, and a pass that finds nothing to evict must not send the loop back to its long
-# interval while writes keep coming; an idle full pool goes back to it).
+# A pool within this fraction of its budget or memory watermark that grew since the previous
+# pass is being filled at it, as is one a pass had to evict from.
 NEAR = 0.95
 
 
@@ -66,7 +65,7 @@ class PolicyCounters:
 class PolicyLoop:
     def __init__(
         self, pool: BlockPool, *, budget_bytes: int, interval_s: float, evict_batch: int, pressure_interval_s: float | None = None,
-        memory_high_watermark: float = 0.8,
+        memory_high_watermark: float = 0.8, clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not 0 < memory_high_watermark <= 1:
             raise ValueError(f"memory_high_watermark must be in (0, 1], got {memory_high_watermark}")
@@ -75,7 +74,10 @@ class PolicyLoop:
         self.budget_bytes = budget_bytes
         self.interval_s = interval_s
         self.pressure_interval_s = min(interval_s, pressure_interval_s if pressure_interval_s is not None else interval_s)
-        self.under_pressure = False  # the last pass evicted, or found the pool near a limit and growing
+        self.under_pressure = False  # filled at a limit within the last interval_s: short passes
+        self._clock = clock
+        self._pressed_at = -float("inf")  # when a pass last evicted, or found the pool near a limit and grown
+        self._evicted = False
         self._last_bytes = 0  # the pool's bytes after the previous pass
         self.evict_batch = evict_batch
         self.counters = PolicyCounters()
@@ -113,7 +115,7 @@ class PolicyLoop:
         """Evict to ``budget`` bytes, ``evict_batch`` blocks per call; the bytes left."""
         while True:
             result = await self.pool.evict(budget, self.evict_batch)
-            self.under_pressure |= result.evicted > 0
+            self._evicted |= result.evicted > 0
             self.counters.evicted_blocks += result.evicted
             self.counters.evicted_bytes += result.freed_bytes
             if result.evicted < self.evict_batch or result.bytes_after <= budget:
@@ -122,7 +124,7 @@ class PolicyLoop:
     async def run_pass(self) -> bool:
         """One reap/evict/stats pass; ``False`` (and counted) if the pool failed."""
         start = time.perf_counter()
-        self.under_pressure = False
+        self._evicted = False
         try:
             self.counters.reaped_leases += await self.pool.reap_leases()
             bytes_now = await self._evict_to(self.budget_bytes)
@@ -133,9 +135,14 @@ class PolicyLoop:
                 # little above the watermark; the next pass takes the rest).
                 self.counters.memory_evictions += 1
                 bytes_now = await self._evict_to(int(bytes_now * self.memory_high_watermark / fill))
-            # Near either limit, the next writes may cross it before a full interval passes.
+            # Filled at a limit: the next writes may cross it before a full interval passes.
+            # Writes come in bursts (a prompt's blocks), so a pass that sees none keeps the
+            # short interval for one full interval after the last sign; an idle full pool
+            # then goes back to the long one.
             near = bytes_now >= NEAR * self.budget_bytes or fill >= NEAR * self.memory_high_watermark
-            self.under_pressure |= near and bytes_now > self._last_bytes
+            if self._evicted or (near and bytes_now > self._last_bytes):
+                self._pressed_at = self._clock()
+            self.under_pressure = self._clock() - self._pressed_at < self.interval_s
             self._last_bytes = bytes_now
             self.snapshot = await self.pool.stats()
         except Exception as exc:  # the loop must outlive any failure, or eviction stops for good

@@ -304,17 +304,21 @@ async def test_the_policy_loop_evicts_by_the_servers_memory_below_its_budget() -
 async def test_a_pool_left_near_its_budget_keeps_the_short_interval() -> None:
     """Right after an eviction the pool sits at its budget; a pass that finds nothing to
     evict then must not send the loop back to its long interval while writes keep coming
-    (they would overflow before it). A full pool that stopped growing, and a pool well
-    below both limits, get the long one."""
+    (they come in bursts and would overflow before it). A full pool idle for a whole
+    interval, and a pool well below both limits, get the long one."""
     from services.cache_store.policy import PolicyLoop
 
     pool = MemoryPool()
     for i in range(20):
         key = block_keys(Namespace(model_digest=f"near-{i}", dtype="float16", block_size=4), [1, 2, 3, 4])[0]
         assert await pool.put_blocks(NS, [(key, encoded(i))]) == [None]
-    at_budget = PolicyLoop(pool, budget_bytes=20 * FULL, interval_s=1.0, pressure_interval_s=0.01, evict_batch=4)
+    now = [0.0]
+    at_budget = PolicyLoop(pool, budget_bytes=20 * FULL, interval_s=1.0, pressure_interval_s=0.01, evict_batch=4, clock=lambda: now[0])
     assert await at_budget.run_pass() and at_budget.counters.evicted_blocks == 0 and at_budget.under_pressure
-    assert await at_budget.run_pass() and not at_budget.under_pressure  # full but idle: the long interval
+    now[0] = 0.5
+    assert await at_budget.run_pass() and at_budget.under_pressure  # no write since, but within the interval
+    now[0] = 1.2
+    assert await at_budget.run_pass() and not at_budget.under_pressure  # full but idle for an interval: the long one
     key = block_keys(Namespace(model_digest="near-more", dtype="float16", block_size=4), [1, 2, 3, 4])[0]
     assert await pool.put_blocks(NS, [(key, encoded(99))]) == [None]
     assert await at_budget.run_pass() and at_budget.under_pressure  # written again: it evicted, short again
