@@ -8,20 +8,21 @@ loop (or an explicit DELETE) removes it. Each pass:
 2. evicts least recently used unleased blocks, ``evict_batch`` per script call so that
    Redis is never paused for long, until the pool's bytes are within the budget or only
    pinned blocks are left; then, if the fullest Redis server uses more than
-   ``memory_high_watermark`` (0.8) of its ``maxmemory``, further down to the bytes that bring it
-   to the watermark. The budget counts value bytes only; each value also costs allocator
-   overhead (a 368,664-byte SmolLM2 block takes a 393,216-byte allocation), and clients'
-   query and output buffers count toward ``maxmemory`` too. A budget of 80% of
+   ``memory_high_watermark`` (0.8) of its ``maxmemory``, further down to the bytes that
+   bring it to the watermark. The budget counts value bytes only; each value also costs
+   allocator overhead (a 368,664-byte SmolLM2 block takes a 393,216-byte allocation), and
+   clients' query and output buffers count toward ``maxmemory`` too. A budget of 80% of
    ``maxmemory`` left too little of the rest for those on an H100: prefill's writes were
-   refused (OOM) for 7-12 of 24 handoffs in a 1.5 GB pool at its budget, and in a small
+   refused (OOM) for 9-14 of 24 handoffs into a 1.5 GB pool at its budget, and in a small
    pool before the budget was ever reached (bench/RESULTS.md, issue 8);
 3. reads the pool-wide statistics that /metrics and /stats serve.
 
 Passes run every ``interval_s``, or every ``pressure_interval_s`` while the pool is filled
 at its budget or watermark (within the last ``interval_s`` a pass evicted, or found it
-within 5% of either and grown since the pass before): a pool written faster than its slack per ``interval_s`` would otherwise
-fill that slack between passes and refuse writes (OOM) until the next one. Memory counts
-whatever else the servers hold too: a pool sharing Redis with other data gives way to it.
+within 5% of either and grown since the pass before): a pool written faster than its
+slack per ``interval_s`` would otherwise fill that slack between passes and refuse writes
+(OOM) until the next one. Memory counts whatever else the servers hold too: a pool sharing
+Redis with other data gives way to it.
 
 A failing pass (Redis down, restarting, timing out) is counted, logged once per outage and
 retried on the next tick: the loop never exits on an error, and the pool client
