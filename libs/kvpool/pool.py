@@ -102,6 +102,11 @@ def block_ids(ns: NamespaceLike, keys: Sequence[KeyLike]) -> list[str]:
     return [prefix + key_text(k) for k in keys]
 
 
+def leading_run(exists: Sequence[bool]) -> int:
+    """How many of ``exists`` are true before the first false: a prompt's usable prefix."""
+    return next((i for i, e in enumerate(exists) if not e), len(exists))
+
+
 def parse_block_id(text: str) -> tuple[str, str]:
     """Split and validate a block id; raises ``ValueError`` naming what is wrong."""
     ns, sep, key = text.partition(":")

@@ -93,7 +93,7 @@ from libs.kvpool.bulk import BulkClient, Endpoint, TransportError
 from libs.kvpool.config import PoolConfig
 from libs.kvpool.control import RETRY_CODES, ControlPlane, ask_target, gather_all
 from libs.kvpool.header import Buffer, Value
-from libs.kvpool.pool import BlockPool, EvictResult, PoolError, PoolStats, PoolUnavailable, PutError
+from libs.kvpool.pool import BlockPool, EvictResult, PoolError, PoolStats, PoolUnavailable, PutError, leading_run
 from libs.kvpool.resp import Discarded, Frames, ReplyError, Sink
 from libs.kvpool.scripts import (
     ACCOUNT_LUA,
@@ -455,7 +455,7 @@ class RedisPool(BlockPool):
         if len(ids) > 1 and not (await self._exists_blocks(ids[:1]))[0]:
             return 0
         exists = await self._exists_blocks(ids)
-        return next((i for i, e in enumerate(exists) if not e), len(exists))
+        return leading_run(exists)
 
     async def _delete_blocks(self, ids: list[str]) -> int:
         _, parts = await self.layout()

@@ -37,7 +37,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter
 
 from libs.kvpool.header import BlockDecodeError, inspect_block
-from libs.kvpool.pool import LEASE_ID_RE, BlockPool, PoolError, PoolUnavailable, key_text, namespace_hex, parse_block_id
+from libs.kvpool.pool import LEASE_ID_RE, BlockPool, PoolError, PoolUnavailable, key_text, leading_run, namespace_hex, parse_block_id
 from libs.kvpool.redis_pool import RedisPool
 from libs.protocol.errors import ProtocolError
 from libs.protocol.http import json_error, read_body
@@ -164,8 +164,7 @@ class CacheStoreApi:
         if prefix_only:
             return web.json_response({"prefix": await self.pool.exists_prefix(ns, keys)})
         exists = await self.pool.exists_blocks(ns, keys)
-        prefix = next((i for i, e in enumerate(exists) if not e), len(exists))
-        return web.json_response({"exists": exists, "prefix": prefix})
+        return web.json_response({"exists": exists, "prefix": leading_run(exists)})
 
     # -- leases -------------------------------------------------------------------------------
 

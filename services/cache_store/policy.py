@@ -78,7 +78,6 @@ class PolicyLoop:
         self.under_pressure = False  # filled at a limit within the last interval_s: short passes
         self._clock = clock
         self._pressed_at = -float("inf")  # when a pass last evicted, or found the pool near a limit and grown
-        self._evicted = False
         self._last_bytes = 0  # the pool's bytes after the previous pass
         self.evict_batch = evict_batch
         self.counters = PolicyCounters()
@@ -116,7 +115,6 @@ class PolicyLoop:
         """Evict to ``budget`` bytes, ``evict_batch`` blocks per call; the bytes left."""
         while True:
             result = await self.pool.evict(budget, self.evict_batch)
-            self._evicted |= result.evicted > 0
             self.counters.evicted_blocks += result.evicted
             self.counters.evicted_bytes += result.freed_bytes
             if result.evicted < self.evict_batch or result.bytes_after <= budget:
@@ -125,7 +123,7 @@ class PolicyLoop:
     async def run_pass(self) -> bool:
         """One reap/evict/stats pass; ``False`` (and counted) if the pool failed."""
         start = time.perf_counter()
-        self._evicted = False
+        evicted_before = self.counters.evicted_blocks
         try:
             self.counters.reaped_leases += await self.pool.reap_leases()
             bytes_now = await self._evict_to(self.budget_bytes)
@@ -141,7 +139,7 @@ class PolicyLoop:
             # short interval for one full interval after the last sign; an idle full pool
             # then goes back to the long one.
             near = bytes_now >= NEAR * self.budget_bytes or fill >= NEAR * self.memory_high_watermark
-            if self._evicted or (near and bytes_now > self._last_bytes):
+            if self.counters.evicted_blocks > evicted_before or (near and bytes_now > self._last_bytes):
                 self._pressed_at = self._clock()
             self.under_pressure = self._clock() - self._pressed_at < self.interval_s
             self._last_bytes = bytes_now
