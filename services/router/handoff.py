@@ -592,10 +592,8 @@ class ChoiceJob:
                 version = progress.version
                 lease_id = progress.lease_id if lease else None
                 if progress.final:
-                    if posting is not None:
-                        posting.cancel()
-                        await asyncio.gather(posting, return_exceptions=True)
-                        posting = None
+                    await _cut_off(posting)
+                    posting = None
                     if self._take_first(handoff):
                         return True
                     first = handoff.first_token_ids[self.i] if handoff.first_token_ids is not None else None
@@ -621,9 +619,7 @@ class ChoiceJob:
                 finally:
                     newer.cancel()
         finally:
-            if posting is not None:
-                posting.cancel()
-                await asyncio.gather(posting, return_exceptions=True)
+            await _cut_off(posting)
 
     async def _post_update(self, inst: Instance, update: HandoffUpdate, a: AttemptTrace, kind: str) -> None:
         try:
@@ -654,3 +650,10 @@ class ChoiceJob:
         if n < 2 or self.first_token_at is None or self.last_token_at is None:
             return None
         return (self.last_token_at - self.first_token_at) / (n - 1)
+
+
+async def _cut_off(post: "asyncio.Task[None] | None") -> None:
+    """Cancel a progress post still on its way (if any) and wait for it to end."""
+    if post is not None:
+        post.cancel()
+        await asyncio.gather(post, return_exceptions=True)
