@@ -28,19 +28,24 @@ Pool-wide numbers are sums over partitions (``stats``). Counters not tied to a b
 Bookkeeping is maintained by every client in the same atomic step as the data, so
 cache_store sees every block although no bytes pass through it:
 
-- put (bulk path): per block ``MULTI; SET B:kv:<id> <value>; EVAL account; EXEC``, the
-  value an iovec of staging memory (never copied into the frame). All four commands name
-  keys of the block's partition only, so on a cluster the transaction runs on one node.
-  The account script counts the block's bytes only on creation (``B:size`` has no entry
-  yet), stamps the LRU, counts the write, and pins the block under the lease if one is
-  given. Under ``maxmemory`` + ``noeviction`` Redis refuses the queued SET, the transaction
-  aborts (EXECABORT), and that one block fails with reason ``"oom"``; nothing half-done
-  remains. An unknown or expired lease makes the script undo a SET that created the key
-  and fail the block with reason ``"lease"``. A connection that dies mid-transaction leaves
-  nothing: Redis discards a MULTI without EXEC, and a SET whose value did not fully arrive
-  never runs. The account script goes with EVAL, not EVALSHA: a NOSCRIPT inside EXEC
-  (after a Redis restart) would leave the SET applied without its bookkeeping; the script
-  is 1 kB against a value of hundreds of kB.
+- put (bulk path): per partition and pipeline ``SET B:kv:<id> <value> PX <ttl>...; EVAL
+  account``, each value an iovec of staging memory (never copied into the frame). All
+  these commands name keys of one partition, so on a cluster they run on one node. The
+  account script counts each block's bytes only on creation (``B:size`` has no entry
+  yet), stamps the LRU, counts the writes, pins the blocks under the lease if one is
+  given, and makes the values persistent. Every value is written with a TTL
+  (``ORPHAN_TTL_MS``) that only its accounting removes, so a value whose script never ran
+  (the connection died between the two) expires instead of leaking memory the budget
+  cannot see; until it does it is a complete, checksummed value, as good to a reader as
+  any. No MULTI: a transaction per block cost one Redis about 40 us of server time per
+  block beside a ~100 us SET (bench/RESULTS.md, issue 8), and a transaction of many would
+  hold all their values queued at once, which a full server counts against
+  ``maxmemory``. Under ``maxmemory`` + ``noeviction`` Redis refuses a SET, and that one
+  block fails with reason ``"oom"`` (the script skips it). An unknown or expired lease
+  makes the script delete the values that created keys and fail its blocks with reason
+  ``"lease"``. A SET whose value did not fully arrive never runs. The account script goes
+  with EVAL, not EVALSHA: a NOSCRIPT would cost the write a round trip; the script is
+  1 kB against values of hundreds of kB.
 - get (bulk path): per partition ``GET...; EVAL touch``, in one pipeline per node (with
   other partitions' of that node): the values land in the caller's memory, then the
   touch script (same connection, same node, after the GETs)
@@ -110,6 +115,10 @@ from libs.kvpool.topology import CLUSTER_PARTITIONS, Node, SlotMap, partition_of
 
 # Entries an evict-candidates script scans past pinned blocks at most (bounds Redis' pause).
 _CANDIDATE_SCAN = 5000
+# The TTL a block value is written with until its accounting makes it persistent (module
+# docstring, "put"): far longer than any pipeline takes, short enough that a value whose
+# accounting never came frees its memory.
+ORPHAN_TTL_MS = 600_000
 
 
 class Partition:
@@ -133,6 +142,23 @@ class _Group(NamedTuple):
     part: Partition
     items: list[int]
     asking: bool
+
+
+class _Built(NamedTuple):
+    """How ``build`` laid out one group's commands: ``lead`` replies of the group's own,
+    then ``counts[k]`` replies for its k-th item; whatever follows is the group's own too
+    (bookkeeping). ``needs_group``: an item's outcome needs every reply of the group (its
+    write counts once the accounting after it has run), not just its own."""
+
+    counts: list[int]
+    lead: int = 0
+    needs_group: bool = False
+
+
+# What a group's reply (``group``: all of them, in order) means for its k-th item, whose
+# own replies are ``own``; or a _Retry.
+Outcome = Callable[[int, list[Any], list[Any]], Any]
+Build = Callable[[Partition, list[int], Frames, list[Sink | None], bool], _Built]
 
 
 def _runs(groups: list[_Group], size: int) -> list[list[_Group]]:
@@ -186,25 +212,22 @@ class _Into:
             self.on_landed(self.i)
 
 
-def _put_outcome(replies: Sequence[Any]) -> PutError | _Retry | None:
-    """The outcome of one block's ``MULTI; SET; EVAL; EXEC`` replies."""
-    exec_reply = replies[3]
-    if isinstance(exec_reply, ReplyError):
-        queued = [r for r in replies[:3] if isinstance(r, ReplyError)]
-        cause = queued[0] if queued else exec_reply
-        if cause.code in RETRY_CODES:
-            return _Retry("redirect", moved=cause.code == "MOVED")
-        if cause.code == "OOM":
-            return PutError("oom", cause.message)
-        return PutError("rejected", cause.message)
-    if not isinstance(exec_reply, list) or len(exec_reply) != 2:
-        return PutError("rejected", f"unexpected EXEC reply {exec_reply!r}")
-    account = exec_reply[1]
+def _put_outcome(k: int, own: list[Any], group: list[Any]) -> PutError | _Retry | None:
+    """The outcome of the k-th block of one ``SET...; EVAL account`` (``own``: its SET's
+    reply; the group's last reply is the account script's)."""
+    written, account = own[0], group[-1]
+    for reply in (written, account):
+        if isinstance(reply, ReplyError) and reply.code in RETRY_CODES:
+            return _Retry("redirect", moved=reply.code == "MOVED")
+    if isinstance(written, ReplyError):
+        return PutError("oom" if written.code == "OOM" else "rejected", written.message)
     if isinstance(account, ReplyError):
-        if account.code == "NOLEASE":
-            return PutError("lease", account.message)
-        return PutError("rejected", account.message)
+        return PutError("lease" if account.code == "NOLEASE" else "rejected", account.message)
     return None
+
+
+def _get_outcome_of(k: int, own: list[Any], group: list[Any]) -> str | _Retry | None:
+    return _get_outcome(own[-1])
 
 
 def _get_outcome(reply: Any) -> str | _Retry | None:
@@ -259,8 +282,8 @@ class RedisPool(BlockPool):
     async def _transfer(
         self,
         ids: Sequence[str],
-        build: Callable[[Partition, list[int], Frames, list[Sink | None], bool], list[int]],
-        outcome: Callable[[int, list[Any]], Any],
+        build: Build,
+        outcome: Outcome,
     ) -> tuple[list[Any], dict[int, str]]:
         """Pipelines of ``ids``, one node's blocks each, ``pipeline_blocks`` at most.
 
@@ -268,11 +291,12 @@ class RedisPool(BlockPool):
         partitions sit on a few nodes): grouping by partition instead cut a 16-block
         write into ~16 one-block round trips on a cluster, measured 1.3x slower on the
         H100 host (bench/handoff_probe.py). ``build(partition, items, frames, sinks,
-        asking)`` adds each item's commands (each behind ``ASKING`` when ``asking``) and
-        may add commands of the partition's own after them (bookkeeping); it returns how
-        many replies each item has, in order. ``outcome(item, replies)`` says what an
-        item's replies mean, or :class:`_Retry`. Returns the outcome per item and, for
-        items that never got one, the transport reason of their last attempt.
+        asking)`` adds each item's commands (each behind ``ASKING`` when ``asking``),
+        may add commands of the partition's own before and after them (a transaction,
+        bookkeeping), and says how its replies lie (:class:`_Built`).
+        ``outcome(k, own, group)`` says what the k-th item's replies mean, or
+        :class:`_Retry`. Returns the outcome per item and, for items that never got one,
+        the transport reason of their last attempt.
         """
         results: list[Any] = [None] * len(ids)
         todo = list(range(len(ids)))
@@ -321,18 +345,17 @@ class RedisPool(BlockPool):
         self,
         node: Node | None,
         groups: list["_Group"],
-        build: Callable[[Partition, list[int], Frames, list[Sink | None], bool], list[int]],
-        outcome: Callable[[int, list[Any]], Any],
+        build: Build,
+        outcome: Outcome,
     ) -> list[tuple[int, Any]]:
         if node is None:
             return [(i, _Retry("redirect", moved=True)) for g in groups for i in g.items]
         frames = Frames()
         sinks: list[Sink | None] = []
-        layout = []  # per group: each item's reply count, then how many replies of the group's own follow
+        layout = []  # per group: its layout, and how many replies it has in all
         for g in groups:
             before = frames.commands
-            counts = build(g.part, g.items, frames, sinks, g.asking)
-            layout.append((counts, frames.commands - before - sum(counts)))
+            layout.append((build(g.part, g.items, frames, sinks, g.asking), frames.commands - before))
         failure = None
         try:
             replies = await self.bulk.exchange(node, frames, sinks)
@@ -340,18 +363,22 @@ class RedisPool(BlockPool):
             replies, failure = exc.replies, exc.reason
         out = []
         pos = 0
-        for g, (counts, trailing) in zip(groups, layout):
-            for item, n in zip(g.items, counts):
-                if pos + n <= len(replies):
-                    out.append((item, outcome(item, replies[pos : pos + n])))
+        for g, (built, total) in zip(groups, layout):
+            group = replies[pos : pos + total]
+            whole = len(group) == total
+            at = built.lead
+            for k, (item, n) in enumerate(zip(g.items, built.counts)):
+                own = group[at : at + n]
+                if len(own) == n and (whole or not built.needs_group):
+                    out.append((item, outcome(k, own, group)))
                 else:
                     out.append((item, _Retry(failure or "closed")))
-                pos += n
-            pos += trailing
+                at += n
+            pos += total
         return out
 
-    def _build_gets(self, ids: Sequence[str], sink: Callable[[int], Sink]):
-        def build(part: Partition, items: list[int], frames: Frames, sinks: list[Sink | None], asking: bool) -> list[int]:
+    def _build_gets(self, ids: Sequence[str], sink: Callable[[int], Sink]) -> Build:
+        def build(part: Partition, items: list[int], frames: Frames, sinks: list[Sink | None], asking: bool) -> _Built:
             keys = [part.kv + ids[i] for i in items]
             for i, key in zip(items, keys):
                 if asking:
@@ -362,7 +389,7 @@ class RedisPool(BlockPool):
             if not asking:  # a migrating partition's bookkeeping is split between two nodes: skipped
                 frames.command("EVAL", TOUCH_LUA, 2 + len(keys), part.lru, part.stats, *keys, *(ids[i] for i in items))
                 sinks.append(None)
-            return [1 + asking] * len(items)
+            return _Built([1 + asking] * len(items))
 
         return build
 
@@ -374,7 +401,7 @@ class RedisPool(BlockPool):
         def sink(i: int) -> Sink:
             return _Into(i, dests[i], sizes[i], on_landed)
 
-        results, failed = await self._transfer(ids, self._build_gets(ids, sink), lambda i, r: _get_outcome(r[-1]))
+        results, failed = await self._transfer(ids, self._build_gets(ids, sink), _get_outcome_of)
         for i, reason in failed.items():
             results[i] = reason
         return results
@@ -390,7 +417,7 @@ class RedisPool(BlockPool):
 
             return fresh
 
-        results, failed = await self._transfer(ids, self._build_gets(ids, sink), lambda i, r: _get_outcome(r[-1]))
+        results, failed = await self._transfer(ids, self._build_gets(ids, sink), _get_outcome_of)
         if failed:
             reason = next(iter(failed.values()))
             raise PoolUnavailable(f"{len(failed)} of {len(ids)} blocks could not be read: {reason}")
@@ -408,22 +435,18 @@ class RedisPool(BlockPool):
         lease = lease_id or ""
         ids = [bid for bid, _ in pairs]
 
-        def build(part: Partition, items: list[int], frames: Frames, sinks: list[Sink | None], asking: bool) -> list[int]:
-            lease_set = part.lease_prefix + lease
-            for i in items:
-                bid, value = pairs[i]
-                data = part.kv + bid
-                frames.command("MULTI")
-                frames.command("SET", data, value)
-                frames.command(
-                    "EVAL", ACCOUNT_LUA, 8, data, part.lru, part.size, part.bytes, part.stats, part.pins,
-                    part.leases, lease_set, bid, lease,
-                )
-                frames.command("EXEC")
-                sinks.extend((None, None, None, None))
-            return [4] * len(items)
+        def build(part: Partition, items: list[int], frames: Frames, sinks: list[Sink | None], asking: bool) -> _Built:
+            keys = [part.kv + ids[i] for i in items]
+            for i, key in zip(items, keys):
+                frames.command("SET", key, pairs[i][1], "PX", ORPHAN_TTL_MS)
+            frames.command(
+                "EVAL", ACCOUNT_LUA, 7 + len(keys), part.lru, part.size, part.bytes, part.stats, part.pins,
+                part.leases, part.lease_prefix + lease, *keys, lease, *(ids[i] for i in items),
+            )
+            sinks.extend([None] * (len(items) + 1))
+            return _Built([1] * len(items), needs_group=True)
 
-        results, failed = await self._transfer(ids, build, lambda i, r: _put_outcome(r))
+        results, failed = await self._transfer(ids, build, _put_outcome)
         if failed:
             reason = next(iter(failed.values()))
             raise PoolUnavailable(f"{len(failed)} of {len(ids)} block writes unconfirmed: {reason}")

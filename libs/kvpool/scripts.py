@@ -2,8 +2,9 @@
 (Redis Cluster forbids a script to name keys at run time or span slots; the schema and
 why it is partitioned are in libs/kvpool/redis_pool.py).
 
-Scripts that must work when Redis is full (everything but ``ACCOUNT``) carry
-``#!lua flags=allow-oom``; read-only ones also ``no-writes``. Flags need Redis >= 7.0.
+Every script carries ``#!lua flags=allow-oom``: the pool's bookkeeping must work when
+Redis is full (reads, leases, eviction, and the accounting of values already written);
+read-only ones also ``no-writes``. Flags need Redis >= 7.0.
 """
 
 from __future__ import annotations
@@ -15,29 +16,47 @@ local _t = redis.call('TIME')
 local now = tonumber(_t[1]) * 1000 + math.floor(tonumber(_t[2]) / 1000)
 """
 
-# KEYS: data, lru, size, bytes, stats, pins, leases, lease set; ARGV: block id, lease id or "".
-# Run inside MULTI right after the block's SET (libs/kvpool/redis_pool.py, "put").
-ACCOUNT_LUA = _NOW_MS + """
-local id = ARGV[1]
-local len = redis.call('STRLEN', KEYS[1])
-local old = tonumber(redis.call('HGET', KEYS[3], id) or '-1')
-if ARGV[2] ~= '' then
-  local expiry = tonumber(redis.call('ZSCORE', KEYS[7], ARGV[2]) or '-1')
+# KEYS: lru, size, bytes, stats, pins, leases, lease set, data keys...; ARGV: lease id or "",
+# then the block ids of those data keys. Sent right after the SETs of those blocks (one
+# partition's blocks of one pipeline; libs/kvpool/redis_pool.py, "put"), which wrote each
+# value with a TTL: the script makes the values it accounts persistent. A block whose SET
+# was refused (no value) is skipped. Returns how many of the blocks are new.
+ACCOUNT_LUA = "#!lua flags=allow-oom\n" + _NOW_MS + """
+local lease = ARGV[1]
+local n = #ARGV - 1
+if lease ~= '' then
+  local expiry = tonumber(redis.call('ZSCORE', KEYS[6], lease) or '-1')
   if expiry <= now then
-    if old < 0 then redis.call('DEL', KEYS[1]) end
-    return redis.error_reply('NOLEASE lease ' .. ARGV[2] .. ' is unknown or expired')
+    for i = 1, n do
+      if not redis.call('HGET', KEYS[2], ARGV[i + 1]) then redis.call('DEL', KEYS[i + 7]) end
+    end
+    return redis.error_reply('NOLEASE lease ' .. lease .. ' is unknown or expired')
   end
-  if redis.call('SADD', KEYS[8], id) == 1 then redis.call('HINCRBY', KEYS[6], id, 1) end
 end
-if old ~= len then
-  redis.call('HSET', KEYS[3], id, len)
-  redis.call('INCRBY', KEYS[4], len - math.max(old, 0))
+local created, written, delta, puts = 0, 0, 0, 0
+for i = 1, n do
+  local id, key = ARGV[i + 1], KEYS[i + 7]
+  local len = redis.call('STRLEN', key)
+  if len > 0 then
+    redis.call('PERSIST', key)
+    local old = tonumber(redis.call('HGET', KEYS[2], id) or '-1')
+    if lease ~= '' and redis.call('SADD', KEYS[7], id) == 1 then redis.call('HINCRBY', KEYS[5], id, 1) end
+    if old ~= len then
+      redis.call('HSET', KEYS[2], id, len)
+      delta = delta + len - math.max(old, 0)
+    end
+    redis.call('ZADD', KEYS[1], now, id)
+    puts = puts + 1
+    written = written + len
+    if old < 0 then created = created + 1 end
+  end
 end
-redis.call('ZADD', KEYS[2], now, id)
-redis.call('HINCRBY', KEYS[5], 'puts', 1)
-redis.call('HINCRBY', KEYS[5], 'bytes_written', len)
-if old < 0 then return 1 end
-return 0
+if delta ~= 0 then redis.call('INCRBY', KEYS[3], delta) end
+if puts > 0 then
+  redis.call('HINCRBY', KEYS[4], 'puts', puts)
+  redis.call('HINCRBY', KEYS[4], 'bytes_written', written)
+end
+return created
 """
 
 # KEYS: lru, stats, data keys...; ARGV: the block ids of those data keys.
@@ -167,8 +186,8 @@ return 1
 """
 
 # Run with EVALSHA by the control plane (reloaded on NOSCRIPT). ACCOUNT and TOUCH are sent
-# whole with EVAL by the bulk path: a NOSCRIPT inside MULTI/EXEC would leave a SET applied
-# without its bookkeeping, and both are small next to the values they travel with.
+# whole with EVAL by the bulk path: a NOSCRIPT there would cost a block write a round trip
+# (or leave its values to their TTL), and both are small next to the values they travel with.
 EVALSHA_SCRIPTS = (
     DELETE_LUA, EVICT_CANDIDATES_LUA, EVICT_LUA, DUE_LEASES_LUA, RELEASE_LUA, CREATE_LEASE_LUA, COUNT_LUA,
 )

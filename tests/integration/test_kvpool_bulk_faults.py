@@ -115,11 +115,14 @@ async def test_a_corrupt_value_is_caught_in_place_and_a_missized_one_never_lands
 
 class CuttingProxy:
     """Forwards TCP to ``port``; the first ``cuts`` connections whose replies pass ``after``
-    bytes are dropped right there, mid-value (control-plane replies are far smaller)."""
+    bytes are dropped right there, mid-value (control-plane replies are far smaller). With
+    ``before_request``, it is requests that are cut instead: right before the command whose
+    frame holds that marker, so the commands ahead of it arrive whole and it never does."""
 
-    def __init__(self, port: int, *, after: int, cuts: int) -> None:
+    def __init__(self, port: int, *, after: int = 0, cuts: int, before_request: bytes | None = None) -> None:
         self.port_to = port
         self.after = after
+        self.before_request = before_request
         self.cuts_left = cuts
         self.cut = 0
         self._listener = socket.create_server(("127.0.0.1", 0))
@@ -140,7 +143,13 @@ class CuttingProxy:
         sent = 0
         try:
             while data := src.recv(65536):
-                if replies and sent + len(data) > self.after and self.cuts_left > 0:
+                at = -1 if replies or self.before_request is None else data.find(self.before_request)
+                if at >= 0 and self.cuts_left > 0:
+                    self.cuts_left -= 1
+                    self.cut += 1
+                    dst.sendall(data[: data.rfind(b"*", 0, at)])  # up to the command's own header
+                    break
+                if replies and self.before_request is None and sent + len(data) > self.after and self.cuts_left > 0:
                     self.cuts_left -= 1
                     self.cut += 1
                     dst.sendall(data[: self.after - sent])
@@ -187,6 +196,36 @@ async def test_a_value_cut_mid_transfer_is_retried_then_a_miss(redis_server: Red
             blocks.verify(i)
         assert pool.bulk.open_sockets == 0  # every cut socket was closed, none reused
     proxy.close()
+
+
+async def test_values_whose_accounting_never_ran_expire_instead_of_leaking(redis_server: RedisServer) -> None:
+    """A write's values go out with a TTL that only their accounting script removes: when
+    the connection dies after the SETs and before the script, the values are unaccounted
+    (cache_store cannot see or evict them) and expire on their own; written again, they
+    are accounted and persistent."""
+    from libs.kvpool.redis_pool import ORPHAN_TTL_MS
+
+    blocks = Blocks(SMALL, 4)
+    prefix = unique_prefix()
+    proxy = CuttingProxy(redis_server.port, cuts=1, before_request=b"$4\r\nEVAL\r\n")
+    cfg = PoolConfig(url=f"redis://127.0.0.1:{proxy.port}/0", key_prefix=prefix, retries=0, max_parallel=1)
+    r = redis.Redis(port=redis_server.port)
+    try:
+        async with RedisPool(cfg) as pool:
+            with pytest.raises(PoolUnavailable, match="4 of 4 block writes unconfirmed"):
+                await blocks.put(pool)
+            assert proxy.cut == 1
+            keys = [redis_key(pool, k) for k in blocks.keys]
+            assert r.exists(*keys) == 4
+            assert all(0 < r.pttl(k) <= ORPHAN_TTL_MS for k in keys)
+            assert (await pool.stats()).blocks == 0
+            await blocks.put(pool)  # the connection is not cut twice
+            assert [r.pttl(k) for k in keys] == [-1] * 4
+            stats = await pool.stats()
+            assert stats.blocks == 4 and stats.bytes == sum(r.strlen(k) for k in keys)
+    finally:
+        r.close()
+        proxy.close()
 
 
 async def test_a_hung_redis_is_a_timeout_miss_not_a_hang(redis_factory) -> None:
