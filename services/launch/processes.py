@@ -175,11 +175,22 @@ class Child:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
+    return free_ports(1, host)[0]
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """``n`` distinct ports free right now. They are held together while chosen: ports
+    asked for one at a time may repeat (each is released before the next is chosen)."""
     import socket
 
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind((host, 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 def python_argv(module: str, *args: str) -> list[str]:

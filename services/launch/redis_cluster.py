@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from services.launch.processes import Child, ServiceStartError, free_port
+from services.launch.processes import Child, ServiceStartError, free_ports
 from services.launch.redis import answers_ping
 
 SLOTS = 16384
@@ -81,29 +81,52 @@ class LocalRedisCluster:
         url = f"redis://127.0.0.1:{port}/0"
         return Child(f"redis-{port}", argv, log_path=self.log_dir / f"redis-{port}.log", probe=lambda: url if answers_ping(port) else None)
 
-    def start(self, timeout_s: float = 30.0) -> "LocalRedisCluster":
+    def start(self, timeout_s: float = 30.0, attempts: int = 3) -> "LocalRedisCluster":
+        """Start the nodes and form the cluster. A port chosen free can be taken by another
+        process before its node binds it; a node that exits before answering is therefore
+        started again on new ports, ``attempts`` times in all."""
         if shutil.which(self.redis_server) is None:
             raise ServiceStartError("redis-server is not installed (make install installs it)")
+        deadline = time.monotonic() + timeout_s
+        for attempt in range(attempts):
+            try:
+                if self._start_nodes(deadline):
+                    break
+            except BaseException:
+                self.stop()
+                raise
+            self.stop()
+            if attempt == attempts - 1:
+                raise ServiceStartError(f"a redis-server exited at start {attempts} times; see {self.log_dir}")
         try:
-            self.ports = [free_port() for _ in range(self.size)]
-            # The cluster bus port is another free one (by default it would be port + 10000,
-            # which a kernel-chosen port may push past 65535).
-            self.bus_ports = [free_port() for _ in range(self.size)]
-            self.nodes = [self._node(p, b) for p, b in zip(self.ports, self.bus_ports)]
-            for node in self.nodes:
-                node.start()
-            deadline = time.monotonic() + timeout_s
-            for port, node in zip(self.ports, self.nodes):
-                while self.cli(port, "ping") != "PONG":
-                    if time.monotonic() > deadline or not node.running:
-                        raise ServiceStartError(f"redis-server on port {port} did not start; see {node.log_path}")
-                    time.sleep(0.05)
             self._form()
             self.wait_ok(deadline - time.monotonic())
         except BaseException:
             self.stop()
             raise
         return self
+
+    def _start_nodes(self, deadline: float) -> bool:
+        """Start every node on fresh ports; False if one exited before answering PING."""
+        # The cluster bus port is another free one (by default it would be port + 10000,
+        # which a kernel-chosen port may push past 65535). All 2N are chosen together, so
+        # none repeats.
+        ports = free_ports(2 * self.size)
+        self.ports, self.bus_ports = ports[: self.size], ports[self.size :]
+        self.nodes = [self._node(p, b) for p, b in zip(self.ports, self.bus_ports)]
+        for node in self.nodes:
+            node.start()
+        for port, node in zip(self.ports, self.nodes):
+            while not answers_ping(port):
+                if not node.running:
+                    return False
+                if time.monotonic() > deadline:
+                    raise ServiceStartError(f"redis-server on port {port} did not start; see {node.log_path}")
+                time.sleep(0.05)
+            # Another process's Redis on a taken port answers PING too.
+            if f"process_id:{node.pid}" not in self.cli(port, "info", "server").splitlines():
+                return False
+        return True
 
     def _form(self) -> None:
         if self.size >= 3:
