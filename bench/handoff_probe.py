@@ -11,7 +11,11 @@ Redis Cluster, with the services' pool settings:
   block submitted to an :class:`AsyncWriter` of W workers taking batches of B blocks;
 - ``get, all at once``: one ``get_blocks_into`` of every block (decode's serial load);
 - ``get, runs of K``: consecutive ``get_blocks_into`` calls of K blocks (the streamed
-  handoff's fetch of each newly durable run).
+  handoff's fetch of each newly durable run);
+- ``get ..., P-block pipelines on S sockets`` (``--get-pipelines PxS,...``): all the
+  blocks, and the last half (decode's fetch at the last update when half the prompt came
+  early), with ``pipeline_blocks`` P and ``max_parallel`` S: how a node's blocks spread
+  over its sockets.
 
 The put rows overwrite the same keys every repetition (the servers reuse the values'
 memory); ``new keys`` rows write a prompt never seen before each time, as the services do
@@ -43,7 +47,7 @@ async def probe(url: str, args: argparse.Namespace) -> list[tuple[str, float]]:
     prompt = Prompt(0)
     rows: list[tuple[str, float]] = []
 
-    async def timed(label: str, fn, setup=None) -> None:
+    async def timed(label: str, fn, setup=None, nbytes: int = prompt.nbytes) -> None:
         for _ in range(args.warmup):
             await setup() if setup else None
             await fn()
@@ -55,7 +59,7 @@ async def probe(url: str, args: argparse.Namespace) -> list[tuple[str, float]]:
             times.append(time.perf_counter() - t0)
         ms = statistics.median(times) * 1e3
         rows.append((label, ms))
-        print(f"  {label:<50} {ms:7.1f} ms  {prompt.nbytes / ms / 1e6:5.2f} GB/s", flush=True)
+        print(f"  {label:<50} {ms:7.1f} ms  {nbytes / ms / 1e6:5.2f} GB/s", flush=True)
 
     await timed("put, all at once", lambda: prompt.encode_put(pool, 16))
     fresh = iter(range(10**9))
@@ -90,6 +94,20 @@ async def probe(url: str, args: argparse.Namespace) -> list[tuple[str, float]]:
                 assert not any(out), out
 
         await timed(f"get, runs of {k}", in_runs)
+    for p, sockets in args.get_pipelines:
+        other = RedisPool(PoolConfig(url=url, key_prefix="probe", pipeline_blocks=p, max_parallel=sockets))
+
+        async def get_from(lo: int, other: RedisPool = other) -> None:
+            out = await other.get_blocks_into(prompt.ns, prompt.keys[lo:], prompt.dests[lo:])
+            assert not any(out), out
+
+        half = len(prompt.keys) // 2
+        await timed(f"get, all at once, {p}-block pipelines on {sockets} sockets", lambda: get_from(0))
+        await timed(
+            f"get, the last {len(prompt.keys) - half}, {p}-block pipelines on {sockets} sockets", lambda: get_from(half),
+            nbytes=prompt.nbytes * (len(prompt.keys) - half) // len(prompt.keys),
+        )
+        await other.close()
     prompt.check()
     await pool.close()
     return rows
@@ -102,11 +120,13 @@ def main() -> None:
     ap.add_argument("--nodes", default="0,4", help="0 = one Redis, N = an N-node cluster")
     ap.add_argument("--writers", default="4x16,4x32")
     ap.add_argument("--runs", default="8,32")
+    ap.add_argument("--get-pipelines", default="16x4,8x4,4x4,8x8", help="pipeline_blocks x max_parallel of the last get rows")
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--warmup", type=int, default=2)
     args = ap.parse_args()
     args.writers = [tuple(int(x) for x in w.split("x")) for w in args.writers.split(",") if w]
     args.runs = [int(k) for k in args.runs.split(",") if k]
+    args.get_pipelines = [tuple(int(x) for x in g.split("x")) for g in args.get_pipelines.split(",") if g]
     server = args.redis_server = os.path.join(args.redis_bin, "redis-server") if args.redis_bin else "redis-server"
     cli = args.redis_cli = os.path.join(args.redis_bin, "redis-cli") if args.redis_bin else "redis-cli"
     for n in (int(x) for x in args.nodes.split(",")):

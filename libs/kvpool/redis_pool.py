@@ -37,7 +37,9 @@ cache_store sees every block although no bytes pass through it:
   (``ORPHAN_TTL_MS``) that only its accounting removes, so a value whose script never ran
   (the connection died between the two) expires instead of leaking memory the budget
   cannot see; until it does it is a complete, checksummed value, as good to a reader as
-  any. No MULTI: a transaction per block cost one Redis about 40 us of server time per
+  any. (A rewrite of a block already accounted puts the TTL back until its script runs;
+  if that script never runs, the block expires while still accounted, and eviction
+  drops the stale entry when it reaches it.) No MULTI: a transaction per block cost one Redis about 40 us of server time per
   block beside a ~100 us SET (bench/RESULTS.md, issue 8), and a transaction of many would
   hold all their values queued at once, which a full server counts against
   ``maxmemory``. Under ``maxmemory`` + ``noeviction`` Redis refuses a SET, and that one
