@@ -39,10 +39,10 @@ cache_store sees every block although no bytes pass through it:
   cannot see; until it does it is a complete, checksummed value, as good to a reader as
   any. (A rewrite of a block already accounted puts the TTL back until its script runs;
   if that script never runs, the block expires while still accounted, and eviction
-  drops the stale entry when it reaches it.) No MULTI: a transaction per block cost one Redis about 40 us of server time per
-  block beside a ~100 us SET (bench/RESULTS.md, issue 8), and a transaction of many would
-  hold all their values queued at once, which a full server counts against
-  ``maxmemory``. Under ``maxmemory`` + ``noeviction`` Redis refuses a SET, and that one
+  drops the stale entry when it reaches it.) No MULTI: a transaction per block cost one
+  Redis about 40 us of server time per block beside a ~100 us SET (bench/RESULTS.md,
+  issue 8), and a transaction of many would hold all their values queued at once, which
+  a full server counts against ``maxmemory``. Under ``maxmemory`` + ``noeviction`` Redis refuses a SET, and that one
   block fails with reason ``"oom"`` (the script skips it). An unknown or expired lease
   makes the script delete the values that created keys and fail its blocks with reason
   ``"lease"``. A SET whose value did not fully arrive never runs. The account script goes
@@ -147,13 +147,12 @@ class _Group(NamedTuple):
 
 
 class _Built(NamedTuple):
-    """How ``build`` laid out one group's commands: ``lead`` replies of the group's own,
-    then ``counts[k]`` replies for its k-th item; whatever follows is the group's own too
-    (bookkeeping). ``needs_group``: an item's outcome needs every reply of the group (its
-    write counts once the accounting after it has run), not just its own."""
+    """How ``build`` laid out one group's commands: ``counts[k]`` replies for its k-th
+    item, then the group's own (bookkeeping). ``needs_group``: an item's outcome needs
+    every reply of the group (its write counts once the accounting after it has run),
+    not just its own."""
 
     counts: list[int]
-    lead: int = 0
     needs_group: bool = False
 
 
@@ -294,8 +293,8 @@ class RedisPool(BlockPool):
         write into ~16 one-block round trips on a cluster, measured 1.3x slower on the
         H100 host (bench/handoff_probe.py). ``build(partition, items, frames, sinks,
         asking)`` adds each item's commands (each behind ``ASKING`` when ``asking``),
-        may add commands of the partition's own before and after them (a transaction,
-        bookkeeping), and says how its replies lie (:class:`_Built`).
+        may add commands of the partition's own after them (bookkeeping), and says how
+        its replies lie (:class:`_Built`).
         ``outcome(k, own, group)`` says what the k-th item's replies mean, or
         :class:`_Retry`. Returns the outcome per item and, for items that never got one,
         the transport reason of their last attempt.
@@ -368,7 +367,7 @@ class RedisPool(BlockPool):
         for g, (built, total) in zip(groups, layout):
             group = replies[pos : pos + total]
             whole = len(group) == total
-            at = built.lead
+            at = 0
             for k, (item, n) in enumerate(zip(g.items, built.counts)):
                 own = group[at : at + n]
                 if len(own) == n and (whole or not built.needs_group):
