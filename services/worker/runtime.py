@@ -180,7 +180,7 @@ class WorkerRuntime:
         self.pool = RedisPool(
             PoolConfig(
                 url=settings.redis_url, password=settings.redis_password, key_prefix=settings.key_prefix,
-                bulk_model=settings.pool_bulk_model,
+                bulk_model=settings.pool_bulk_model, max_parallel=settings.pool_sockets,
             )
         )
         self.pool_health = PoolHealth(self.pool, check_s=settings.pool_check_s, timeout_s=settings.pool_check_s)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from libs.kvpool.config import PoolConfig
 from libs.model.moe.options import STRATEGIES
 from services.common import BaseSettings, setting
 
@@ -53,6 +54,7 @@ class WorkerSettings(BaseSettings):
     key_prefix: str = setting("tidepool", help="prefix of every pool key in Redis")
     pool_workers: int = setting(4, help="concurrent pool write calls (each of up to --pool-write-batch blocks)")
     pool_write_batch: int = setting(16, help="blocks per pool write call (pipelined per Redis node)")
+    pool_sockets: int = setting(4, help="bulk-path sockets per Redis node: pipelines to one node in flight at once (1-32)")
     pool_bulk_model: Literal["threads", "asyncio"] = setting(
         "threads", help="how block values move: threads (blocking recv_into, GIL released) or asyncio (BufferedProtocol)"
     )
@@ -87,8 +89,10 @@ class WorkerSettings(BaseSettings):
             raise ValueError("threads must be >= 1")
         if self.tensor_parallel_size < 1 or self.tp_timeout_s <= 0:
             raise ValueError("tensor_parallel_size must be >= 1 and tp_timeout_s > 0")
-        if min(self.max_queue_depth, self.retry_after_s, self.pool_workers, self.pool_write_batch) < 1:
-            raise ValueError("max_queue_depth, retry_after_s, pool_workers and pool_write_batch must be >= 1")
+        if min(self.max_queue_depth, self.retry_after_s, self.pool_workers, self.pool_write_batch, self.pool_sockets) < 1:
+            raise ValueError("max_queue_depth, retry_after_s, pool_workers, pool_write_batch and pool_sockets must be >= 1")
+        if self.pool_sockets > PoolConfig.max_connections:
+            raise ValueError(f"pool_sockets must be <= {PoolConfig.max_connections}")
         if min(self.heartbeat_s, self.load_timeout_s, self.pool_check_s, self.handoff_timeout_s) <= 0:
             raise ValueError("heartbeat_s, load_timeout_s, pool_check_s and handoff_timeout_s must be > 0")
         from libs.engine.spec.config import parse_speculative_config

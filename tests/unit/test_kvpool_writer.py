@@ -314,10 +314,13 @@ def test_worker_write_settings_are_checked_at_start_up(capsys) -> None:
     from services.common.settings import parse_settings
     from services.worker.settings import WorkerSettings
 
-    s = parse_settings(WorkerSettings, ["--pool-workers", "2", "--pool-write-batch", "32"], {})
-    assert (s.pool_workers, s.pool_write_batch) == (2, 32)
+    s = parse_settings(WorkerSettings, ["--pool-workers", "2", "--pool-write-batch", "32", "--pool-sockets", "1"], {})
+    assert (s.pool_workers, s.pool_write_batch, s.pool_sockets) == (2, 32, 1)
     assert parse_settings(WorkerSettings, [], {}).pool_write_batch == 16
-    for flag in ("--pool-workers", "--pool-write-batch"):
+    for flag in ("--pool-workers", "--pool-write-batch", "--pool-sockets"):
         with pytest.raises(SystemExit) as e:
             parse_settings(WorkerSettings, [flag, "0"], {})
         assert e.value.code == 2 and "must be >= 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        parse_settings(WorkerSettings, ["--pool-sockets", "33"], {})
+    assert e.value.code == 2 and "pool_sockets must be <= 32" in capsys.readouterr().err
