@@ -5,8 +5,8 @@ A pipeline of commands goes out with ``sendmsg`` of the iovec list that
 never concatenated), and its replies come back through a
 :class:`~libs.kvpool.resp.ReplyParser` whose sinks hand out staging memory, so ``recv_into``
 lands each value where the codec verifies it in place. What is sent (GETs, SETs, the
-bookkeeping scripts) and what the replies mean is the pool's business (libs/kvpool/redis_pool.py); this
-module moves bytes and owns the sockets.
+bookkeeping scripts) and what the replies mean is the pool's business
+(libs/kvpool/redis_pool.py); this module moves bytes and owns the sockets.
 
 Concurrency models (``PoolConfig.bulk_model``), over ``max_parallel`` pooled sockets per node:
 

@@ -42,10 +42,10 @@ cache_store sees every block although no bytes pass through it:
   drops the stale entry when it reaches it.) No MULTI: a transaction per block cost one
   Redis about 40 us of server time per block beside a ~100 us SET (bench/RESULTS.md,
   issue 8), and a transaction of many would hold all their values queued at once, which
-  a full server counts against ``maxmemory``. Under ``maxmemory`` + ``noeviction`` Redis refuses a SET, and that one
-  block fails with reason ``"oom"`` (the script skips it). An unknown or expired lease
-  makes the script delete the values that created keys and fail its blocks with reason
-  ``"lease"``. A SET whose value did not fully arrive never runs. The account script goes
+  a full server counts against ``maxmemory``. Under ``maxmemory`` + ``noeviction`` Redis
+  refuses a SET, and that one block fails with reason ``"oom"`` (the script skips it).
+  An unknown or expired lease makes the script delete the values that created keys and
+  fail its blocks with reason ``"lease"``. A SET whose value did not fully arrive never runs. The account script goes
   with EVAL, not EVALSHA: a NOSCRIPT would cost the write a round trip; the script is
   1 kB against values of hundreds of kB.
 - get (bulk path): per partition ``GET...; EVAL touch``, in one pipeline per node (with
@@ -156,9 +156,9 @@ class _Built(NamedTuple):
     needs_group: bool = False
 
 
-# What a group's reply (``group``: all of them, in order) means for its k-th item, whose
-# own replies are ``own``; or a _Retry.
-Outcome = Callable[[int, list[Any], list[Any]], Any]
+# What an item's replies (``own``) mean, among its group's (``group``: all of them, in
+# order); or a _Retry.
+Outcome = Callable[[list[Any], list[Any]], Any]
 Build = Callable[[Partition, list[int], Frames, list[Sink | None], bool], _Built]
 
 
@@ -213,9 +213,9 @@ class _Into:
             self.on_landed(self.i)
 
 
-def _put_outcome(k: int, own: list[Any], group: list[Any]) -> PutError | _Retry | None:
-    """The outcome of the k-th block of one ``SET...; EVAL account`` (``own``: its SET's
-    reply; the group's last reply is the account script's)."""
+def _put_outcome(own: list[Any], group: list[Any]) -> PutError | _Retry | None:
+    """The outcome of one block of a ``SET...; EVAL account`` (``own``: its SET's reply;
+    the group's last reply is the account script's)."""
     written, account = own[0], group[-1]
     for reply in (written, account):
         if isinstance(reply, ReplyError) and reply.code in RETRY_CODES:
@@ -227,7 +227,7 @@ def _put_outcome(k: int, own: list[Any], group: list[Any]) -> PutError | _Retry 
     return None
 
 
-def _get_outcome_of(k: int, own: list[Any], group: list[Any]) -> str | _Retry | None:
+def _get_outcome_of(own: list[Any], group: list[Any]) -> str | _Retry | None:
     return _get_outcome(own[-1])
 
 
@@ -294,10 +294,9 @@ class RedisPool(BlockPool):
         H100 host (bench/handoff_probe.py). ``build(partition, items, frames, sinks,
         asking)`` adds each item's commands (each behind ``ASKING`` when ``asking``),
         may add commands of the partition's own after them (bookkeeping), and says how
-        its replies lie (:class:`_Built`).
-        ``outcome(k, own, group)`` says what the k-th item's replies mean, or
-        :class:`_Retry`. Returns the outcome per item and, for items that never got one,
-        the transport reason of their last attempt.
+        its replies lie (:class:`_Built`). ``outcome(own, group)`` says what an item's
+        replies mean, or :class:`_Retry`. Returns the outcome per item and, for items that
+        never got one, the transport reason of their last attempt.
         """
         results: list[Any] = [None] * len(ids)
         todo = list(range(len(ids)))
@@ -368,10 +367,10 @@ class RedisPool(BlockPool):
             group = replies[pos : pos + total]
             whole = len(group) == total
             at = 0
-            for k, (item, n) in enumerate(zip(g.items, built.counts)):
+            for item, n in zip(g.items, built.counts):
                 own = group[at : at + n]
                 if len(own) == n and (whole or not built.needs_group):
-                    out.append((item, outcome(k, own, group)))
+                    out.append((item, outcome(own, group)))
                 else:
                     out.append((item, _Retry(failure or "closed")))
                 at += n
