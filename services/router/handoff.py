@@ -1,7 +1,9 @@
 """The prefill -> decode path of one prompt, and the decode stream of each of its choices.
 
 A :class:`PromptJob` decides whether prefill runs (placement.py), calls it for all ``n``
-first tokens at once, then runs ``n`` :class:`ChoiceJob` in parallel. Each choice streams
+first tokens at once, then runs ``n`` :class:`ChoiceJob` in parallel. The pool query
+(are all of the prompt's blocks in the pool already?) runs beside the prefill call, which
+it abandons when they are, rather than in front of it. Each choice streams
 from its own decode instance, turns tokens into text (detok.py) and puts
 :class:`ChoiceUpdate` items into the request's outbox; an unrecoverable failure is put
 there as an :class:`ApiError`.
@@ -202,26 +204,57 @@ class PromptJob:
         if prefill is None or target is None:
             self._decide(placement.NO_PREFILL_INSTANCE)
             return handoff
-        if s.cache_store_url and self.req.prompt_logprobs is None:  # a scored prompt must be computed
-            t_query = time.perf_counter()
-            complete, keys, note = await self.state.client.pool_has_all(target.root, self.prompt_ids)
-            note["s"] = round(time.perf_counter() - t_query, 6)
-            self.trace.prefill.pool_query = note
-            if complete:
-                handoff.block_keys = keys
-                self._decide(placement.SKIP_IN_POOL, f"all {len(keys)} blocks in the pool")
-                return handoff
+        # The pool query and the prefill call start together: a fresh prompt, the usual
+        # case, then pays no cache_store round trip (~2 ms, measured) in front of its
+        # compute. A prompt the query finds whole in the pool abandons the call (prefill
+        # gets an abort, decode loads every block). A scored prompt must be computed.
+        query = None
+        if s.cache_store_url and self.req.prompt_logprobs is None:
+            query = asyncio.create_task(self._pool_query(target), name=f"pool query {self.id}")
         stream = self.req.stream_handoff if self.req.stream_handoff is not None else s.stream_handoff
-        if not stream or self.req.prompt_logprobs is not None:
-            result = await self._call_prefill(prefill, None)
-            if result is not None:
-                handoff.take_result(result)
+        if stream and self.req.prompt_logprobs is None:
+            # Streamed: the choices start once prefill has announced its progress (or is done).
+            handoff.progress = HandoffProgress()
+            call = self._prefill_in_background(prefill, handoff)
+        else:
+            call = self._prefill_serial(prefill, handoff)
+        self._prefill_task = asyncio.create_task(call, name=f"prefill {self.id}")
+        try:
+            in_pool = await query if query is not None else None
+        finally:
+            if query is not None and not query.done():  # this job was cancelled
+                query.cancel()
+        if in_pool is not None and handoff.first_token_ids is None:  # (prefill may have answered first)
+            await self._abandon_prefill()
+            handoff.progress = None
+            handoff.block_keys = in_pool
+            self._decide(placement.SKIP_IN_POOL, f"all {len(in_pool)} blocks in the pool")
             return handoff
-        # Streamed: the choices start once prefill has announced its progress (or is done).
-        handoff.progress = HandoffProgress()
-        self._prefill_task = asyncio.create_task(self._prefill_in_background(prefill, handoff), name=f"prefill {self.id}")
-        await handoff.progress.wait_started()
+        if handoff.progress is not None:
+            await handoff.progress.wait_started()
+        else:
+            await self._prefill_task
         return handoff
+
+    async def _pool_query(self, target: Instance) -> list[str] | None:
+        """The prompt's keys when every block is in the pool (cache_store says), else None."""
+        t_query = time.perf_counter()
+        complete, keys, note = await self.state.client.pool_has_all(target.root, self.prompt_ids)
+        note["s"] = round(time.perf_counter() - t_query, 6)
+        self.trace.prefill.pool_query = note
+        return keys if complete else None
+
+    async def _abandon_prefill(self) -> None:
+        """Cancel the prefill call (its cancellation sends prefill the abort)."""
+        task = self._prefill_task
+        if task is not None and not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    async def _prefill_serial(self, inst: Instance, handoff: Handoff) -> None:
+        result = await self._call_prefill(inst, None)
+        if result is not None:
+            handoff.take_result(result)
 
     async def _prefill_in_background(self, inst: Instance, handoff: Handoff) -> None:
         assert handoff.progress is not None

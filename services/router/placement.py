@@ -18,7 +18,8 @@ full, decode computes the prompt itself.
 
 Prefill is skipped (decode computes the prompt itself) for prompts shorter than the
 threshold, where a handoff costs more than it saves, and for prompts whose blocks are
-all in the pool already, where decode loads them directly.
+all in the pool already, where decode loads them directly (cache_store's answer; the
+prefill call starts beside the query and is abandoned when it says so, handoff.py).
 """
 
 from __future__ import annotations

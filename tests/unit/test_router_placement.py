@@ -272,6 +272,8 @@ class FakeCacheStore:
         self.blocks: set[str] = set()
         self.queries: list[dict[str, Any]] = []
         self.status = 200
+        self.hold: asyncio.Event | None = None  # set: each query waits for it
+        self.asked = asyncio.Event()
         app = web.Application()
         app.router.add_post("/v1/blocks/query", self.query)
         self.runner = web.AppRunner(app)
@@ -279,6 +281,9 @@ class FakeCacheStore:
     async def query(self, request: web.Request) -> web.Response:
         body = await request.json()
         self.queries.append(body)
+        self.asked.set()
+        if self.hold is not None:
+            await self.hold.wait()
         if self.status != 200:
             return web.json_response({"error": {"message": "pool down"}}, status=self.status)
         exists = [f"{body['namespace']}:{k}" in self.blocks for k in body["keys"]]
@@ -307,16 +312,52 @@ async def test_prompt_fully_in_the_pool_skips_prefill() -> None:
         assert len(c.prefills[0].requests) == 1  # not all there: prefill runs
         assert store.queries[-1] == {"namespace": NAMESPACE, "keys": keys, "prefix_only": True}
         store.blocks.add(f"{NAMESPACE}:{keys[-1]}")
+        # The query and the prefill call start together; the query finds every block and
+        # the call (still waiting here) is abandoned with an abort.
+        c.prefills[0].delay_s = 5.0
         r = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
-        assert len(c.prefills[0].requests) == 1  # skipped
+        assert len(c.prefills[0].requests) == 2
+        await eventually(lambda: c.prefills[0].aborts == [c.prefills[0].requests[-1].request_id])
         dec = c.decodes[0].requests[-1]
         assert dec.first_token_id is None and dec.block_keys == keys and dec.lease_id is None
         assert r.choices[0].text == script_text(0, 2)
         assert r.usage is not None and r.usage.prompt_tokens_details is not None
         assert r.usage.prompt_tokens_details.cached_tokens == len(prompt) - 1  # decode loaded them
+        c.prefills[0].delay_s = 0.0
         store.status = 503  # the pool's trouble never fails a request
         await client.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
-        assert len(c.prefills[0].requests) == 2
+        assert len(c.prefills[0].requests) == 3
+        assert c.decodes[0].requests[-1].first_token_id is not None
+    finally:
+        await c.close()
+        await store.runner.cleanup()
+
+
+@pytest.mark.parametrize("stream_handoff", [False, True])
+async def test_pool_query_runs_beside_the_prefill_call(stream_handoff: bool) -> None:
+    """The query does not delay a fresh prompt's prefill call; and a prompt whose prefill
+    answers before the query (here: the query is slow) keeps prefill's first token."""
+    store = FakeCacheStore()
+    url = await store.start()
+    store.hold = asyncio.Event()
+    c = await start_cluster(cache_store_url=url, cache_store_timeout_s=8.0)  # a query that would hold a serial call back
+    try:
+        c.prefills[0].streams = stream_handoff
+        prompt = tokenizer().encode(long_prompt())
+        keys = [str(k) for k in block_keys(NamespaceRoot.from_hex(NAMESPACE, BLOCK_SIZE), prompt)]
+        store.blocks = {f"{NAMESPACE}:{k}" for k in keys}  # all there, but the answer comes late
+        client = c.openai()
+        call = asyncio.create_task(client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, extra_body={"tidepool": {"stream_handoff": stream_handoff}}))
+        await asyncio.wait_for(store.asked.wait(), 5)
+        await eventually(lambda: len(c.prefills[0].requests) == 1)  # called while the query waits
+        if not stream_handoff:
+            await asyncio.sleep(0.2)  # prefill has answered
+        store.hold.set()
+        r = await asyncio.wait_for(call, 10)
+        assert r.choices[0].text == script_text(0, 2)
+        if not stream_handoff:  # the result came first: kept, not abandoned
+            assert c.prefills[0].aborts == []
+            assert c.decodes[0].requests[-1].first_token_id is not None
     finally:
         await c.close()
         await store.runner.cleanup()
