@@ -171,7 +171,7 @@ PHASES = [
     ("first blocks in decode staging", "decode", "first_load_done_at"),
     ("writes acknowledged", "prefill", "written_at"),
     ("client: first token", "client", "first"),
-    ("decode gets the last update", "decode", "final_update_at"),  # (before 2026-11-27 late: after any fetch in flight)
+    ("decode acts on the last update", "decode", "final_update_at"),  # after any fetch in flight
     ("decode: blocks loaded", "decode", "load_done_at"),
     ("decode engine gets the request", "decode", "engine_at"),
     ("decode engine: first token on the host", "decode", "engine_first_token_at"),

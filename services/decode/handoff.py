@@ -5,8 +5,7 @@ lease (docs/HANDOFF.md). Decode registers a :class:`HandoffWait` under the reque
 answers the stream's headers; the router then posts :class:`HandoffUpdate` messages to
 ``POST /v1/handoff``, each carrying the leading run of blocks that are durable in the pool.
 :func:`load_streamed` fetches each newly durable run into one :class:`StagedRun` (so the
-loads of one request share staging rows in order) as soon as it is announced, beside any
-fetch still in flight, and stops waiting at the last update:
+loads of one request share staging rows in order), and stops waiting at the last update:
 
 - with a first token: it loads the rest (the last chunk's blocks and the partial tail),
   and the request generates after that token;
@@ -34,9 +33,6 @@ from libs.protocol.messages import HandoffUpdate, TokenLogprobs
 from services.worker.app import RUNTIME
 from services.worker.runtime import WorkerRuntime
 from services.worker.transfer import LoadResult, StagedRun, finish_load, wanted_blocks
-
-
-OVERLAPPING_FETCH_BLOCKS = 16  # the pool's default pipeline (PoolConfig.pipeline_blocks)
 
 
 class HandoffAborted(Exception):
@@ -94,10 +90,6 @@ class HandoffWait:
         self.aborted = True
         self._changed.set()
 
-    def poke(self) -> None:
-        """Wake :meth:`changed` without an update (a fetch ended: the loader looks again)."""
-        self._changed.set()
-
     async def changed(self, deadline: float) -> None:
         """Wait for the next update (or an abort); raise :class:`HandoffAborted` past ``deadline``."""
         left = deadline - time.monotonic()
@@ -122,27 +114,13 @@ async def load_streamed(rt: WorkerRuntime, wait: HandoffWait, keys: list[BlockKe
     wanted = wanted_blocks(rt, keys, start, prompt_len)  # with a first token, the whole prompt may load
     run = StagedRun(rt, start, len(wanted))
     stats = HandoffStats()
-    fetches: list[asyncio.Task[int]] = []
-
-    async def fetch(keys: list[BlockKey]) -> int:
-        try:
-            n = await run.fetch(keys)
-        finally:
-            wait.poke()
-        if run.filled and stats.first_load_done_at is None:
-            stats.first_load_done_at = time.time()
-        return n
-
     try:
-        # A newly durable run is fetched at once, beside the fetches in flight when it is
-        # at least a pipeline's worth (smaller pipelines read slower: bench/handoff_probe),
-        # so the tail starts when the last update arrives, not after the reads before it.
         while not wait.done:
             target = min(wait.durable_blocks - start, len(wanted))
-            ready = target - run.requested
-            busy = any(not f.done() for f in fetches)
-            if ready > 0 and not run.broken and (not busy or ready >= OVERLAPPING_FETCH_BLOCKS):
-                fetches.append(asyncio.create_task(fetch(wanted[run.requested : target])))
+            if run.filled < target and not run.broken:
+                if await run.fetch(wanted[run.filled : target]) and stats.first_load_done_at is None:
+                    stats.first_load_done_at = time.time()
+                continue
             await wait.changed(deadline)
         t_final = time.perf_counter()
         stats.final_update_at = time.time()
@@ -150,13 +128,9 @@ async def load_streamed(rt: WorkerRuntime, wait: HandoffWait, keys: list[BlockKe
         if wait.first_token_id is None:  # prefill failed: the engine computes the last token itself
             stats.prefill_error = wait.error or "prefill failed"
             wanted = wanted_blocks(rt, keys, start, prompt_len - 1)
-            run.capacity = max(run.requested, min(run.capacity, len(wanted)))
-        fetches.append(asyncio.create_task(fetch(wanted[run.requested :])))
-        await asyncio.gather(*fetches)
+            run.capacity = max(run.filled, min(run.capacity, len(wanted)))
+        await run.fetch(wanted[run.filled :])
     except BaseException:
-        for f in fetches:
-            f.cancel()
-        await asyncio.gather(*fetches, return_exceptions=True)  # nothing writes into staging any more
         run.release()
         raise
     stats.updates = wait.updates

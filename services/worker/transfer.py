@@ -91,16 +91,12 @@ def wanted_blocks(rt: WorkerRuntime, keys: list[BlockKey], start: int, max_token
 
 class StagedRun:
     """Staging rows for the blocks ``first_block, first_block + 1, ...`` (at most
-    ``capacity`` of them), filled by :meth:`fetch`; staging is acquired as rows are
-    needed, one buffer of ``swap_max_blocks`` rows at a time.
+    ``capacity`` of them), filled in order by :meth:`fetch`; staging is acquired as rows
+    are needed, one buffer of ``swap_max_blocks`` rows at a time.
 
-    Fetches may overlap (the streamed handoff starts the next run's fetch when prefill
-    announces it, without waiting for the one in flight): each takes the next rows when
-    it starts, and ``filled`` grows over the leading run of rows whose fetches are done.
     The first block that cannot be used (absent, corrupt, pool or staging unavailable)
-    breaks the run: nothing after it is used, rows other fetches loaded included.
-    ``misses`` counts every block of the capacity not loaded, by reason, once
-    :meth:`finish` is called.
+    breaks the run: nothing after it is loaded. ``misses`` counts every block of the
+    capacity not loaded, by reason, once :meth:`finish` is called.
     """
 
     def __init__(self, rt: WorkerRuntime, first_block: int, capacity: int) -> None:
@@ -109,17 +105,13 @@ class StagedRun:
         self.capacity = capacity
         self.buffers: list[StagingBuffer] = []
         self._hosts: list[np.ndarray] = []  # each buffer's byte rows (BlockCodec.byte_rows; taken once: .host waits for copies)
-        self.requested = 0  # rows handed to fetches (done or in flight)
-        self.filled = 0  # leading rows loaded and verified
+        self.filled = 0
         self.end_tokens = 0  # prompt tokens covered by the filled rows
         self.bytes_read = 0
-        self.fetch_s = 0.0  # time spent in fetches (pool reads and checks; overlapping fetches count once)
+        self.fetch_s = 0.0  # time spent in fetch (pool reads and checks)
         self.misses: Counter[str] = Counter()
         self.broken: str | None = None  # why the run ended early
         self._counted = 0  # blocks already counted in misses
-        self._done: dict[int, tuple[list[BlockKey], int, str | None, int]] = {}  # first row -> (keys, ok, why not all, blocks it costs)
-        self._in_flight = 0
-        self._busy_since = 0.0
 
     def _miss(self, reason: str, n: int = 1) -> None:
         self.misses[reason] += n
@@ -128,92 +120,69 @@ class StagedRun:
 
     async def fetch(self, keys: list[BlockKey]) -> int:
         """Load ``keys``, the next blocks of the run, into the next rows; returns how many
-        of them were loaded. Never raises for pool trouble: that breaks the run with a reason."""
-        keys = keys[: self.capacity - self.requested]
+        were loaded. Never raises for pool trouble: that breaks the run with a reason."""
+        keys = keys[: self.capacity - self.filled]
         if self.broken or not keys:
             return 0
-        first = self.requested
-        self.requested += len(keys)
-        if not self.rt.pool_health.usable:  # known down: do not wait for its timeouts
-            self._landed(first, keys, 0, "unavailable", len(keys))
-            return 0
-        if not self._in_flight:
-            self._busy_since = time.perf_counter()
-        self._in_flight += 1
-        try:
-            ok, reason = await self._fetch(first, keys)
-        finally:
-            self._in_flight -= 1
-            if not self._in_flight:
-                self.fetch_s += time.perf_counter() - self._busy_since
-        self._landed(first, keys, ok, reason)
-        return ok
-
-    async def _fetch(self, first: int, keys: list[BlockKey]) -> tuple[int, str | None]:
-        """Receive ``keys`` into rows ``first, ...``: how many leading ones landed whole and
-        verified, and why the next did not."""
         rt = self.rt
-        slots = await self._rows(first, len(keys))
-        rows = len(slots)
-        if not rows:
-            return 0, "staging_busy"
-        headers = np.empty((rows, HEADER_NBYTES), dtype=np.uint8)
-        dests = [rt.codec.value_views(memoryview(headers[i]), slots[i], keys[i].num_tokens) for i in range(rows)]
-        verdicts: list[str | None] = ["unavailable"] * rows  # per block: None once landed and verified
-
-        def verify(i: int) -> None:  # on a bulk thread as each value lands, overlapped with the rest
-            try:
-                rt.codec.verify_landed(memoryview(headers[i]), slots[i], keys[i].num_tokens)
-                verdicts[i] = None
-            except BlockDecodeError as e:
-                verdicts[i] = f"corrupt:{e.reason}"
-
+        if not rt.pool_health.usable:  # known down: do not wait for its timeouts
+            self._miss("unavailable", len(keys))
+            return 0
+        t0 = time.perf_counter()
         try:
-            outcomes = await asyncio.wait_for(
-                rt.pool.get_blocks_into(rt.namespace, keys[:rows], dests, on_landed=verify), rt.settings.load_timeout_s
-            )
-            reasons = [verdicts[i] if o is None else _miss_reason(o) for i, o in enumerate(outcomes)]
-        except asyncio.TimeoutError as e:  # what landed (and was verified) before the timeout is good
-            rt.pool_health.report_failure(e)
-            reasons = [None if v is None else "unavailable:timeout" for v in verdicts]
-        except (PoolError, OSError) as e:
-            log.info("pool read failed (%s): recomputing from block %d", e, self.first_block + first)
-            rt.pool_health.report_failure(e)
-            reasons = [None if v is None else "unavailable" for v in verdicts]
-        ok = 0
-        while ok < rows and reasons[ok] is None:
-            ok += 1
-        return ok, (reasons[ok] if ok < rows else None if rows == len(keys) else "staging_busy")
+            slots = await self._rows(len(keys))
+            rows = len(slots)
+            headers = np.empty((rows, HEADER_NBYTES), dtype=np.uint8)
+            dests = [rt.codec.value_views(memoryview(headers[i]), slots[i], keys[i].num_tokens) for i in range(rows)]
+            verdicts: list[str | None] = ["unavailable"] * rows  # per block: None once landed and verified
 
-    def _landed(self, first: int, keys: list[BlockKey], ok: int, reason: str | None, misses: int = 1) -> None:
-        """Record a fetch's outcome (``reason`` why not all of ``keys`` loaded, counted
-        for ``misses`` blocks), and grow ``filled`` over the leading rows now done."""
-        self._done[first] = (keys, ok, reason, misses)
-        bs = self.rt.llm.config.block_size
-        while not self.broken and self.filled in self._done:
-            keys, ok, reason, misses = self._done.pop(self.filled)
+            def verify(i: int) -> None:  # on a bulk thread as each value lands, overlapped with the rest
+                try:
+                    rt.codec.verify_landed(memoryview(headers[i]), slots[i], keys[i].num_tokens)
+                    verdicts[i] = None
+                except BlockDecodeError as e:
+                    verdicts[i] = f"corrupt:{e.reason}"
+
+            try:
+                outcomes = await asyncio.wait_for(
+                    rt.pool.get_blocks_into(rt.namespace, keys[:rows], dests, on_landed=verify), rt.settings.load_timeout_s
+                )
+                reasons = [verdicts[i] if o is None else _miss_reason(o) for i, o in enumerate(outcomes)]
+            except asyncio.TimeoutError as e:  # what landed (and was verified) before the timeout is good
+                rt.pool_health.report_failure(e)
+                reasons = [None if v is None else "unavailable:timeout" for v in verdicts]
+            except (PoolError, OSError) as e:
+                log.info("pool read failed (%s): recomputing from block %d", e, self.first_block + self.filled)
+                rt.pool_health.report_failure(e)
+                reasons = [None if v is None else "unavailable" for v in verdicts]
+            ok = 0
+            while ok < rows and reasons[ok] is None:
+                ok += 1
+            if ok < rows:
+                self._miss(reasons[ok])  # type: ignore[arg-type]
             if ok:
                 self.filled += ok
-                self.end_tokens = (self.first_block + self.filled - 1) * bs + keys[ok - 1].num_tokens
-                self.bytes_read += sum(self.rt.codec.value_nbytes(k.num_tokens) for k in keys[:ok])
-            if reason is not None:
-                # Staging that never came takes every row from here; other reasons, the one block.
-                self._miss(reason, self.capacity - self.filled if reason == "staging_busy" else misses)
+                self.end_tokens = (self.first_block + self.filled - 1) * rt.llm.config.block_size + keys[ok - 1].num_tokens
+                self.bytes_read += sum(rt.codec.value_nbytes(k.num_tokens) for k in keys[:ok])
+            return ok
+        finally:
+            self.fetch_s += time.perf_counter() - t0
 
-    async def _rows(self, first: int, n: int) -> list[np.ndarray]:
-        """Host rows ``first, ..., first + n - 1``, acquiring staging as needed (waiting up
-        to ``load_timeout_s`` for a free buffer; past that, fewer rows: the rest counts
-        ``staging_busy`` and the engine recomputes them)."""
+    async def _rows(self, n: int) -> list[np.ndarray]:
+        """Host rows for the next ``n`` blocks, acquiring staging as needed (waiting up to
+        ``load_timeout_s`` for a free buffer; past that the rest counts ``staging_busy``:
+        the engine recomputes them)."""
         swapper = self.rt.llm.swapper
         m = swapper.max_blocks
         deadline = time.monotonic() + self.rt.settings.load_timeout_s
         rows = []
-        for i in range(first, first + n):
+        for i in range(self.filled, self.filled + n):
             while i // m >= len(self.buffers):
                 try:
                     buf = swapper.acquire(min(m, self.capacity - len(self.buffers) * m))
                 except StagingStateError:
                     if time.monotonic() > deadline:
+                        self._miss("staging_busy", self.capacity - i)
                         return rows
                     await asyncio.sleep(0.005)
                     continue

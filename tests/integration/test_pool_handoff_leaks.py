@@ -13,16 +13,19 @@ from types import SimpleNamespace
 import pytest
 import redis
 import torch
+from prometheus_client import CollectorRegistry
 
 from kernels.swap import BlockSwapper
 from libs.blocks.keys import Namespace, block_keys
 from libs.engine import ExportedKV
+from libs.kvpool.codec import BlockCodec
 from libs.kvpool.config import PoolConfig
 from libs.kvpool.layout import KVLayout
 from libs.kvpool.redis_pool import RedisPool
+from libs.kvpool.writer import AsyncWriter
+from services.worker.runtime import WorkerMetrics
 from services.worker.transfer import load_blocks, store_blocks
 from tests.integration.conftest import unique_prefix
-from tests.transfer_runtime import transfer_runtime
 
 pytestmark = pytest.mark.integration
 
@@ -41,6 +44,23 @@ def pooled_sockets(pool: RedisPool) -> int:
         c.is_connected for p in pool.control._pools.values() for c in (*p._available_connections, *p._in_use_connections)
     )
     return pool.bulk.open_sockets + control
+
+
+def runtime(pool: RedisPool, swapper: BlockSwapper) -> SimpleNamespace:
+    rt = SimpleNamespace(
+        llm=SimpleNamespace(config=SimpleNamespace(block_size=16), swapper=swapper),
+        codec=BlockCodec(LAYOUT),
+        pool=pool,
+        namespace=NS,
+        settings=SimpleNamespace(load_timeout_s=5.0),
+        writer=AsyncWriter(pool, workers=2, queue_size=16, batch_blocks=4),
+        # Every handoff must try the pool, also right after a connection was killed: the
+        # worker's outage tracking (services/worker/pool_health.py) is tested on its own.
+        pool_health=SimpleNamespace(usable=True, report_failure=lambda exc: None),
+        role="prefill",  # (decode's metrics add speculative decoding's, which read an engine)
+    )
+    rt.metrics = WorkerMetrics.create(CollectorRegistry(), rt)
+    return rt
 
 
 def export(swapper: BlockSwapper, tokens: int, seed: int) -> tuple[ExportedKV, torch.Tensor]:
@@ -95,7 +115,7 @@ async def test_a_thousand_handoffs_leak_no_staging_socket_or_fd(request: pytest.
     url = request.getfixturevalue("redis_server" if where == "single" else "redis_cluster").url
     swapper = BlockSwapper(LAYOUT.allocate(8), max_blocks=4, num_buffers=4)
     pool = RedisPool(PoolConfig(url=url, key_prefix=unique_prefix(), bulk_model=model, retries=2))
-    rt = transfer_runtime(pool, swapper, LAYOUT, NS)
+    rt = runtime(pool, swapper)
     try:
         for i in range(20):  # warm up: every pool reaches its steady number of sockets
             await handoff(rt, 1 + i * 3, None)
