@@ -48,7 +48,11 @@ class KVLayout:
 
     @property
     def element_size(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+        # The dtype's attribute, not ``torch.empty((), dtype).element_size()``: every block
+        # a bulk thread verifies asks for this, and a torch call gives the GIL up and must
+        # win it back from the other bulk threads and the event loop (py-spy of decode on
+        # the H100: as many thread-samples there as in the checksum itself).
+        return self.dtype.itemsize
 
     @property
     def block_nbytes(self) -> int:
