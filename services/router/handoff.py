@@ -180,10 +180,7 @@ class PromptJob:
             handoff = await self._prefill()
             await asyncio.gather(*(choice.run(handoff) for choice in self.choices))
         finally:
-            task = self._prefill_task
-            if task is not None and not task.done():  # the choices ended first (cancelled)
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
+            await self._abandon_prefill()  # the choices ended first (cancelled): prefill too
 
     def _decide(self, decision: str, reason: str | None = None) -> None:
         self.trace.prefill.decision = decision
