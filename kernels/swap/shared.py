@@ -38,7 +38,7 @@ class SharedStaging:
             raise SwapShapeError(f"shared staging name must be a plain file name, got {name!r}")
         self.path = SHM_DIR / name
         self.creator = create
-        item = torch.empty((), dtype=dtype).element_size()
+        item = dtype.itemsize
         per = math.prod(shape) * item
         self.nbytes = per * num_buffers
         flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)

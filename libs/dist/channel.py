@@ -109,7 +109,7 @@ class Channel:
                 tensors[name] = None  # type: ignore[assignment]
             elif where == "h":
                 dt = _DTYPES[dtype]
-                n = _numel(shape) * torch.empty((), dtype=dt).element_size()
+                n = _numel(shape) * dt.itemsize
                 raw = bytearray(host[off : off + n])
                 tensors[name] = torch.frombuffer(raw, dtype=torch.uint8).view(dt).reshape(shape) if n else torch.empty(shape, dtype=dt)
             else:
