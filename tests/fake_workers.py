@@ -16,8 +16,10 @@ Faults, set as attributes between requests: ``status`` (answer with that HTTP st
 ``kill()`` stops the server and its heartbeats abruptly.
 
 Streamed handoff: a prefill with ``streams=True`` answers ``stream_progress`` with
-``PrefillProgress`` events (``progress_steps`` of them, ``progress_delay_s`` apart; with
-``die_mid_stream`` it cuts the connection after them instead of sending its result); a
+``PrefillProgress`` events (``progress_steps`` of them, ``progress_delay_s`` apart; the first
+tokens ride on the event of step ``first_at_step``, or on the last one before the result;
+``release`` set, the last event and the result wait for it; with ``die_mid_stream`` it cuts
+the connection after the steps instead of sending its result); a
 decode asked to ``await_handoff`` answers its headers at once, records every
 ``HandoffUpdate`` posted to ``/v1/handoff`` (``updates``), and generates after the last one
 (from its first token, or alone when prefill failed).
@@ -265,6 +267,8 @@ class FakePrefill(FakeInstance):
     progress_steps: int = 3
     progress_delay_s: float = 0.02
     die_mid_stream: bool = False
+    first_at_step: int | None = None  # the progress event that carries the first tokens (None: the last one)
+    release: asyncio.Event | None = None  # set: the last progress and the result wait for it
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -290,15 +294,24 @@ class FakePrefill(FakeInstance):
         assert transport is not None
         self._transports.add(transport)
         n = len(result.block_keys)
+
+        def progress(durable: int, step: int | None) -> PrefillProgress:
+            first = step == self.first_at_step
+            return PrefillProgress(
+                request_id=req.request_id, num_blocks=n, durable_blocks=durable, lease_id=result.lease_id,
+                first_token_ids=result.first_token_ids if first else None, first_logprobs=result.first_logprobs if first else None,
+            )
+
         try:
             for step in range(self.progress_steps + 1):
-                durable = n * step // (self.progress_steps + 1)
-                await stream.send(PrefillProgress(request_id=req.request_id, num_blocks=n, durable_blocks=durable, lease_id=result.lease_id))
+                await stream.send(progress(n * step // (self.progress_steps + 1), step))
                 await asyncio.sleep(self.progress_delay_s)
             if self.die_mid_stream:
                 transport.abort()
                 return stream
-            await stream.send(PrefillProgress(request_id=req.request_id, num_blocks=n, durable_blocks=n, lease_id=result.lease_id))
+            if self.release is not None:
+                await self.release.wait()
+            await stream.send(progress(n, None))
             await stream.send(result)
             await stream.write_eof()
         finally:

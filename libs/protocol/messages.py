@@ -36,6 +36,10 @@ def _check_token_ids(ids: list[int], name: str, *, non_empty: bool = False) -> N
     check(not ids or min(ids) >= 0, name, "token ids must be >= 0")
 
 
+def _check_first_logprobs(ids: list[int] | None, logprobs: list | None) -> None:
+    check(logprobs is None or (ids is not None and len(logprobs) == len(ids)), "first_logprobs", "must have one entry per first token")
+
+
 StructuredKind = Literal["json_schema", "json_object", "regex", "choice", "grammar", "lark"]
 MAX_LOGIT_BIAS = 1024
 
@@ -258,11 +262,7 @@ class PrefillResult(Message, version=1):
 
     def validate(self) -> None:
         _check_token_ids(self.first_token_ids, "first_token_ids", non_empty=True)
-        check(
-            self.first_logprobs is None or len(self.first_logprobs) == len(self.first_token_ids),
-            "first_logprobs",
-            "must have one entry per first token",
-        )
+        _check_first_logprobs(self.first_token_ids, self.first_logprobs)
         for name in (
             "num_prompt_tokens",
             "num_cached_tokens",
@@ -287,6 +287,10 @@ class PrefillProgress(Message, version=1):
         lease_id: the handoff lease pinning the blocks (created before the first write);
             None when the pool is unavailable.
         computed_tokens: prompt tokens whose KV prefill has computed (or found) so far.
+        first_token_ids: the first sampled token of each of the ``n`` completions, on the
+            one event sent as soon as they are sampled (before the last writes end; the
+            :class:`PrefillResult` repeats them); None on every other event.
+        first_logprobs: their logprobs, one per first token, when the request asked for them.
     """
 
     request_id: str
@@ -294,11 +298,16 @@ class PrefillProgress(Message, version=1):
     durable_blocks: int
     lease_id: str | None = None
     computed_tokens: int = 0
+    first_token_ids: list[int] | None = None
+    first_logprobs: list[TokenLogprobs] | None = None
 
     def validate(self) -> None:
         check(self.num_blocks >= 0, "num_blocks", "must be >= 0")
         check(0 <= self.durable_blocks <= self.num_blocks, "durable_blocks", "must be in 0..num_blocks")
         check(self.computed_tokens >= 0, "computed_tokens", "must be >= 0")
+        if self.first_token_ids is not None:
+            _check_token_ids(self.first_token_ids, "first_token_ids", non_empty=True)
+        _check_first_logprobs(self.first_token_ids, self.first_logprobs)
 
 
 @dataclass(kw_only=True)
@@ -365,8 +374,9 @@ class HandoffUpdate(Message, version=1):
         request_id: the decode request's id.
         durable_blocks: leading blocks of the prompt that are durable in the pool.
         lease_id: the handoff lease, for decode to release once it has loaded the blocks.
-        done: the last update: prefill finished (``first_token_id`` set) or failed (None:
-            decode loads what it can and computes the rest, sampling the first token itself).
+        done: the last update: prefill finished (``first_token_id`` set) or failed
+            (``error`` set: decode loads what it can and computes the rest, sampling the
+            first token itself unless prefill had sent it before failing).
         first_token_id: prefill's first token; only on the last update.
         first_logprobs: its logprobs, when the request asked for them.
         error: why prefill failed, for the trace.

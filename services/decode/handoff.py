@@ -125,8 +125,9 @@ async def load_streamed(rt: WorkerRuntime, wait: HandoffWait, keys: list[BlockKe
         t_final = time.perf_counter()
         stats.final_update_at = time.time()
         stats.early_blocks = run.filled
-        if wait.first_token_id is None:  # prefill failed: the engine computes the last token itself
+        if wait.error is not None or wait.first_token_id is None:
             stats.prefill_error = wait.error or "prefill failed"
+        if wait.first_token_id is None:  # prefill failed before its first token: the engine samples it
             wanted = wanted_blocks(rt, keys, start, prompt_len - 1)
             run.capacity = max(run.filled, min(run.capacity, len(wanted)))
         await run.fetch(wanted[run.filled :])
@@ -148,7 +149,7 @@ async def handle_handoff(request: web.Request) -> web.Response:
     wait = rt.handoffs.get(msg.request_id)
     if wait is None or wait.done:
         return json_error(404, f"request {msg.request_id!r} is not waiting for a handoff", code="not_waiting", param="request_id")
-    kind = "progress" if not msg.done else ("final" if msg.first_token_id is not None else "failed")
+    kind = "progress" if not msg.done else ("failed" if msg.error is not None else "final")
     rt.metrics.handoff_updates.labels(kind).inc()
     wait.update(msg)
     return web.json_response({"ok": True})

@@ -20,8 +20,12 @@ each chunk's full blocks as soon as the chunk is computed (libs/engine/kv_export
 they are written while the next chunk computes; the answer is a message stream of
 :class:`PrefillProgress` (the leading run of blocks durable in the pool, sent whenever it
 grows: first right after the lease, with the blocks that were there already), ending in
-the :class:`PrefillResult`. The partial tail goes last, when the prompt is done. A stream
-that ends without a result means prefill failed: decode recomputes what is not durable.
+the :class:`PrefillResult`. The partial tail goes last, when the prompt is done. The
+first tokens go out in a progress event as soon as they are sampled, before the last
+writes are acknowledged: the router streams them to the client at once, so the client's
+time to its first token is the compute's, not the handoff's. A stream that ends without a
+result means prefill failed: decode recomputes what is not durable (after the first
+tokens, which stand: decode continues from them).
 
 Timings: ``compute_s`` is the engine's (queue included); ``write_s`` is the pool write
 time *not* overlapped with compute (from the end of compute to the last acknowledgement),
@@ -128,6 +132,8 @@ class PrefillJob:
     computed_tokens: int = 0
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     progress_done: bool = False
+    first_token_ids: list[int] | None = None  # streamed: the n first tokens, once sampled (sent in a progress)
+    first_logprobs: list | None = None
     streamed_blocks: int = 0  # blocks durable before compute finished
     compute_done_at: float = 0.0  # wall clock when compute ended (decode's ``load_done_at`` is comparable on one host)
     leased_at: float = 0.0  # wall clock when the lease was taken (or given up: the pool is down)
@@ -159,15 +165,20 @@ class PrefillJob:
         """Send :class:`PrefillProgress` whenever the durable run grows (coalesced), until
         the job is done; the last one carries the final watermark."""
         sent = -1
+        first_sent = False
         while True:
             await self.changed.wait()
             self.changed.clear()
-            if self.watermark != sent or self.progress_done:
+            first = self.first_token_ids is not None and not first_sent
+            if self.watermark != sent or self.progress_done or first:
                 sent = self.watermark
+                first_sent = first_sent or first
                 try:
                     await resp.send(PrefillProgress(
                         request_id=self.msg.request_id, num_blocks=len(self.keys), durable_blocks=sent,
                         lease_id=self.lease_id, computed_tokens=self.computed_tokens,
+                        first_token_ids=self.first_token_ids if first else None,
+                        first_logprobs=self.first_logprobs if first else None,
                     ))
                 except ConnectionResetError:
                     return
@@ -235,6 +246,8 @@ class PrefillJob:
             self.computed_tokens = len(prompt)
             writes.append(asyncio.create_task(self._store(final.exported_kv, skip)))
         await asyncio.shield(self._announced)  # the lease id goes into the result
+        if self.streamed and final is not None and len(first) == n:
+            self._publish_first(first, first_lp)  # before the last writes end (the client's first token)
         store = StoreResult()
         for piece_result in await asyncio.gather(*writes):  # never raises: failures are per block
             store.add(piece_result)
@@ -246,6 +259,17 @@ class PrefillJob:
         if self.streamed:
             rt.metrics.streamed_blocks.inc(self.streamed_blocks)
         return self._result(final, first, first_lp, load, store, skip, t_engine, t_computed)
+
+    def _publish_first(self, first: dict[int, int], first_lp: dict[int, object]) -> None:
+        """Hand the n first tokens to the progress stream (after the lease's progress)."""
+        self.first_token_ids, self.first_logprobs = self._firsts(first, first_lp)
+        self.changed.set()
+
+    def _firsts(self, first: dict[int, int], first_lp: dict[int, object]) -> tuple[list[int], list | None]:
+        """The first token of each completion in order, and their logprobs when asked for."""
+        n = self.params.n
+        lps = [first_lp[i] for i in range(n)] if self.params.logprobs is not None and len(first_lp) == n else None
+        return [first[i] for i in range(n)], lps
 
     async def _take_lease(self) -> None:
         """The handoff lease on every key of the prompt (none if the pool is down)."""
@@ -283,7 +307,7 @@ class PrefillJob:
 
     def _result(self, final, first, first_lp, load: LoadResult, store: StoreResult, skip: int, t_engine: float, t_computed: float) -> PrefillResult:
         rt, msg, prompt = self.rt, self.msg, self.msg.prompt_token_ids
-        n = self.params.n
+        first_ids, first_lps = self._firsts(first, first_lp)
         cached = final.num_cached_tokens + final.num_imported_tokens
         timings = {
             "queue_s": final.metrics.get("queue_s", 0.0),
@@ -327,8 +351,8 @@ class PrefillJob:
         )
         return PrefillResult(
             request_id=msg.request_id,
-            first_token_ids=[first[i] for i in range(n)],
-            first_logprobs=[first_lp[i] for i in range(n)] if self.params.logprobs is not None and len(first_lp) == n else None,
+            first_token_ids=first_ids,
+            first_logprobs=first_lps,
             prompt_logprobs=self.prompt_scores,
             block_keys=[str(k) for k in self.keys],
             lease_id=self.lease_id,

@@ -33,12 +33,14 @@ for ``stream_progress`` and answers with ``PrefillProgress`` events before its r
 As soon as the first one arrives (prefill has its lease), the choices start their decode
 attempts with ``await_handoff``; each attempt forwards every change of the prompt's
 :class:`~services.router.progress.HandoffProgress` to its decode instance as a
-``HandoffUpdate``, so decode loads durable blocks while prefill computes the rest. When
-the result arrives, the choice streams its first token to the client and forwards it in
-the last update; decode generates after it. A prefill that fails mid-way is forwarded
-as a last update without a first token: decode loads what is durable and computes the
-tail and the first token itself (the choice's stream then carries every token). A prefill
-that answers without progress events (an older instance) takes the classic path.
+``HandoffUpdate``, so decode loads durable blocks while prefill computes the rest. Prefill
+sends the first tokens in a progress event as soon as it has sampled them, while its last
+writes are still on their way: each choice streams its first token to the client then,
+and forwards it in the last update (at the result); decode generates after it. A prefill
+that fails mid-way is forwarded as a last update with its error: decode loads what is
+durable and computes the tail, and the first token too unless prefill had sent it (the
+choice's stream then carries every token). A prefill that answers without progress
+events (an older instance) takes the classic path.
 
 Prompt logprobs (``echo`` with ``logprobs``): the instance that computes the prompt scores
 it, so the prompt must be computed, never loaded: prefill is asked for them (and the pool
@@ -51,7 +53,7 @@ each choice's first update, before its first token.
 
 Contract with decode (as libs/engine's ``output_prefix``): when ``first_token_id`` is set,
 decode's stream carries only the tokens *after* it, since the router already has it from
-``PrefillResult`` (and streams it to the client at once). ``max_tokens`` counts it.
+prefill (and streamed it to the client as soon as it came). ``max_tokens`` counts it.
 
 Abort paths all end in ``AbortRequest`` to the instance that holds the work, in the
 background so a cancelled request still sends it: a stop string matching (the decode
@@ -123,9 +125,15 @@ class Handoff:
         """Prefill is still running: decode attempts start with ``await_handoff``."""
         return self.progress is not None and not self.progress.final
 
+    def take_first(self, ids: list[int], logprobs: list[TokenLogprobs] | None) -> None:
+        """Prefill's first tokens (once: the ones a client may have seen stand)."""
+        if self.first_token_ids is None:
+            self.first_token_ids, self.first_logprobs = ids, logprobs
+        elif ids != self.first_token_ids:
+            log.warning("prefill's result has first tokens %s, its progress had %s: the earlier stand", ids, self.first_token_ids)
+
     def take_result(self, result: PrefillResult) -> None:
-        self.first_token_ids = result.first_token_ids
-        self.first_logprobs = result.first_logprobs
+        self.take_first(result.first_token_ids, result.first_logprobs)
         self.block_keys = result.block_keys
         self.lease_id = result.lease_id
 
@@ -290,6 +298,9 @@ class PromptJob:
                         result = msg
                         break
                     if progress is not None:
+                        if msg.first_token_ids is not None and handoff is not None:
+                            self._check_first(msg.first_token_ids)
+                            handoff.take_first(msg.first_token_ids, msg.first_logprobs)
                         progress.update(msg)
             if result is None:
                 raise WorkerError("truncated", "prefill's answer ended without a PrefillResult")
@@ -323,15 +334,17 @@ class PromptJob:
         return result
 
     def _check(self, result: PrefillResult) -> None:
-        vocab = self.state.tokenizer.vocab_size
-        if result.request_id != self.id or len(result.first_token_ids) != self.req.candidates:
-            raise WorkerError(
-                "protocol", f"PrefillResult for {result.request_id} with {len(result.first_token_ids)} first tokens"
-            )
-        if max(result.first_token_ids) >= vocab:
-            raise WorkerError("protocol", f"first token id {max(result.first_token_ids)} outside the vocabulary")
+        if result.request_id != self.id:
+            raise WorkerError("protocol", f"PrefillResult for {result.request_id}")
+        self._check_first(result.first_token_ids)
         if self.req.prompt_logprobs is not None:
             self.take_prompt_logprobs(result.prompt_logprobs, "prefill")
+
+    def _check_first(self, ids: list[int]) -> None:
+        if len(ids) != self.req.candidates:
+            raise WorkerError("protocol", f"prefill sent {len(ids)} first tokens for {self.req.candidates} completions")
+        if max(ids) >= self.state.tokenizer.vocab_size:
+            raise WorkerError("protocol", f"first token id {max(ids)} outside the vocabulary")
 
     def take_prompt_logprobs(self, wire: PromptLogprobs | None, who: str) -> None:
         """Keep an instance's scored prompt (the first one; later ones are the same)."""
@@ -607,8 +620,9 @@ class ChoiceJob:
 
     async def _forward(self, inst: Instance, request_id: str, handoff: Handoff, a: AttemptTrace, *, lease: bool) -> bool:
         """Post every change of prefill's progress to decode as a ``HandoffUpdate``, until
-        the last one. Returns True when prefill's first token already ended the choice (a
-        stop string): nothing is forwarded then."""
+        the last one, and stream prefill's first token to the client as soon as it has
+        come. Returns True when that token already ended the choice (a stop string):
+        nothing more is forwarded then."""
         progress = handoff.progress
         assert progress is not None
         sent: tuple[int, str | None] | None = None
@@ -621,6 +635,8 @@ class ChoiceJob:
             while True:
                 version = progress.version
                 lease_id = progress.lease_id if lease else None
+                if handoff.first_token_ids is not None and self._take_first(handoff):
+                    return True  # prefill's first token, streamed to the client before its result
                 if progress.final:
                     await _cut_off(posting)
                     posting = None
@@ -634,7 +650,7 @@ class ChoiceJob:
                         request_id=request_id, durable_blocks=progress.durable_blocks, lease_id=lease_id, done=True,
                         first_token_id=first, first_logprobs=first_lp, error=progress.error,
                     )
-                    await self._post_update(inst, update, a, "final" if first is not None else "failed")
+                    await self._post_update(inst, update, a, "failed" if progress.error is not None else "final")
                     return False
                 if posting is not None and posting.done():
                     posting.result()  # raises if decode could not take it: the attempt is broken

@@ -266,3 +266,31 @@ def test_client_leaving_mid_handoff_frees_every_block_and_staging_buffer(cluster
 
     wait_until(lambda: idle(pre) and idle(dec), 30, "prefill and decode to drop the request and its staging")
     assert ended() == before + 1  # decode ended the waiting request (aborted, or its stream closed)
+
+
+def test_the_first_token_is_sent_before_the_last_writes_end(cluster, reference_engine):
+    """Prefill's first token does not wait for the pool: with Redis holding every write
+    (``CLIENT PAUSE WRITE`` from the lease's progress on), the first token still comes, in
+    a progress event while blocks are not yet durable, and the handoff then completes."""
+    tok = reference_engine.tokenizer
+    prompt = tok.encode(long_prompt("weather station", 10))
+    ref = engine_tokens(reference_engine, prompt, 8)
+    seen: list[PrefillProgress] = []
+
+    async def pause_writes(p: PrefillProgress) -> None:
+        r = aioredis.Redis.from_url(cluster.redis_url)
+        try:
+            if not seen:
+                await r.execute_command("CLIENT", "PAUSE", 4000, "WRITE")  # lifted below, or after 4 s
+            if p.first_token_ids is not None:
+                await r.execute_command("CLIENT", "UNPAUSE")
+        finally:
+            await r.aclose()
+        seen.append(p)
+
+    tokens, progress, result, trace = by_hand(cluster, prompt, lease_ttl_s=30, on_progress=pause_writes)
+    assert tokens == ref
+    (first,) = [p for p in progress if p.first_token_ids is not None]
+    assert first.first_token_ids == result.first_token_ids and first.computed_tokens == len(prompt)
+    assert first.durable_blocks < first.num_blocks  # the writes were still held
+    assert progress[-1].durable_blocks == len(result.block_keys) and result.blocks_failed == 0

@@ -161,12 +161,15 @@ def prefill_results(draw: st.DrawFn) -> PrefillResult:
 @st.composite
 def prefill_progress(draw: st.DrawFn) -> PrefillProgress:
     total = draw(counts)
+    firsts = draw(st.none() | st.lists(token_ids, min_size=1, max_size=4))
     return PrefillProgress(
         request_id=draw(ident),
         num_blocks=total,
         durable_blocks=draw(st.integers(0, total)),
         lease_id=draw(st.none() | text),
         computed_tokens=draw(counts),
+        first_token_ids=firsts,
+        first_logprobs=None if firsts is None else logprobs_like(firsts, draw),
     )
 
 
@@ -344,6 +347,9 @@ def test_encode_converts_friendly_inputs() -> None:
         (Heartbeat(instance_id="i", role="router", running=0, waiting=0, free_blocks=0, total_blocks=0),  # type: ignore[arg-type]
          ErrorCode.INVALID_VALUE, "role"),
         (PrefillProgress(request_id="r", num_blocks=3, durable_blocks=4), ErrorCode.INVALID_VALUE, "durable_blocks"),
+        (PrefillProgress(request_id="r", num_blocks=3, durable_blocks=1, first_token_ids=[]), ErrorCode.INVALID_VALUE, "first_token_ids"),
+        (PrefillProgress(request_id="r", num_blocks=3, durable_blocks=1, first_logprobs=[TokenLogprobs(token_id=1, logprob=0.0)]),
+         ErrorCode.INVALID_VALUE, "first_logprobs"),  # logprobs without their tokens
         (DecodeRequest(request_id="r", prompt_token_ids=[1], first_token_id=5, sampling=SamplingSpec(max_tokens=1),
                        await_handoff=True), ErrorCode.INVALID_VALUE, "first_token_id"),
         (HandoffUpdate(request_id="r", first_token_id=5), ErrorCode.INVALID_VALUE, "first_token_id"),  # not done yet

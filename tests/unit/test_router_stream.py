@@ -5,6 +5,7 @@ never the request or its text."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 
@@ -105,6 +106,65 @@ async def test_prefill_dying_mid_stream_lets_decode_compute_the_rest() -> None:
         assert (delta("final"), delta("failed")) == (0, 1)
     finally:
         await c.close()
+
+
+async def test_the_first_token_reaches_the_client_before_prefill_ends() -> None:
+    """Prefill sends its first token in a progress event; its result (after its last writes)
+    is held back until the client has streamed that token."""
+    c = await streamed_cluster()
+    pre = c.prefills[0]
+    pre.first_at_step, pre.release = 1, asyncio.Event()
+    try:
+        stream = await c.openai().completions.create(model=MODEL, prompt=long_prompt(), max_tokens=40, stream=True)
+        chunks = stream.__aiter__()
+        first = await asyncio.wait_for(chunks.__anext__(), 5)  # the result is held: only the progress can bring it
+        assert first.choices[0].text == script_text(0, 1) and not pre.release.is_set()
+        updates = the_decode(c).updates[pre.requests[0].request_id]
+        assert updates and not any(u.done for u in updates)  # decode still waits for the handoff
+        pre.release.set()
+        rest = [ch.choices[0].text async for ch in chunks if ch.choices]
+        assert first.choices[0].text + "".join(rest) == FULL
+        (last,) = [u for u in updates if u.done]
+        assert last.first_token_id == pre.model.start(None) and last.error is None
+    finally:
+        await c.close()
+
+
+async def test_prefill_dying_after_its_first_token_keeps_that_token() -> None:
+    """The client has the first token already: decode continues from it, computing the
+    prompt's tail, and the text neither repeats nor loses a token."""
+    c = await streamed_cluster()
+    pre = c.prefills[0]
+    pre.first_at_step, pre.die_mid_stream = 1, True
+    try:
+        resp, req, updates, delta = await handoff_run(c)
+        last = updates[-1]
+        assert last.done and last.error and last.first_token_id == pre.model.start(None)
+        assert 0 < last.durable_blocks
+        assert resp_prefill(resp)["decision"] == "prefill_failed"
+        (a,) = attempts(resp)
+        assert a["streamed"] and a["with_first_token"] and a["tokens"] == resp.usage.completion_tokens - 1
+        assert (delta("final"), delta("failed")) == (0, 1)
+    finally:
+        await c.close()
+
+
+async def test_a_first_token_out_of_the_vocabulary_fails_prefill_not_the_request() -> None:
+    c = await streamed_cluster()
+    pre = c.prefills[0]
+    pre.first_at_step = 1
+    real = pre._result
+    pre._result = lambda req: dataclasses.replace(real(req), first_token_ids=[10**6])  # type: ignore[method-assign]
+    try:
+        resp, req, updates, delta = await handoff_run(c)
+        assert resp_prefill(resp)["decision"] == "prefill_failed"
+        assert updates[-1].first_token_id is None and updates[-1].error == "protocol"
+    finally:
+        await c.close()
+
+
+def resp_prefill(resp) -> dict:
+    return resp.model_extra["tidepool"]["trace"]["prompts"][0]["prefill"]
 
 
 async def test_decode_dying_while_it_waits_for_the_handoff_resumes_elsewhere() -> None:
