@@ -163,16 +163,11 @@ class _BlockingConnection:
         self._send([ep.hello])
         ep.check_hello(self._receive())
 
-    def exchange(
-        self, iov: Sequence[Buffer], sinks: Sequence[Sink | None], seals: Sequence[Callable[[], object]] = (), seal_at: Sequence[int] = ()
-    ) -> list[Any]:
-        """Send ``iov``, sealing each pending value (its checksum, here on this thread) right
-        before its bytes go out (``seal_at[i]``: where ``seals[i]``'s value starts in ``iov``),
-        then read one reply per sink. The server takes in the values already sent while
-        the next one is hashed, rather than waiting for all of them to be. Raises
-        TransportError (and closes) on any failure."""
-        if len(seal_at) != len(seals):
-            raise ValueError(f"{len(seals)} seals with {len(seal_at)} positions")
+    def exchange(self, iov: Sequence[Buffer], sinks: Sequence[Sink | None], seals: Sequence[Callable[[], object]] = ()) -> list[Any]:
+        """Seal the pending values (checksums, here on this thread), send ``iov``, then read
+        one reply per sink. Raises TransportError (and closes) on any failure."""
+        for seal in seals:
+            seal()
         try:
             if self.sock is None:
                 try:
@@ -182,13 +177,7 @@ class _BlockingConnection:
                 except (OSError, ConnectionClosed, TimeoutError) as exc:
                     raise _connect_error(exc, self.endpoint.node) from exc
             self.parser.expect_many(sinks)
-            sent = 0
-            for seal, at in zip(seals, seal_at):
-                if at > sent:
-                    self._send(iov[sent:at])
-                    sent = at
-                seal()
-            self._send(iov[sent:])
+            self._send(iov)
             return self._receive()
         except TransportError as exc:
             exc.replies = self.parser.take() if not exc.replies else exc.replies
@@ -493,7 +482,7 @@ class BulkClient:
                 for seal in frames.seals:  # on the loop: hashing a pipeline's values (~15 us a block)
                     seal()
                 return await conn.exchange(iov, sinks)
-            return await _in_thread(self._executor, conn, lambda: conn.exchange(iov, sinks, frames.seals, frames.seal_at))
+            return await _in_thread(self._executor, conn, lambda: conn.exchange(iov, sinks, frames.seals))
         except TransportError:
             self.counters["failures"] += 1
             pool.drop_idle()

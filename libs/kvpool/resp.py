@@ -11,8 +11,7 @@ needs just two things redis-py does not offer:
   value, itself a buffer or a list of buffers) is appended to the list as it is, so a
   socket's ``sendmsg`` sends it straight from staging memory. A
   :class:`~libs.kvpool.header.PendingValue` goes in unsealed and its ``seal`` into
-  ``Frames.seals`` (with ``Frames.seal_at``, the first iovec of its value), which the
-  sender runs right before that value goes out.
+  ``Frames.seals``, which the sender runs before sending.
 - :class:`ReplyParser` is a state machine fed from a socket by whoever owns it: a blocking
   thread (``recv_into(parser.get_buffer())`` then ``parser.feed(n)``) or an asyncio
   ``BufferedProtocol`` (the same two calls are its ``get_buffer`` / ``buffer_updated``).
@@ -103,12 +102,9 @@ class Frames:
         self.iov: list[Buffer] = []
         self.commands = 0
         self.nbytes = 0
-        # PendingValue.seal of each pending value referenced by the iovecs, and the index of
-        # the value's first iovec (its header, which the seal fills in): the sender calls
-        # each right before sending from there (on its own thread: hashing releases the
-        # GIL), so the server takes in the values before it while the next one is hashed.
+        # PendingValue.seal of each pending value referenced by the iovecs: the sender
+        # calls them before the bytes go out (on its own thread: hashing releases the GIL).
         self.seals: list[Callable[[], object]] = []
-        self.seal_at: list[int] = []
         self._small = bytearray()
 
     def command(self, *args: Arg) -> "Frames":
@@ -130,8 +126,7 @@ class Frames:
                 small += data
                 small += CRLF
             else:  # a value: one buffer, a list/tuple of parts, or a PendingValue
-                pending = isinstance(arg, PendingValue) and arg.nbytes >= INLINE_MAX
-                if pending:
+                if isinstance(arg, PendingValue) and arg.nbytes >= INLINE_MAX:
                     parts = arg.parts  # sealed by the sender, just before it goes out
                     self.seals.append(arg.seal)
                 else:
@@ -143,8 +138,6 @@ class Frames:
                         small += p
                 else:
                     self._flush()
-                    if pending:
-                        self.seal_at.append(len(self.iov))
                     self.iov.extend(p for p in parts if p.nbytes)
                     self.nbytes += size
                 small += CRLF

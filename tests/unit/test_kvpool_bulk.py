@@ -157,37 +157,6 @@ async def test_pending_values_are_sealed_by_the_sender_before_they_go_out(server
     await client.close()
 
 
-async def test_a_pipeline_sends_each_value_before_the_next_is_sealed(servers) -> None:
-    """The threads model hashes a pipeline's values one at a time, each right before it
-    goes out: the server has the first value whole while the second is being sealed."""
-    first_in = threading.Event()
-    seen_before_seal: list[bool] = []
-    got: list[bytes] = []
-
-    class Watched(PendingValue):
-        def seal(self):  # the second value's seal waits (a while) for the server to hold the first
-            if self is second:
-                seen_before_seal.append(first_in.wait(2.0))
-            return super().seal()
-
-    def store(conn: socket.socket, read: Callable[[], list[bytes]]) -> None:
-        while True:
-            got.append(read()[2])
-            first_in.set()
-            conn.sendall(b"+OK\r\n")
-
-    server = servers(store)
-    client = BulkClient(endpoint(server.port), model="threads", sockets_per_node=1)
-    rng = np.random.default_rng(6)
-    payloads = [rng.integers(0, 255, 100_000, dtype=np.uint8) for _ in range(2)]
-    first, second = (Watched(memoryview(bytearray(HEADER_NBYTES)), [memoryview(p)]) for p in payloads)
-    frames = Frames().command("SET", "a", first).command("SET", "b", second)
-    assert await client.exchange(Node("127.0.0.1", server.port), frames, [None, None]) == ["OK", "OK"]
-    assert seen_before_seal == [True]
-    assert got == [struct.pack("<16xQ", xxhash.xxh3_64_intdigest(p)) + p.tobytes() for p in payloads]
-    await client.close()
-
-
 async def test_a_value_cut_short_fails_with_the_finished_replies_and_closes(servers, model: str) -> None:
     def cut(conn: socket.socket, read: Callable[[], list[bytes]]) -> None:
         read(), read(), read()
