@@ -14,8 +14,8 @@ Two sides, the same prompt length, greedy, ``ignore_eos``:
   handoff hands over) and each handoff mode (streamed, and serial: ``stream_handoff``
   false per request, interleaved), fresh prompts every request.
 
-Reported per row (medians): client TTFT and time to the second token, its ratio to the
-co-located TTFT + one decode step, prefill compute, and the pool time *not overlapped
+Reported per row (medians): client TTFT and its ratio to the co-located TTFT, time to
+the second token and its ratio to the co-located TTFT + one decode step, prefill compute, and the pool time *not overlapped
 with compute*: from the end of prefill's compute to the end of decode's loads (the
 traces' wall-clock ``compute_done_at`` and ``load_done_at``, comparable on one host),
 split into prefill's writes after compute (``write_s``) and decode's reads after the
@@ -256,15 +256,15 @@ def report(args: argparse.Namespace, colo: dict[str, list[dict]], rows: list[dic
            f"{args.threads} torch threads per model process; pool {args.pool_gb or 'default'} GB; Redis flags '{args.redis_args}'; worker flags '{args.worker_args}')\n",
            f"co-located engine (one process, no pool): TTFT {ms(colo_ttft)} ms, TTFT + one decode step {ms(colo_second)} ms"
            + (f" (the same engine with its step budget at the prefill chunk, what chunking alone costs: {chunked})" if chunked else "") + "\n"]
-    headers = ["pool", "prefill chunk", "handoff", "client TTFT ms", "client 2nd token ms", "vs co-located TTFT + 1 step",
+    headers = ["pool", "prefill chunk", "handoff", "client TTFT ms", "vs co-located TTFT", "client 2nd token ms", "vs co-located TTFT + 1 step",
                "prefill compute ms (in engine steps / device busy, steps)", "pool not overlapped with compute ms (writes after + reads after)", "pool reads ms (all)", "blocks loaded before the result"]
     body = []
     for nodes in args.redis_nodes:
         for chunk in args.prefill_chunks:
             for mode in (True, False):
                 sel = [r for r in rows if r["chunk"] == chunk and r["stream_handoff"] == mode and r["redis_nodes"] == nodes]
-                second = med(sel, "client_second_token_s")
-                body.append([pool_name(nodes), chunk, "streamed" if mode else "serial", ms(med(sel, "client_ttft_s")), ms(second),
+                first, second = med(sel, "client_ttft_s"), med(sel, "client_second_token_s")
+                body.append([pool_name(nodes), chunk, "streamed" if mode else "serial", ms(first), f"{first / colo_ttft:.2f}x", ms(second),
                              f"{second / colo_second:.2f}x",
                              f"{ms(med(sel, 'prefill_compute_s'))} ({ms(med(sel, 'engine_step_s'))} / {ms(med(sel, 'device_busy_s'))}, "
                              f"{med(sel, 'engine_steps'):.0f})",
