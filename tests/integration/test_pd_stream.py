@@ -294,3 +294,58 @@ def test_the_first_token_is_sent_before_the_last_writes_end(cluster, reference_e
     assert first.first_token_ids == result.first_token_ids and first.computed_tokens == len(prompt)
     assert first.durable_blocks < first.num_blocks  # the writes were still held
     assert progress[-1].durable_blocks == len(result.block_keys) and result.blocks_failed == 0
+
+
+def test_decode_continues_from_a_first_token_whose_prefill_then_failed(cluster, reference_engine):
+    """The client may hold prefill's first token before prefill fails (it is sent before the
+    last writes end). Decode, told so in the last update (the token and the error), loads
+    what is durable, computes the rest of the prompt, and continues after that token."""
+    tok = reference_engine.tokenizer
+    prompt = tok.encode(long_prompt("ice core", 30))
+    ref = engine_tokens(reference_engine, prompt, 8)
+
+    async def go():
+        spec = SamplingSpec(temperature=0, max_tokens=8)
+        rid = f"first-then-fail-{time.monotonic_ns()}"
+        req = PrefillRequest(request_id=rid, prompt_token_ids=prompt, sampling=spec, lease_ttl_s=30, stream_progress=True, want_trace=True)
+        r = aioredis.Redis.from_url(cluster.redis_url)
+        paused = False
+        try:
+            async with aiohttp.ClientSession(headers=cluster.internal_headers()) as s:
+                async with s.post(cluster.prefills[0].url + "/v1/prefill", data=encode(req), headers=HEADERS) as pr:
+                    assert pr.status == 200, await pr.text()
+                    messages = iter_messages(pr)
+                    async for m in messages:  # hold every write once the first blocks are durable
+                        assert isinstance(m, PrefillProgress)
+                        if not paused and (m.durable_blocks > 0 or m.first_token_ids is not None):
+                            await r.execute_command("CLIENT", "PAUSE", 20000, "WRITE")
+                            paused = True
+                        if m.first_token_ids is not None:
+                            first = m
+                            break
+                    # Prefill "dies" here, as far as decode knows: the last update has its token and an error.
+                    dreq = DecodeRequest(request_id=rid, prompt_token_ids=prompt, sampling=spec, want_trace=True, await_handoff=True)
+                    tokens, trace = [first.first_token_ids[0]], None
+                    async with s.post(cluster.decodes[0].url + "/v1/decode", data=encode(dreq), headers=HEADERS) as dr:
+                        update = HandoffUpdate(request_id=rid, durable_blocks=first.durable_blocks, lease_id=first.lease_id, done=True,
+                                               first_token_id=first.first_token_ids[0], error="prefill died")
+                        async with s.post(cluster.decodes[0].url + "/v1/handoff", data=encode(update), headers=HEADERS) as u:
+                            assert u.status == 200, await u.text()
+                        async for ev in iter_messages(dr, TokenEvent):
+                            tokens += ev.token_ids
+                            trace = ev.trace or trace
+                    await r.execute_command("CLIENT", "UNPAUSE")
+                    paused = False
+                    async for _ in messages:  # prefill itself finishes its writes and answers
+                        pass
+        finally:
+            if paused:
+                await r.execute_command("CLIENT", "UNPAUSE")
+            await r.aclose()
+        return tokens, first, trace
+
+    tokens, first, trace = asyncio.run(go())
+    assert tokens == ref
+    assert first.durable_blocks < first.num_blocks  # a tail decode had to compute
+    assert trace["prefill_error"] == "prefill died"
+    assert first.durable_blocks <= trace["pool_hit_blocks"] < first.num_blocks
