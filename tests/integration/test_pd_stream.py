@@ -273,7 +273,7 @@ def test_the_first_token_is_sent_before_the_last_writes_end(cluster, reference_e
     (``CLIENT PAUSE WRITE`` from the lease's progress on), the first token still comes, in
     a progress event while blocks are not yet durable, and the handoff then completes."""
     tok = reference_engine.tokenizer
-    prompt = tok.encode(long_prompt("weather station", 10))
+    prompt = tok.encode(long_prompt("barometer", 10))
     ref = engine_tokens(reference_engine, prompt, 8)
     seen: list[PrefillProgress] = []
 
