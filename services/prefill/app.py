@@ -132,7 +132,7 @@ class PrefillJob:
     computed_tokens: int = 0
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     progress_done: bool = False
-    first_token_ids: list[int] | None = None  # streamed: the n first tokens, once sampled (sent in a progress)
+    first_token_ids: list[int] | None = None  # the n first tokens, once sampled (streamed: sent in a progress)
     first_logprobs: list | None = None
     streamed_blocks: int = 0  # blocks durable before compute finished
     compute_done_at: float = 0.0  # wall clock when compute ended (decode's ``load_done_at`` is comparable on one host)
@@ -246,24 +246,20 @@ class PrefillJob:
             self.computed_tokens = len(prompt)
             writes.append(asyncio.create_task(self._store(final.exported_kv, skip)))
         await asyncio.shield(self._announced)  # the lease id goes into the result
-        if self.streamed and final is not None and len(first) == n:
-            self._publish_first(first, first_lp)  # before the last writes end (the client's first token)
+        if final is not None and len(first) == n:
+            self.first_token_ids, self.first_logprobs = self._firsts(first, first_lp)
+            self.changed.set()  # streamed: a progress carries them before the last writes end (the client's first token)
         store = StoreResult()
         for piece_result in await asyncio.gather(*writes):  # never raises: failures are per block
             store.add(piece_result)
         store.seconds = time.perf_counter() - t_computed
         rt.metrics.handoff_seconds.labels("store").observe(store.seconds)
-        if final is None or final.exported_kv is None or len(first) != n:
+        if final is None or final.exported_kv is None or self.first_token_ids is None:
             rt.metrics.requests.labels("aborted").inc()
             raise PrefillAborted("request aborted")
         if self.streamed:
             rt.metrics.streamed_blocks.inc(self.streamed_blocks)
-        return self._result(final, first, first_lp, load, store, skip, t_engine, t_computed)
-
-    def _publish_first(self, first: dict[int, int], first_lp: dict[int, object]) -> None:
-        """Hand the n first tokens to the progress stream (after the lease's progress)."""
-        self.first_token_ids, self.first_logprobs = self._firsts(first, first_lp)
-        self.changed.set()
+        return self._result(final, self.first_token_ids, self.first_logprobs, load, store, skip, t_engine, t_computed)
 
     def _firsts(self, first: dict[int, int], first_lp: dict[int, object]) -> tuple[list[int], list | None]:
         """The first token of each completion in order, and their logprobs when asked for."""
@@ -305,9 +301,10 @@ class PrefillJob:
         if i is not None:
             self._mark_durable(i, i + 1)
 
-    def _result(self, final, first, first_lp, load: LoadResult, store: StoreResult, skip: int, t_engine: float, t_computed: float) -> PrefillResult:
+    def _result(
+        self, final, first_ids: list[int], first_lps: list | None, load: LoadResult, store: StoreResult, skip: int, t_engine: float, t_computed: float
+    ) -> PrefillResult:
         rt, msg, prompt = self.rt, self.msg, self.msg.prompt_token_ids
-        first_ids, first_lps = self._firsts(first, first_lp)
         cached = final.num_cached_tokens + final.num_imported_tokens
         timings = {
             "queue_s": final.metrics.get("queue_s", 0.0),
