@@ -15,12 +15,13 @@ Two sides, the same prompt length, greedy, ``ignore_eos``:
   false per request, interleaved), fresh prompts every request.
 
 Reported per row (medians): client TTFT and its ratio to the co-located TTFT, time to
-the second token and its ratio to the co-located TTFT + one decode step, prefill compute, and the pool time *not overlapped
-with compute*: from the end of prefill's compute to the end of decode's loads (the
-traces' wall-clock ``compute_done_at`` and ``load_done_at``, comparable on one host),
-split into prefill's writes after compute (``write_s``) and decode's reads after the
-handoff's last update reached it (``load_tail_s``; all of ``load_s`` when serial), the
-rest being messages; and the share of blocks decode loaded before that last update.
+the second token and its ratio to the co-located TTFT + one decode step, prefill
+compute, and the pool time *not overlapped with compute*: from the end of prefill's
+compute to the end of decode's loads (the traces' wall-clock ``compute_done_at`` and
+``load_done_at``, comparable on one host), split into prefill's writes after compute
+(``write_s``) and decode's reads after the handoff's last update reached it
+(``load_tail_s``; all of ``load_s`` when serial), the rest being messages; and the share
+of blocks decode loaded before that last update.
 
 Goals (issue 8, judged on an H100 with 2048-token prompts): time to the second token
 <= 60 ms, and <= 1.5x the co-located TTFT + one decode step.
