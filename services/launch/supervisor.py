@@ -172,10 +172,16 @@ class Supervisor:
                             child.proc.kill()  # type: ignore[union-attr]
                             child.proc.wait()  # type: ignore[union-attr]
                     continue
-                event.back_at = time.monotonic()
-                log.warning("%s is back after %.1f s (restart %d, pid %s)", child.name, event.downtime_s, w.streak, child.pid)
-                if w.on_ready is not None:
-                    w.on_ready(child)
+                # The restart is counted (``restarts``) only once it is logged and ``on_ready``
+                # has run: a caller that waits for the count sees the whole return.
+                back_at = time.monotonic()
+                log.warning("%s is back after %.1f s (restart %d, pid %s)", child.name, back_at - event.died_at, w.streak, child.pid)
+                try:
+                    if w.on_ready is not None:
+                        w.on_ready(child)
+                finally:
+                    with self._lock:
+                        event.back_at = back_at
                 return
         except Exception:  # the supervisor's thread must never die silently
             log.exception("restarting %s failed", child.name)

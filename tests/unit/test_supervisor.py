@@ -6,6 +6,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 
 import pytest
@@ -104,4 +105,27 @@ def test_a_restart_that_fails_to_come_up_is_retried(tmp_path, supervisor):
     flag.unlink()
     wait_until(lambda: supervisor.restarts("svc") == 1)
     assert c.running
+    c.stop()
+
+
+def test_a_restart_counts_only_once_its_on_ready_has_run(tmp_path, supervisor):
+    """Callers wait for ``restarts`` to grow and then use the child: the count must not lead
+    the return's log line or its ``on_ready`` hook (it once led both, and a test read the
+    log before the line was written)."""
+    entered, release = threading.Event(), threading.Event()
+
+    def on_ready(_child: Child) -> None:
+        entered.set()
+        release.wait(10)
+
+    c = child(tmp_path)
+    c.start()
+    c.wait_ready(10)
+    supervisor.watch(c, on_ready=on_ready)
+    c.kill()
+    assert entered.wait(10), "on_ready never ran"
+    time.sleep(0.2)
+    assert supervisor.restarts("svc") == 0, "the restart was counted before on_ready returned"
+    release.set()
+    wait_until(lambda: supervisor.restarts("svc") == 1)
     c.stop()
