@@ -34,6 +34,12 @@ Synchronisation (stream-ordered, never a device-wide sync):
 - Work issued on another stream must be ordered by its owner (``wait_stream``), as for any
   torch op. On the CPU every swap is done when it returns.
 
+Digests (``digests``, on by default on CUDA where ``kernels.digest`` supports the cache):
+``swap_out(block_ids, num_tokens=...)`` also computes each block's pool digest (xxh3_64 of
+its value payload of that many tokens, kernels/digest) on the device, from the cache, in
+the same stream order as the copy; ``StagingBuffer.digests`` reads them with the rows.
+Prefill's pool writes then carry them instead of hashing the rows on the CPU.
+
 Paths, chosen per swap from the block ids:
 
 - at most ``max_direct_runs`` runs of consecutive ids (a single run by default): one copy
@@ -78,11 +84,17 @@ DEFAULT_CUDA_STRATEGY: Strategy = "staged"
 class _Slot:
     """One lendable host buffer, its host-side id list, and the event of its last copy."""
 
-    def __init__(self, host: torch.Tensor, ids: torch.Tensor, event: torch.cuda.Event | None) -> None:
+    def __init__(self, host: torch.Tensor, ids: torch.Tensor, event: torch.cuda.Event | None, digests: torch.Tensor | None) -> None:
         self.host = host
         self.ids = ids
         self.ids_np = ids.numpy()  # same memory: filling it costs no torch op
         self.event = event
+        # Row digests of the last swap-out that asked for them, and how many rows they cover.
+        self.digests = digests
+        self.digests_np = None if digests is None else digests.numpy()
+        self.digested = 0
+        # The digest kernel's ids and token counts, staged here for their copy to the device.
+        self.digest_args = None if digests is None else torch.empty((2, digests.numel()), dtype=torch.int64, pin_memory=digests.is_pinned())
 
     def wait(self) -> None:
         if self.event is not None:
@@ -132,6 +144,17 @@ class StagingBuffer:
     def ready(self) -> bool:
         """Whether every copy into or out of this buffer has completed (never blocks)."""
         return self._live_slot().ready()
+
+    @property
+    def digests(self) -> np.ndarray | None:
+        """Each row's pool digest (xxh3_64 as int64 bits) from the swap-out that filled it, or
+        None where it computed none (no ``num_tokens``, digests off, or a swap-in since).
+        Blocks until that swap's copies have landed, like ``host``."""
+        slot = self._live_slot()
+        if slot.digests_np is None or slot.digested != self._n or self._n == 0:
+            return None
+        slot.wait()
+        return slot.digests_np[: self._n]
 
     def release(self) -> None:
         """Give the buffer back to its swapper; this handle is unusable afterwards."""
@@ -184,6 +207,7 @@ class BlockSwapper:
         max_direct_runs: int = 1,
         heads: HeadSlice | None = None,
         host_buffers: Sequence[torch.Tensor] | None = None,
+        digests: bool | None = None,
     ) -> None:
         check_cache(cache)
         if max_blocks < 1:
@@ -213,6 +237,7 @@ class BlockSwapper:
         if heads is not None and cache.shape[4] != heads.count:
             raise SwapShapeError(f"cache has {cache.shape[4]} KV heads, the head slice {heads.count}")
         self._heads = heads if heads is not None and not heads.is_whole else None
+        self._digests_on = _digests_wanted(digests, cache, backend, self._heads)
         block = tuple(cache.shape[1:]) if heads is None else (*cache.shape[1:4], heads.total, cache.shape[5])
         shape = (max_blocks, *block)
         if host_buffers is not None:
@@ -222,9 +247,14 @@ class BlockSwapper:
                 host=host_buffers[i] if host_buffers is not None else torch.empty(shape, dtype=cache.dtype, pin_memory=on_cuda),
                 ids=torch.empty(max_blocks, dtype=torch.int64, pin_memory=on_cuda),
                 event=torch.cuda.Event() if on_cuda else None,
+                digests=torch.empty(max_blocks, dtype=torch.int64, pin_memory=on_cuda) if self._digests_on else None,
             )
             for i in range(num_buffers)
         ]
+        # The digest kernel's operands on the device, shared by all swaps like the staging.
+        self._digest_dev = (
+            torch.empty((3, max_blocks), dtype=torch.int64, device=cache.device) if self._digests_on and on_cuda else None
+        )
         self._num_buffers = num_buffers
         self._free: deque[_Slot] = deque(self._slots)
         self._staging = (
@@ -263,6 +293,11 @@ class BlockSwapper:
     def closed(self) -> bool:
         return self._closed
 
+    @property
+    def digests_on(self) -> bool:
+        """Whether ``swap_out(..., num_tokens=...)`` computes the blocks' pool digests."""
+        return self._digests_on
+
     # -- lifetime ---------------------------------------------------------------------
 
     def acquire(self, n: int) -> StagingBuffer:
@@ -294,10 +329,12 @@ class BlockSwapper:
             for slot in self._slots:
                 # Handles still out keep their slot object; drop its memory all the same.
                 slot.host = slot.ids = slot.ids_np = None
+                slot.digests = slot.digests_np = slot.digest_args = None
             self._slots = []
             self._free.clear()
             self._staging = None
             self._device_ids = None
+            self._digest_dev = None
 
     def __enter__(self) -> BlockSwapper:
         return self
@@ -320,17 +357,21 @@ class BlockSwapper:
 
     # -- swaps ------------------------------------------------------------------------
 
-    def swap_out(self, block_ids: BlockIds) -> StagingBuffer:
+    def swap_out(self, block_ids: BlockIds, num_tokens: Sequence[int] | None = None) -> StagingBuffer:
         """Device→host: copy blocks ``block_ids`` (repeats allowed) into a newly lent buffer.
 
+        ``num_tokens`` (one count per block, 1..block_size): also compute each block's pool
+        digest for that many tokens, where this swapper computes digests
+        (``StagingBuffer.digests``; ``digests_on`` says whether it does).
         Returns once the copy is enqueued; ``buf.host`` waits for it to land.
         """
         ids = as_block_ids(block_ids, self._cache.shape[0], unique=False)
+        tokens = None if num_tokens is None or not self._digests_on else _token_counts(num_tokens, ids.size, self._cache.shape[3])
         buf = self.acquire(ids.size)
         try:
             with self._lock:
                 self._check_open()
-                self._swap(ids, buf._slot, out=True)
+                self._swap(ids, buf._slot, out=True, digest_tokens=tokens)
         except BaseException:
             buf.release()
             raise
@@ -427,16 +468,19 @@ class BlockSwapper:
         else:
             reference.scatter_blocks(src, ids, self._cache)
 
-    def _swap(self, ids: np.ndarray, slot: _Slot, *, out: bool, first_row: int = 0) -> None:
+    def _swap(self, ids: np.ndarray, slot: _Slot, *, out: bool, first_row: int = 0, digest_tokens: np.ndarray | None = None) -> None:
         """Enqueue one swap: device→host when ``out``, host→device otherwise (host rows
-        from ``first_row``)."""
+        from ``first_row``); with ``digest_tokens``, the swapped-out blocks' digests too."""
         n = ids.size
+        slot.digested = 0
         if n == 0:
             return
         stream = self._stream()
         if stream is not None:
             # A copy on another stream may still touch this host buffer: order after it.
             stream.wait_event(slot.event)
+        if digest_tokens is not None:
+            self._digest(ids, digest_tokens, slot, stream)
         host = slot.host[first_row : first_row + n]
         runs = self._direct_runs(ids) if self._heads is None else None
         if runs is not None:
@@ -455,6 +499,30 @@ class BlockSwapper:
                 self._shared_event.record(stream)
         if stream is not None:
             slot.event.record(stream)
+
+    def _digest(self, ids: np.ndarray, tokens: np.ndarray, slot: _Slot, stream: torch.cuda.Stream | None) -> None:
+        """Enqueue the digests of blocks ``ids`` into the slot's digest rows (before the
+        swap's own copies: both read the cache as it is at this point of the stream)."""
+        from kernels.digest import reference as digest_reference
+
+        n = ids.size
+        assert slot.digests is not None and slot.digest_args is not None
+        if self._digest_dev is None:  # a CPU cache: the reference, done when it returns
+            digest_reference.block_digests(self._cache, ids, tokens, slot.digests[:n])
+        else:
+            from kernels.digest.triton_digest import launch_digests
+
+            assert stream is not None
+            slot.wait()  # its argument rows may still be read by its previous swap's copy
+            slot.digest_args.numpy()[0, :n] = ids
+            slot.digest_args.numpy()[1, :n] = tokens
+            stream.wait_event(self._shared_event)
+            dev = self._digest_dev
+            dev[:2].copy_(slot.digest_args, non_blocking=True)
+            launch_digests(self._cache, dev[0, :n], dev[1, :n], dev[2, :n])
+            slot.digests[:n].copy_(dev[2, :n], non_blocking=True)
+            self._shared_event.record(stream)
+        slot.digested = n
 
     def _gather_scattered(self, ids: np.ndarray, slot: _Slot) -> None:
         n = ids.size
@@ -486,6 +554,27 @@ class BlockSwapper:
             reference.gather_heads(self._cache, ids, host, heads)
         else:
             reference.scatter_heads(host, ids, self._cache, heads)
+
+
+def _digests_wanted(asked: bool | None, cache: torch.Tensor, backend: Backend, heads: HeadSlice | None) -> bool:
+    """Digests by default on CUDA with the Triton backend and whole heads, where the kernel
+    supports the cache; ``True`` asks for them anywhere (the reference on the CPU, for tests)."""
+    from kernels.digest import supports
+
+    if asked is False or heads is not None or not supports(cache):
+        if asked:
+            raise SwapShapeError(f"digests asked for, but not possible for this cache ({tuple(cache.shape)} {cache.dtype}, heads {heads})")
+        return False
+    return bool(asked) or (cache.is_cuda and backend == "triton")
+
+
+def _token_counts(num_tokens: Sequence[int], n: int, block_size: int) -> np.ndarray:
+    tokens = np.asarray(num_tokens, dtype=np.int64)
+    if tokens.shape != (n,):
+        raise SwapShapeError(f"{tokens.size} token counts for {n} blocks")
+    if n and not (tokens.min() >= 1 and tokens.max() <= block_size):
+        raise SwapShapeError(f"token counts must be in [1, {block_size}], got {tokens.min()}..{tokens.max()}")
+    return tokens
 
 
 def _check_host_buffers(buffers: Sequence[torch.Tensor], count: int, shape: tuple[int, ...], dtype: torch.dtype, pinned: bool) -> None:

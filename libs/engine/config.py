@@ -97,6 +97,11 @@ class EngineConfig:
     # PD handoff staging: buffers of swap_max_blocks blocks each (pinned on CUDA).
     swap_max_blocks: int = 64
     swap_buffers: int = 4
+    # Exported blocks' pool digests computed on the device by the swap (kernels/digest), so
+    # prefill's writes skip hashing them on the CPU. None: wherever it runs natively (CUDA
+    # with the Triton swap kernels); True: also on the CPU, through the torch reference
+    # (slow; tests); False: never.
+    swap_digests: bool | None = None
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:

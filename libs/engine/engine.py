@@ -138,7 +138,8 @@ class LLMEngine:
         if self.tp is not None:
             host_buffers = self.tp.shared_staging((config.swap_max_blocks, *self.layout.block_shape), dtype, config.swap_buffers)
         self.swapper = BlockSwapper(
-            cache, max_blocks=config.swap_max_blocks, num_buffers=config.swap_buffers, heads=heads, host_buffers=host_buffers
+            cache, max_blocks=config.swap_max_blocks, num_buffers=config.swap_buffers, heads=heads, host_buffers=host_buffers,
+            digests=config.swap_digests,
         )
         runner_args = (loaded.model, cache, config.block_size, mc.vocab_size, device, self.swapper)
         runner_kw = dict(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=budget, max_blocks_per_seq=max_blocks_per_seq)

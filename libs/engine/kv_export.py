@@ -32,6 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Iterable, Iterator
 
+import numpy as np
 import torch
 
 from kernels.swap import StagingBuffer
@@ -64,6 +65,16 @@ class ExportedKV:
         """One past the last block held."""
         return self.first_block + self.num_blocks
 
+    def digests(self) -> list[int | None]:
+        """Each block's pool digest (xxh3_64 of its payload, unsigned), computed on the device
+        by the swap that gathered it, or None where that swap computed none (the CPU, digests
+        off): the writer then hashes the block itself. Waits for the copies like ``host``."""
+        out: list[int | None] = []
+        for buf in self.buffers:
+            d = buf.digests
+            out.extend([None] * buf.n if d is None else d.view(np.uint64).tolist())
+        return out
+
     def blocks(self) -> Iterator[tuple[torch.Tensor, int]]:
         """``(block, num_tokens_in_block)`` for every block held, in order."""
         i = self.first_block
@@ -83,10 +94,13 @@ class ExportQueue:
     """Gathers export sequences' blocks: streamed pieces after each step, and what is left
     when a sequence finishes (queued in arrival order while staging is short).
 
-    ``gather(block_ids)`` returns the staging buffers holding those blocks, or None when
-    not enough are free (the runner's ``export_blocks``)."""
+    ``gather(block_ids, num_tokens)`` returns the staging buffers holding those blocks (and
+    their pool digests for those token counts, where the swapper computes them), or None
+    when not enough are free (the runner's ``export_blocks``)."""
 
-    def __init__(self, block_manager: BlockManager, block_size: int, gather: Callable[[list[int]], list[StagingBuffer] | None]):
+    def __init__(
+        self, block_manager: BlockManager, block_size: int, gather: Callable[[list[int], list[int]], list[StagingBuffer] | None]
+    ):
         self._blocks = block_manager
         self._block_size = block_size
         self._gather = gather
@@ -124,7 +138,7 @@ class ExportQueue:
             full = computed // self._block_size
             if full <= done:
                 continue
-            bufs = self._gather(seq.block_table[done:full])
+            bufs = self._gather(seq.block_table[done:full], [self._block_size] * (full - done))
             if bufs is None:
                 continue  # no staging free: these blocks go with a later step's
             self._handed_out[seq.seq_id] = full
@@ -179,7 +193,8 @@ class ExportQueue:
     def _try(self, seq: Sequence) -> bool:
         nblocks = -(-seq.num_prompt_tokens // self._block_size)
         first = self._handed_out.get(seq.seq_id, 0)
-        bufs = self._gather(seq.block_table[first:nblocks])
+        tokens = [min(self._block_size, seq.num_prompt_tokens - j * self._block_size) for j in range(first, nblocks)]
+        bufs = self._gather(seq.block_table[first:nblocks], tokens)
         if bufs is None:
             return False  # no staging free: retry at the next drain
         self._handed_out.pop(seq.seq_id, None)

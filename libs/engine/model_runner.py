@@ -196,22 +196,23 @@ class ModelRunner:
     def _swap_in(self, buf: StagingBuffer, block_ids: list[int], first_row: int) -> None:
         self.swapper.swap_in(buf, block_ids, first_row=first_row)
 
-    def export_blocks(self, block_ids: list[int]) -> list[StagingBuffer] | None:
+    def export_blocks(self, block_ids: list[int], num_tokens: list[int] | None = None) -> list[StagingBuffer] | None:
         """Gather blocks into staging buffers of the swapper, or None if not enough are
-        free right now (nothing is held then; try again after others are released)."""
+        free right now (nothing is held then; try again after others are released).
+        ``num_tokens`` (per block): their pool digests too, where the swapper computes them."""
         step = self.swapper.max_blocks
         bufs: list[StagingBuffer] = []
         try:
             for i in range(0, len(block_ids), step):
-                bufs.append(self._swap_out(block_ids[i : i + step]))
+                bufs.append(self._swap_out(block_ids[i : i + step], None if num_tokens is None else num_tokens[i : i + step]))
         except StagingStateError:
             for b in bufs:
                 b.release()
             return None
         return bufs
 
-    def _swap_out(self, block_ids: list[int]) -> StagingBuffer:
-        return self.swapper.swap_out(block_ids)
+    def _swap_out(self, block_ids: list[int], num_tokens: list[int] | None) -> StagingBuffer:
+        return self.swapper.swap_out(block_ids, num_tokens)
 
     # -- the step -----------------------------------------------------------------------
 

@@ -21,7 +21,9 @@ Two ways to use it:
   (streamed for a partial block), the same digest as over the payload in one piece.
   ``encode_pending`` is ``encode_views`` without the checksum yet: a
   :class:`~libs.kvpool.header.PendingValue` that the bulk path seals on the thread that
-  sends it, so a write needs no hop of its own for hashing.
+  sends it, so a write needs no hop of its own for hashing. ``encode_digested`` takes the
+  checksum as already computed on the GPU (kernels/digest), so nothing hashes the block
+  on the CPU at all.
 
 A *slot* is where one block lies in staging: a contiguous CPU tensor of the layout's
 block shape, or the same bytes as a numpy row of ``byte_rows(buffer)``, which the hot
@@ -162,6 +164,14 @@ class BlockCodec:
                 self._check_tokens(num_tokens)
                 return [self.encode(block, num_tokens)]
         return self.encode_pending(block, num_tokens).seal()
+
+    def encode_digested(self, block: Slot, num_tokens: int, checksum: int) -> list[memoryview]:
+        """The value of ``block`` (a slot) as parts, its payload's checksum already known
+        (xxh3_64, computed on the device from the cache the slot was copied from:
+        kernels/digest): the header, then views of the payload. Nothing is left to hash."""
+        self._check_tokens(num_tokens)
+        runs = self._runs(self._slot_rows(block, "block"), num_tokens)
+        return [self._header(num_tokens, checksum), *runs]
 
     def value_views(self, header: memoryview, out: Slot, num_tokens: int) -> list[memoryview]:
         """Where a value of ``num_tokens`` lands: ``header`` (24 bytes), then payload runs of ``out``.

@@ -11,7 +11,8 @@ written, read and evicted atomically. Layout, little-endian::
         10     2  num_kv_heads
         12     2  head_dim
         14     2  num_tokens       1..block_size; a partial block of m tokens stores m
-        16     8  checksum         xxh3_64 of the payload (27 GB/s here; crc32 is 4 GB/s)
+        16     8  checksum         xxh3_64 of the payload (27 GB/s here; crc32 is 4 GB/s;
+                                   a GPU prefill computes it on the device: kernels/digest)
         24     -  payload          [layers, 2 (K/V), num_tokens, kv_heads, head_dim]
 
 The payload order is the engine's block-major cache order with the token axis cut to

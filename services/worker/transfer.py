@@ -21,9 +21,12 @@ streamed handoff, services/decode/handoff.py). What is loaded when is the caller
 
 Storing (prefill): the exported blocks go to the pool as they lie in the export's staging
 (``BlockCodec.encode_pending``: a fresh 24-byte header, then views of the staging rows),
-under the handoff lease, through the async writer; each value is checksummed in place by
-the bulk thread that sends it, right before its ``sendmsg`` (no hop of its own, the GIL
-released), and nothing copies the payload before the socket does. The staging therefore goes back to the engine only
+under the handoff lease, through the async writer. On a GPU the swap that staged the
+blocks computed each one's checksum there (kernels/digest, ``ExportedKV.digests``), so the
+value goes out with it (``encode_digested``) and no CPU reads the payload but the socket;
+elsewhere each value is checksummed in place by the bulk thread that sends it, right
+before its ``sendmsg`` (no hop of its own, the GIL released). Nothing copies the payload
+before the socket does. The staging therefore goes back to the engine only
 once every write is done or given up, also when the request is cancelled meanwhile. A
 block the pool refuses is an error for that block only; the request goes on. A streamed
 prefill stores each exported piece as the engine hands it out (``ExportedKV.first_block``
@@ -278,9 +281,10 @@ async def store_blocks(
     once every write settled. ``on_written(str(key))`` hears of each block as soon as it is
     written (the streamed handoff announces it durable from there).
 
-    Each block goes to the writer at once as a pending value (header and views of its
-    staging row); the bulk thread that sends it checksums it first, so the checksums of
-    later blocks overlap with the writes of earlier ones and cost the event loop nothing.
+    Each block goes to the writer at once: header and views of its staging row, with the
+    checksum the GPU computed, or as a pending value that the bulk thread sending it
+    checksums first (so later blocks' checksums overlap with earlier blocks' writes and
+    cost the event loop nothing).
     Counts what it wrote in the metrics; the request's store time is the caller's to observe.
     """
     t0 = time.perf_counter()
@@ -300,9 +304,10 @@ async def store_blocks(
         assert rt.writer is not None
         session = rt.writer.begin(lease_id=lease_id, on_written=on_written)
         try:
-            for key, (slot, n) in zip(keys[first:], blocks):
-                value = rt.codec.encode_pending(slot, n)  # sealed by the bulk thread that sends it
-                sizes[str(key)] = value.nbytes
+            for key, (slot, n, digest) in zip(keys[first:], blocks):
+                # Digested on the GPU by the swap that staged it, or sealed by the bulk thread that sends it.
+                value = rt.codec.encode_pending(slot, n) if digest is None else rt.codec.encode_digested(slot, n, digest)
+                sizes[str(key)] = rt.codec.value_nbytes(n)
                 await session.submit(rt.namespace, key, value)
             report = await session.wait_all_done()
         except WriteFailed as e:
@@ -341,8 +346,10 @@ def _stored(rt: WorkerRuntime, result: StoreResult, t0: float) -> StoreResult:
     return result
 
 
-def _slots(codec, exported: ExportedKV) -> list[tuple[np.ndarray, int]]:
-    """``(slot, tokens)`` of every block of ``exported``, slots as byte rows (blocks until its device copies landed)."""
+def _slots(codec, exported: ExportedKV) -> list[tuple[np.ndarray, int, int | None]]:
+    """``(slot, tokens, digest)`` of every block of ``exported``, slots as byte rows, digests
+    where the swap computed them (blocks until its device copies landed)."""
     rows = [row for buf in exported.buffers for row in codec.byte_rows(buf.host)]
     bs, first = exported.block_size, exported.first_block
-    return [(row, min(bs, exported.num_tokens - (first + j) * bs)) for j, row in enumerate(rows)]
+    digests = exported.digests()
+    return [(row, min(bs, exported.num_tokens - (first + j) * bs), digests[j]) for j, row in enumerate(rows)]

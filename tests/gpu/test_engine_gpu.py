@@ -223,19 +223,30 @@ def test_launching_an_imported_sequence_never_waits_for_the_device(models, penal
 def test_streamed_export_on_cuda_equals_the_export_at_the_end(models, async_scheduling):
     """Chunk-wise gathers (swap_out after each chunk's step is read back, pinned staging)
     hand out the same bytes as one gather at the end, piece by piece in block order; with
-    async scheduling the next chunk is already running on the stream when they are taken."""
+    async scheduling the next chunk is already running on the stream when they are taken.
+    Each block's digest, computed on the device by its gather (kernels/digest), is the
+    checksum its pool value gets from the CPU."""
+    from libs.kvpool.codec import BlockCodec
+
     _, loaded = models
     ids = prompts(1)[0] + list(range(100, 400))
 
     def export(stream: bool) -> list[tuple[int, torch.Tensor]]:
         eng = make(loaded, swap_max_blocks=8, max_num_batched_tokens=64, enable_prefix_caching=False, async_scheduling=async_scheduling)
+        assert eng.swapper.digests_on
+        codec = BlockCodec(eng.layout)
         eng.add_request("p", ids, SamplingParams(temperature=0, max_tokens=1), export_kv=True, stream_export=stream)
         got = []
         while eng.has_unfinished_requests():
             for o in eng.step():
                 if o.exported_kv is not None:
-                    got += [(o.exported_kv.first_block + i, b.clone()) for i, (b, _) in enumerate(o.exported_kv.blocks())]
-                    o.exported_kv.release()
+                    e = o.exported_kv
+                    for (b, n), digest in zip(e.blocks(), e.digests()):
+                        value = codec.encode_pending(b, n)
+                        value.seal()
+                        assert digest == int.from_bytes(bytes(value.parts[0][16:24]), "little")
+                    got += [(e.first_block + i, b.clone()) for i, (b, _) in enumerate(e.blocks())]
+                    e.release()
         assert eng.swapper.in_use == 0
         if stream:
             assert eng.exports.num_streamed_blocks > 0

@@ -8,30 +8,23 @@ from __future__ import annotations
 
 import asyncio
 import os
-from types import SimpleNamespace
 
 import pytest
 import redis
 import torch
-from prometheus_client import CollectorRegistry
 
 from kernels.swap import BlockSwapper
-from libs.blocks.keys import Namespace, block_keys
+from libs.blocks.keys import block_keys
 from libs.engine import ExportedKV
-from libs.kvpool.codec import BlockCodec
 from libs.kvpool.config import PoolConfig
-from libs.kvpool.layout import KVLayout
 from libs.kvpool.redis_pool import RedisPool
-from libs.kvpool.writer import AsyncWriter
-from services.worker.runtime import WorkerMetrics
 from services.worker.transfer import load_blocks, store_blocks
 from tests.integration.conftest import unique_prefix
+from tests.integration.transfer_runtime import LAYOUT, NS, runtime
 
 pytestmark = pytest.mark.integration
 
 HANDOFFS = 1000
-LAYOUT = KVLayout(2, 2, 32, 16, torch.float32)
-NS = Namespace(model_digest="leaks", dtype="float32", block_size=16)
 
 
 def open_fds() -> int:
@@ -46,23 +39,6 @@ def pooled_sockets(pool: RedisPool) -> int:
     return pool.bulk.open_sockets + control
 
 
-def runtime(pool: RedisPool, swapper: BlockSwapper) -> SimpleNamespace:
-    rt = SimpleNamespace(
-        llm=SimpleNamespace(config=SimpleNamespace(block_size=16), swapper=swapper),
-        codec=BlockCodec(LAYOUT),
-        pool=pool,
-        namespace=NS,
-        settings=SimpleNamespace(load_timeout_s=5.0),
-        writer=AsyncWriter(pool, workers=2, queue_size=16, batch_blocks=4),
-        # Every handoff must try the pool, also right after a connection was killed: the
-        # worker's outage tracking (services/worker/pool_health.py) is tested on its own.
-        pool_health=SimpleNamespace(usable=True, report_failure=lambda exc: None),
-        role="prefill",  # (decode's metrics add speculative decoding's, which read an engine)
-    )
-    rt.metrics = WorkerMetrics.create(CollectorRegistry(), rt)
-    return rt
-
-
 def export(swapper: BlockSwapper, tokens: int, seed: int) -> tuple[ExportedKV, torch.Tensor]:
     """A prefill's export: the prompt's blocks in staging, as the engine leaves them."""
     n = -(-tokens // 16)
@@ -72,7 +48,7 @@ def export(swapper: BlockSwapper, tokens: int, seed: int) -> tuple[ExportedKV, t
     return ExportedKV([buf], tokens, 16), data
 
 
-async def handoff(rt: SimpleNamespace, i: int, kill_url: str | None) -> bool:
+async def handoff(rt, i: int, kill_url: str | None) -> bool:
     """One prefill -> pool -> decode handoff; faults by ``i``. True if the KV arrived intact."""
     tokens = 16 * (1 + i % 4) - (i % 3)  # 1-4 blocks, sometimes a partial tail
     keys = block_keys(NS, [i * 7919 + t for t in range(tokens)])

@@ -186,15 +186,15 @@ class TensorParallelRunner(ModelRunner):
         super()._swap_in(buf, block_ids, first_row)
 
     @mirrored
-    def export_blocks(self, block_ids: list[int]) -> list[StagingBuffer] | None:
+    def export_blocks(self, block_ids: list[int], num_tokens: list[int] | None = None) -> list[StagingBuffer] | None:
         before = self.tp.channel.messages
         try:
-            return super().export_blocks(block_ids)
+            return super().export_blocks(block_ids, num_tokens)
         finally:
             if self.tp.channel.messages != before:
                 self.sync()  # the rows are read (written to the pool) once the engine returns them
 
-    def _swap_out(self, block_ids: list[int]) -> StagingBuffer:
-        buf = super()._swap_out(block_ids)
+    def _swap_out(self, block_ids: list[int], num_tokens: list[int] | None) -> StagingBuffer:
+        buf = super()._swap_out(block_ids, num_tokens)
         self._send("gather", {"index": buf.index, "ids": list(block_ids)})
         return buf
