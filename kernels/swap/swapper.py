@@ -38,7 +38,9 @@ Digests (``digests``, on by default on CUDA where ``kernels.digest`` supports th
 ``swap_out(block_ids, num_tokens=...)`` also computes each block's pool digest (xxh3_64 of
 its value payload of that many tokens, kernels/digest) on the device, from the cache, in
 the same stream order as the copy; ``StagingBuffer.digests`` reads them with the rows.
-Prefill's pool writes then carry them instead of hashing the rows on the CPU.
+Prefill's pool writes then carry them instead of hashing the rows on the CPU. The first
+swap-out that asks checks the implementation against python-xxhash on this device
+(kernels/digest/probe.py) and turns digests off, with a warning, if they disagree.
 
 Paths, chosen per swap from the block ids:
 
@@ -60,6 +62,7 @@ Rank 0 lends the buffers; the other ranks fill or read the same buffer by its in
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import deque
 from types import TracebackType
@@ -76,6 +79,8 @@ from kernels.swap.runs import Run, block_runs, copy_run, count_runs
 
 Strategy = Literal["staged", "mapped"]
 Backend = Literal["torch", "triton"]
+
+log = logging.getLogger(__name__)
 
 # Chosen by bench/swap_bench.py on an H200: staged beat mapped both ways (bench/results/swap.md).
 DEFAULT_CUDA_STRATEGY: Strategy = "staged"
@@ -238,6 +243,7 @@ class BlockSwapper:
             raise SwapShapeError(f"cache has {cache.shape[4]} KV heads, the head slice {heads.count}")
         self._heads = heads if heads is not None and not heads.is_whole else None
         self._digests_on = _digests_wanted(digests, cache, backend, self._heads)
+        self._digests_checked = False  # against python-xxhash, at the first swap-out that asks
         block = tuple(cache.shape[1:]) if heads is None else (*cache.shape[1:4], heads.total, cache.shape[5])
         shape = (max_blocks, *block)
         if host_buffers is not None:
@@ -500,15 +506,36 @@ class BlockSwapper:
         if stream is not None:
             slot.event.record(stream)
 
+    def _digest_fn(self):
+        if self._digest_dev is None:  # a CPU cache: the reference, done when it returns
+            from kernels.digest.reference import block_digests
+        else:
+            from kernels.digest.triton_digest import block_digests
+        return block_digests
+
+    def _digests_agree(self) -> bool:
+        """The first time digests are asked for: whether this implementation agrees with
+        python-xxhash here (kernels/digest/probe.py); if not, digests go off for good."""
+        if self._digests_checked:
+            return self._digests_on
+        from kernels.digest.probe import disagreement
+
+        self._digests_checked = True
+        why = disagreement(self._cache, self._digest_fn())
+        if why is not None:
+            log.warning("block digests off, the CPU hashes pool values instead: %s", why)
+            self._digests_on = False
+        return self._digests_on
+
     def _digest(self, ids: np.ndarray, tokens: np.ndarray, slot: _Slot, stream: torch.cuda.Stream | None) -> None:
         """Enqueue the digests of blocks ``ids`` into the slot's digest rows (before the
         swap's own copies: both read the cache as it is at this point of the stream)."""
-        from kernels.digest import reference as digest_reference
-
+        if not self._digests_agree():
+            return
         n = ids.size
         assert slot.digests is not None and slot.digest_args is not None
-        if self._digest_dev is None:  # a CPU cache: the reference, done when it returns
-            digest_reference.block_digests(self._cache, ids, tokens, slot.digests[:n])
+        if self._digest_dev is None:
+            self._digest_fn()(self._cache, ids, tokens, slot.digests[:n])
         else:
             from kernels.digest.triton_digest import launch_digests
 

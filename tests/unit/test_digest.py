@@ -163,6 +163,46 @@ def test_digests_are_off_by_default_on_the_cpu_and_refused_where_impossible():
         BlockSwapper(torch.zeros(4, 1, 2, 4, 1, 8, dtype=torch.float16), 2, digests=True)
 
 
+def test_the_probe_tells_a_wrong_or_failing_implementation(caplog):
+    from kernels.digest.probe import disagreement
+
+    cache = torch.randn(3, 2, 2, 8, 2, 16)
+    assert disagreement(cache, reference.block_digests) is None
+
+    def zeros(cache, ids, tokens, out):
+        out.zero_()
+
+    def broken(cache, ids, tokens, out):
+        raise RuntimeError("no kernel for this GPU")
+
+    assert "differ from python-xxhash" in disagreement(cache, zeros)
+    assert disagreement(cache, broken) == "RuntimeError: no kernel for this GPU"
+
+
+@interpreted
+def test_the_probe_passes_the_triton_kernel():
+    from kernels.digest import triton_digest
+    from kernels.digest.probe import disagreement
+
+    assert disagreement(torch.randn(3, 2, 2, 8, 2, 16).to(torch.bfloat16), triton_digest.block_digests) is None
+
+
+def test_a_swapper_whose_digests_disagree_turns_them_off_and_says_so(monkeypatch, caplog):
+    """The writer then hashes the rows itself, as without digests: a bad kernel costs the
+    CPU time it would have saved, never the pool's blocks."""
+    monkeypatch.setattr(reference, "block_digests", lambda cache, ids, tokens, out: out.fill_(1))
+    cache = torch.randn(6, 2, 2, 16, 3, 64)
+    with BlockSwapper(cache, 4, digests=True) as sw, caplog.at_level("WARNING", logger="kernels.swap.swapper"):
+        assert sw.digests_on
+        with sw.swap_out([1, 2], num_tokens=[16, 4]) as buf:
+            assert buf.digests is None and torch.equal(buf.host, cache[[1, 2]])
+        assert not sw.digests_on
+        assert "block digests off" in caplog.text and "differ from python-xxhash" in caplog.text
+        with sw.swap_out([3], num_tokens=[16]) as buf:  # asked once only
+            assert buf.digests is None
+    assert caplog.text.count("block digests off") == 1
+
+
 # -- the engine's export -------------------------------------------------------------------
 
 
