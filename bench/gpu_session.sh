@@ -8,6 +8,7 @@
 # under bench/results/ and the measured threshold files come back in $OUT/results.tgz.
 #
 #   bench/gpu_session.sh tests pd pool          # issue 8 and the GPU test suite
+#   bench/gpu_session.sh digest                 # issue 8: GPU-computed pool checksums, tests + off/on A/B (~8 min: alone in a call)
 #   bench/gpu_session.sh fp8 moe                # FP8 tuning/GEMM/decode (~5 min), MoE executors
 #   bench/gpu_session.sh moe_fp8                # issue 13's FP8 experts: tests/gpu/test_moe_fp8_gpu.py, bench.moe_fp8_bench (~5-7 min)
 #   bench/gpu_session.sh engine                 # issue 10: the engine's GPU tests and benchmarks
@@ -66,6 +67,18 @@ for s in "$@"; do
              step handoff_probe 60 python3 -m bench.handoff_probe --redis-bin /tmp/redis-root/usr/bin --nodes 0,4
              step gpu_pd 150 python3 -m bench.gpu_pd --tokenizer "$TOK" --prompt-len 2048 --requests 10 \
                 --prefill-chunks 2048 --redis-nodes 0,4 --out bench/results/gpu_pd_h100_r8.json ;;
+        digest) # issue 8: the pool checksums computed on the GPU (kernels/digest): its GPU tests, the kernel
+             # against python-xxhash, then the PD path with them off and on, alternated (a 4-node cluster)
+             step digest_tests 120 python3 -m pytest -v -p no:cacheprovider --timeout 120 tests/gpu/test_digest_gpu.py \
+                 tests/gpu/test_engine_gpu.py -k "digest or export"
+             step digest_bench 60 python3 -m bench.digest_bench --blocks 128 --reps 20 --out bench/results/digest_h100.json
+             for r in 1 2; do
+                 for d in off auto; do
+                     step "gpu_pd_digests_${d}_$r" 100 python3 -m bench.gpu_pd --tokenizer "$TOK" --prompt-len 2048 --requests 12 \
+                         --prefill-chunks 2048 --redis-nodes 4 --pool-gb 1.5 --warmup 14 --worker-args "--swap-digests $d" \
+                         --out "bench/results/gpu_pd_h100_digests_${d}_$r.json"
+                 done
+             done ;;
         moe) step moe 240 python3 -m bench.moe_bench --write-thresholds --reps 5 --warmup 2 \
                 --out bench/results/moe_bench_h100.json --markdown bench/results/moe_bench_h100.md ;;
         moe_fp8) # FP8 experts: the GPU tests, then FP8 vs bf16 grouped GEMMs and layers

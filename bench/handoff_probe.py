@@ -9,6 +9,8 @@ Redis Cluster, with the services' pool settings:
   in pipelines of ``pipeline_blocks``);
 - ``writer W x B``: prefill's way (services/worker/transfer.py ``store_blocks``): every
   block submitted to an :class:`AsyncWriter` of W workers taking batches of B blocks;
+  with ``--digested``, alternately with each block's checksum hashed by the bulk thread
+  that sends it (a CPU prefill) and given (a GPU prefill: kernels/digest);
 - ``get, all at once``: one ``get_blocks_into`` of every block (decode's serial load);
 - ``get, runs of K``: consecutive ``get_blocks_into`` calls of K blocks (the streamed
   handoff's fetch of each newly durable run);
@@ -37,6 +39,7 @@ from pathlib import Path
 from bench.pool_throughput import Prompt, start_redis  # noqa: E402  (sets OMP_WAIT_POLICY, sys.path)
 from libs.blocks.keys import Namespace, block_keys
 from libs.kvpool.config import PoolConfig
+from libs.kvpool.header import CHECKSUM_OFFSET
 from libs.kvpool.redis_pool import RedisPool
 from libs.kvpool.writer import AsyncWriter
 from services.launch.redis_cluster import LocalRedisCluster
@@ -70,9 +73,19 @@ async def probe(url: str, args: argparse.Namespace) -> list[tuple[str, float]]:
             ns, keys = written.pop(0)
             await pool.delete_blocks(ns, keys)
 
+    # Each block's checksum as a GPU prefill has it (kernels/digest: computed on the device
+    # by the swap-out), here taken once outside the timings.
+    digests = []
+    for row in prompt.src_rows:
+        value = prompt.codec.encode_pending(row, 16)
+        value.seal()
+        digests.append(int.from_bytes(bytes(value.parts[0][CHECKSUM_OFFSET : CHECKSUM_OFFSET + 8]), "little"))
+    modes = [(m, False) for m in ("same keys", "new keys", "new keys, the oldest evicted first")]
+    if args.digested:  # the same writes, the sender hashing nothing, alternated with the hashing ones
+        modes = [(m, d) for m in ("new keys", "new keys, the oldest evicted first") for d in (False, True, False, True)]
     for workers, batch in args.writers:
-        for mode in ("same keys", "new keys", "new keys, the oldest evicted first"):
-            async def through_writer(workers: int = workers, batch: int = batch, mode: str = mode) -> None:
+        for mode, digested in modes:
+            async def through_writer(workers: int = workers, batch: int = batch, mode: str = mode, digested: bool = digested) -> None:
                 ns, keys = prompt.ns, prompt.keys
                 if mode != "same keys":
                     ns = Namespace(model_digest=f"probe-{next(fresh)}", dtype="bf16", block_size=16)
@@ -80,12 +93,14 @@ async def probe(url: str, args: argparse.Namespace) -> list[tuple[str, float]]:
                     written.append((ns, keys))
                 async with AsyncWriter(pool, workers=workers, batch_blocks=batch) as writer:
                     session = writer.begin()
-                    for key, row in zip(keys, prompt.src_rows):
-                        await session.submit(ns, key, prompt.codec.encode_pending(row, 16))
+                    for key, row, digest in zip(keys, prompt.src_rows, digests):
+                        value = prompt.codec.encode_digested(row, 16, digest) if digested else prompt.codec.encode_pending(row, 16)
+                        await session.submit(ns, key, value)
                     report = await session.wait_all_done()
                     assert report.ok
 
-            await timed(f"writer {workers} x {batch}, {mode}", through_writer, evict_oldest if "evicted" in mode else None)
+            source = ", digests given (GPU prefill)" if digested else (", hashed by the sender" if args.digested else "")
+            await timed(f"writer {workers} x {batch}, {mode}{source}", through_writer, evict_oldest if "evicted" in mode else None)
     await timed("get, all at once", lambda: prompt.get_decode(pool))
     for k in args.runs:
         async def in_runs(k: int = k) -> None:
@@ -121,6 +136,8 @@ def main() -> None:
     ap.add_argument("--writers", default="4x16,4x32")
     ap.add_argument("--runs", default="8,32")
     ap.add_argument("--get-pipelines", default="16x4,8x4,4x4,8x8", help="pipeline_blocks x max_parallel of the last get rows")
+    ap.add_argument("--digested", action="store_true",
+                    help="writer rows only with new keys, each twice with the sender hashing and twice with the checksums given (as a GPU prefill's)")
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--warmup", type=int, default=2)
     args = ap.parse_args()

@@ -137,39 +137,45 @@ class SpecDecodeCollector:
         yield GaugeMetricFamily("tidepool_spec_decode_mean_acceptance_length", "1 + accepted / drafts", value=s.get("mean_acceptance_length", 0.0))
 
 
+def engine_config(settings: WorkerSettings, role: Role) -> EngineConfig:
+    """The engine a worker of ``role`` runs, from its settings (flags and environment)."""
+    return EngineConfig(
+        model=settings.model,
+        device=settings.device,
+        dtype=settings.dtype,
+        block_size=settings.block_size,
+        num_blocks=settings.num_blocks,
+        kv_cache_gb=settings.kv_cache_gb,
+        max_model_len=settings.max_model_len,
+        max_num_seqs=settings.max_num_seqs,
+        max_num_batched_tokens=settings.max_num_batched_tokens,
+        enable_prefix_caching=settings.enable_prefix_caching,
+        attention_backend=settings.attention_backend,
+        quantized_weights=settings.quantized_weights,
+        packed_linears=settings.packed_linears,
+        moe_strategy=settings.moe_strategy,
+        moe_fake_balance=settings.moe_fake_balance,
+        quantization=settings.quantization,
+        async_scheduling=settings.async_scheduling,
+        weight_cache_dir=str(cache) if (cache := resolve_cache_dir(settings.cache_dir)) else None,
+        num_threads=settings.threads,
+        swap_buffers=settings.swap_buffers,
+        swap_max_blocks=settings.swap_max_blocks,
+        swap_digests={"auto": None, "on": True, "off": False}[settings.swap_digests],
+        # Decode speculates; prefill computes prompts and samples one token: unchanged.
+        speculative_config=settings.speculative_config if role == "decode" else None,
+        tensor_parallel_size=settings.tensor_parallel_size,
+        tp_timeout_s=settings.tp_timeout_s,
+    )
+
+
 class WorkerRuntime:
     def __init__(self, settings: WorkerSettings, role: Role):
         self.settings = settings
         self.role = role
         self.instance_id = settings.instance_id or f"{role}-{secrets.token_hex(4)}"
         configure_torch_threads(settings.threads)
-        cfg = EngineConfig(
-            model=settings.model,
-            device=settings.device,
-            dtype=settings.dtype,
-            block_size=settings.block_size,
-            num_blocks=settings.num_blocks,
-            kv_cache_gb=settings.kv_cache_gb,
-            max_model_len=settings.max_model_len,
-            max_num_seqs=settings.max_num_seqs,
-            max_num_batched_tokens=settings.max_num_batched_tokens,
-            enable_prefix_caching=settings.enable_prefix_caching,
-            attention_backend=settings.attention_backend,
-            quantized_weights=settings.quantized_weights,
-            packed_linears=settings.packed_linears,
-            moe_strategy=settings.moe_strategy,
-            moe_fake_balance=settings.moe_fake_balance,
-            quantization=settings.quantization,
-            async_scheduling=settings.async_scheduling,
-            weight_cache_dir=str(cache) if (cache := resolve_cache_dir(settings.cache_dir)) else None,
-            num_threads=settings.threads,
-            swap_buffers=settings.swap_buffers,
-            swap_max_blocks=settings.swap_max_blocks,
-            # Decode speculates; prefill computes prompts and samples one token: unchanged.
-            speculative_config=settings.speculative_config if role == "decode" else None,
-            tensor_parallel_size=settings.tensor_parallel_size,
-            tp_timeout_s=settings.tp_timeout_s,
-        )
+        cfg = engine_config(settings, role)
         llm = LLMEngine(cfg)
         self.llm = llm
         self.namespace = llm.namespace

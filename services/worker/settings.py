@@ -49,6 +49,9 @@ class WorkerSettings(BaseSettings):
     )
     swap_buffers: int = setting(8, help="staging buffers for pool transfers (bounds concurrent handoffs)")
     swap_max_blocks: int = setting(64, help="blocks per staging buffer")
+    swap_digests: Literal["auto", "on", "off"] = setting(
+        "auto", help="exported blocks' pool checksums computed on the GPU by the swap (auto: on CUDA; off: hashed on the CPU)"
+    )
     redis_url: str = setting("redis://127.0.0.1:6379/0", help="the pool's Redis")
     redis_password: str | None = setting(None, help="Redis password (prefer the env variable)", secret=True)
     key_prefix: str = setting("tidepool", help="prefix of every pool key in Redis")

@@ -229,3 +229,18 @@ def test_exported_blocks_carry_the_digests_their_pool_values_need(stream):
                 seen += 1
             e.release()
     assert seen == 10
+
+
+# -- the workers' flag ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("flag, engine_value", [([], None), (["--swap-digests", "on"], True), (["--swap-digests", "off"], False)])
+def test_the_worker_flag_reaches_the_engine(flag, engine_value):
+    from services.common.settings import parse_settings
+    from services.worker.runtime import engine_config
+    from services.worker.settings import WorkerSettings
+
+    settings = parse_settings(WorkerSettings, flag)
+    assert engine_config(settings, "prefill").swap_digests is engine_value
+    with pytest.raises(SystemExit):
+        parse_settings(WorkerSettings, ["--swap-digests", "maybe"])
