@@ -38,9 +38,9 @@ Digests (``digests``, on by default on CUDA where ``kernels.digest`` supports th
 ``swap_out(block_ids, num_tokens=...)`` also computes each block's pool digest (xxh3_64 of
 its value payload of that many tokens, kernels/digest) on the device, from the cache, in
 the same stream order as the copy; ``StagingBuffer.digests`` reads them with the rows.
-Prefill's pool writes then carry them instead of hashing the rows on the CPU. The first
-swap-out that asks checks the implementation against python-xxhash on this device
-(kernels/digest/probe.py) and turns digests off, with a warning, if they disagree.
+Prefill's pool writes then carry them instead of hashing the rows on the CPU
+(kernels/swap/digests.py: the bookkeeping, and the check that turns them off where they
+disagree with python-xxhash).
 
 Paths, chosen per swap from the block ids:
 
@@ -62,7 +62,6 @@ Rank 0 lends the buffers; the other ranks fill or read the same buffer by its in
 
 from __future__ import annotations
 
-import logging
 import threading
 from collections import deque
 from types import TracebackType
@@ -73,14 +72,13 @@ import torch
 
 from kernels.swap import reference
 from kernels.swap.checks import BlockIds, as_block_ids, check_cache, check_triton_operands
+from kernels.swap.digests import DigestRows, SwapDigests, digests_wanted, token_counts
 from kernels.swap.errors import StagingStateError, SwapShapeError
 from kernels.swap.heads import HeadSlice
 from kernels.swap.runs import Run, block_runs, copy_run, count_runs
 
 Strategy = Literal["staged", "mapped"]
 Backend = Literal["torch", "triton"]
-
-log = logging.getLogger(__name__)
 
 # Chosen by bench/swap_bench.py on an H200: staged beat mapped both ways (bench/results/swap.md).
 DEFAULT_CUDA_STRATEGY: Strategy = "staged"
@@ -89,17 +87,12 @@ DEFAULT_CUDA_STRATEGY: Strategy = "staged"
 class _Slot:
     """One lendable host buffer, its host-side id list, and the event of its last copy."""
 
-    def __init__(self, host: torch.Tensor, ids: torch.Tensor, event: torch.cuda.Event | None, digests: torch.Tensor | None) -> None:
+    def __init__(self, host: torch.Tensor, ids: torch.Tensor, event: torch.cuda.Event | None, digests: DigestRows | None) -> None:
         self.host = host
         self.ids = ids
         self.ids_np = ids.numpy()  # same memory: filling it costs no torch op
         self.event = event
-        # Row digests of the last swap-out that asked for them, and how many rows they cover.
-        self.digests = digests
-        self.digests_np = None if digests is None else digests.numpy()
-        self.digested = 0
-        # The digest kernel's ids and token counts, staged here for their copy to the device.
-        self.digest_args = None if digests is None else torch.empty((2, digests.numel()), dtype=torch.int64, pin_memory=digests.is_pinned())
+        self.digests = digests  # the rows' pool digests, where the swapper computes them
 
     def wait(self) -> None:
         if self.event is not None:
@@ -156,10 +149,10 @@ class StagingBuffer:
         None where it computed none (no ``num_tokens``, digests off, or a swap-in since).
         Blocks until that swap's copies have landed, like ``host``."""
         slot = self._live_slot()
-        if slot.digests_np is None or slot.digested != self._n or self._n == 0:
+        if slot.digests is None or slot.digests.count != self._n or self._n == 0:
             return None
         slot.wait()
-        return slot.digests_np[: self._n]
+        return slot.digests.out_np[: self._n]
 
     def release(self) -> None:
         """Give the buffer back to its swapper; this handle is unusable afterwards."""
@@ -242,8 +235,7 @@ class BlockSwapper:
         if heads is not None and cache.shape[4] != heads.count:
             raise SwapShapeError(f"cache has {cache.shape[4]} KV heads, the head slice {heads.count}")
         self._heads = heads if heads is not None and not heads.is_whole else None
-        self._digests_on = _digests_wanted(digests, cache, backend, self._heads)
-        self._digests_checked = False  # against python-xxhash, at the first swap-out that asks
+        self._digests = SwapDigests(cache, max_blocks) if digests_wanted(digests, cache, backend == "triton", self._heads) else None
         block = tuple(cache.shape[1:]) if heads is None else (*cache.shape[1:4], heads.total, cache.shape[5])
         shape = (max_blocks, *block)
         if host_buffers is not None:
@@ -253,14 +245,10 @@ class BlockSwapper:
                 host=host_buffers[i] if host_buffers is not None else torch.empty(shape, dtype=cache.dtype, pin_memory=on_cuda),
                 ids=torch.empty(max_blocks, dtype=torch.int64, pin_memory=on_cuda),
                 event=torch.cuda.Event() if on_cuda else None,
-                digests=torch.empty(max_blocks, dtype=torch.int64, pin_memory=on_cuda) if self._digests_on else None,
+                digests=self._digests.rows() if self._digests is not None else None,
             )
             for i in range(num_buffers)
         ]
-        # The digest kernel's operands on the device, shared by all swaps like the staging.
-        self._digest_dev = (
-            torch.empty((3, max_blocks), dtype=torch.int64, device=cache.device) if self._digests_on and on_cuda else None
-        )
         self._num_buffers = num_buffers
         self._free: deque[_Slot] = deque(self._slots)
         self._staging = (
@@ -302,7 +290,7 @@ class BlockSwapper:
     @property
     def digests_on(self) -> bool:
         """Whether ``swap_out(..., num_tokens=...)`` computes the blocks' pool digests."""
-        return self._digests_on
+        return self._digests is not None and self._digests.on
 
     # -- lifetime ---------------------------------------------------------------------
 
@@ -335,12 +323,12 @@ class BlockSwapper:
             for slot in self._slots:
                 # Handles still out keep their slot object; drop its memory all the same.
                 slot.host = slot.ids = slot.ids_np = None
-                slot.digests = slot.digests_np = slot.digest_args = None
+                slot.digests = None
             self._slots = []
             self._free.clear()
             self._staging = None
             self._device_ids = None
-            self._digest_dev = None
+            self._digests = None
 
     def __enter__(self) -> BlockSwapper:
         return self
@@ -372,7 +360,7 @@ class BlockSwapper:
         Returns once the copy is enqueued; ``buf.host`` waits for it to land.
         """
         ids = as_block_ids(block_ids, self._cache.shape[0], unique=False)
-        tokens = None if num_tokens is None or not self._digests_on else _token_counts(num_tokens, ids.size, self._cache.shape[3])
+        tokens = None if num_tokens is None or not self.digests_on else token_counts(num_tokens, ids.size, self._cache.shape[3])
         buf = self.acquire(ids.size)
         try:
             with self._lock:
@@ -478,15 +466,17 @@ class BlockSwapper:
         """Enqueue one swap: device→host when ``out``, host→device otherwise (host rows
         from ``first_row``); with ``digest_tokens``, the swapped-out blocks' digests too."""
         n = ids.size
-        slot.digested = 0
+        if slot.digests is not None:
+            slot.digests.count = 0
         if n == 0:
             return
         stream = self._stream()
         if stream is not None:
             # A copy on another stream may still touch this host buffer: order after it.
             stream.wait_event(slot.event)
-        if digest_tokens is not None:
-            self._digest(ids, digest_tokens, slot, stream)
+        if digest_tokens is not None and self._digests is not None and slot.digests is not None:
+            # Before the copies, on the same stream: both read the cache as it is here.
+            self._digests.compute(slot.digests, ids, digest_tokens, stream, self._shared_event, slot.wait)
         host = slot.host[first_row : first_row + n]
         runs = self._direct_runs(ids) if self._heads is None else None
         if runs is not None:
@@ -505,51 +495,6 @@ class BlockSwapper:
                 self._shared_event.record(stream)
         if stream is not None:
             slot.event.record(stream)
-
-    def _digest_fn(self):
-        if self._digest_dev is None:  # a CPU cache: the reference, done when it returns
-            from kernels.digest.reference import block_digests
-        else:
-            from kernels.digest.triton_digest import block_digests
-        return block_digests
-
-    def _digests_agree(self) -> bool:
-        """The first time digests are asked for: whether this implementation agrees with
-        python-xxhash here (kernels/digest/probe.py); if not, digests go off for good."""
-        if self._digests_checked:
-            return self._digests_on
-        from kernels.digest.probe import disagreement
-
-        self._digests_checked = True
-        why = disagreement(self._cache, self._digest_fn())
-        if why is not None:
-            log.warning("block digests off, the CPU hashes pool values instead: %s", why)
-            self._digests_on = False
-        return self._digests_on
-
-    def _digest(self, ids: np.ndarray, tokens: np.ndarray, slot: _Slot, stream: torch.cuda.Stream | None) -> None:
-        """Enqueue the digests of blocks ``ids`` into the slot's digest rows (before the
-        swap's own copies: both read the cache as it is at this point of the stream)."""
-        if not self._digests_agree():
-            return
-        n = ids.size
-        assert slot.digests is not None and slot.digest_args is not None
-        if self._digest_dev is None:
-            self._digest_fn()(self._cache, ids, tokens, slot.digests[:n])
-        else:
-            from kernels.digest.triton_digest import launch_digests
-
-            assert stream is not None
-            slot.wait()  # its argument rows may still be read by its previous swap's copy
-            slot.digest_args.numpy()[0, :n] = ids
-            slot.digest_args.numpy()[1, :n] = tokens
-            stream.wait_event(self._shared_event)
-            dev = self._digest_dev
-            dev[:2].copy_(slot.digest_args, non_blocking=True)
-            launch_digests(self._cache, dev[0, :n], dev[1, :n], dev[2, :n])
-            slot.digests[:n].copy_(dev[2, :n], non_blocking=True)
-            self._shared_event.record(stream)
-        slot.digested = n
 
     def _gather_scattered(self, ids: np.ndarray, slot: _Slot) -> None:
         n = ids.size
@@ -581,27 +526,6 @@ class BlockSwapper:
             reference.gather_heads(self._cache, ids, host, heads)
         else:
             reference.scatter_heads(host, ids, self._cache, heads)
-
-
-def _digests_wanted(asked: bool | None, cache: torch.Tensor, backend: Backend, heads: HeadSlice | None) -> bool:
-    """Digests by default on CUDA with the Triton backend and whole heads, where the kernel
-    supports the cache; ``True`` asks for them anywhere (the reference on the CPU, for tests)."""
-    from kernels.digest import supports
-
-    if asked is False or heads is not None or not supports(cache):
-        if asked:
-            raise SwapShapeError(f"digests asked for, but not possible for this cache ({tuple(cache.shape)} {cache.dtype}, heads {heads})")
-        return False
-    return bool(asked) or (cache.is_cuda and backend == "triton")
-
-
-def _token_counts(num_tokens: Sequence[int], n: int, block_size: int) -> np.ndarray:
-    tokens = np.asarray(num_tokens, dtype=np.int64)
-    if tokens.shape != (n,):
-        raise SwapShapeError(f"{tokens.size} token counts for {n} blocks")
-    if n and not (tokens.min() >= 1 and tokens.max() <= block_size):
-        raise SwapShapeError(f"token counts must be in [1, {block_size}], got {tokens.min()}..{tokens.max()}")
-    return tokens
 
 
 def _check_host_buffers(buffers: Sequence[torch.Tensor], count: int, shape: tuple[int, ...], dtype: torch.dtype, pinned: bool) -> None:

@@ -192,7 +192,7 @@ def test_a_swapper_whose_digests_disagree_turns_them_off_and_says_so(monkeypatch
     CPU time it would have saved, never the pool's blocks."""
     monkeypatch.setattr(reference, "block_digests", lambda cache, ids, tokens, out: out.fill_(1))
     cache = torch.randn(6, 2, 2, 16, 3, 64)
-    with BlockSwapper(cache, 4, digests=True) as sw, caplog.at_level("WARNING", logger="kernels.swap.swapper"):
+    with BlockSwapper(cache, 4, digests=True) as sw, caplog.at_level("WARNING", logger="kernels.swap.digests"):
         assert sw.digests_on
         with sw.swap_out([1, 2], num_tokens=[16, 4]) as buf:
             assert buf.digests is None and torch.equal(buf.host, cache[[1, 2]])
@@ -201,6 +201,28 @@ def test_a_swapper_whose_digests_disagree_turns_them_off_and_says_so(monkeypatch
         with sw.swap_out([3], num_tokens=[16]) as buf:  # asked once only
             assert buf.digests is None
     assert caplog.text.count("block digests off") == 1
+
+
+def test_a_digest_launch_that_fails_later_costs_the_digests_not_the_swap(monkeypatch, caplog):
+    real = reference.block_digests
+    calls = []
+
+    def fails_after_the_probe(cache, ids, tokens, out):
+        calls.append(len(out))
+        if len(calls) > 1:
+            raise RuntimeError("launch failed")
+        real(cache, ids, tokens, out)
+
+    monkeypatch.setattr(reference, "block_digests", fails_after_the_probe)
+    cache = torch.randn(6, 2, 2, 16, 3, 64)
+    with BlockSwapper(cache, 4, digests=True) as sw, caplog.at_level("WARNING", logger="kernels.swap.digests"):
+        with sw.swap_out([4, 0], num_tokens=[16, 16]) as buf:
+            assert buf.digests is None and torch.equal(buf.host, cache[[4, 0]])
+        assert calls == [2, 2] and not sw.digests_on
+        assert "after a failed launch" in caplog.text and "launch failed" in caplog.text
+        with sw.swap_out([1], num_tokens=[16]) as buf:
+            assert buf.digests is None and len(calls) == 2
+    assert sw.in_use == 0
 
 
 # -- the engine's export -------------------------------------------------------------------
