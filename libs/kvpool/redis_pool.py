@@ -521,10 +521,13 @@ class RedisPool(BlockPool):
         return lease_id in await self._release([lease_id])
 
     async def reap_leases(self, max_leases: int = 1000) -> int:
+        """Release every lease due in any partition, in all of them at once. Each partition
+        records a lease with its own node's clock, so its records fall due milliseconds apart:
+        releasing only the due records would count one lease in two reaps."""
         _, parts = await self.layout()
         due = await self.control.scripts([(DUE_LEASES_LUA, [p.leases], [max_leases]) for p in parts], partial=True)
-        per_part = {p.index: [lid.decode() for lid in lids] for p, lids in zip(parts, due) if not isinstance(lids, PoolUnavailable)}
-        return len(await self._release(per_part)) if any(per_part.values()) else 0
+        ids = sorted({lid.decode() for lids in due if not isinstance(lids, PoolUnavailable) for lid in lids})
+        return len(await self._release(ids)) if ids else 0
 
     async def _count(self, counters: dict[str, int]) -> None:
         _, parts = await self.layout()
