@@ -39,7 +39,7 @@ from pathlib import Path
 from bench.pool_throughput import Prompt, start_redis  # noqa: E402  (sets OMP_WAIT_POLICY, sys.path)
 from libs.blocks.keys import Namespace, block_keys
 from libs.kvpool.config import PoolConfig
-from libs.kvpool.header import CHECKSUM_OFFSET
+from libs.kvpool.header import unpack_header
 from libs.kvpool.redis_pool import RedisPool
 from libs.kvpool.writer import AsyncWriter
 from services.launch.redis_cluster import LocalRedisCluster
@@ -75,11 +75,7 @@ async def probe(url: str, args: argparse.Namespace) -> list[tuple[str, float]]:
 
     # Each block's checksum as a GPU prefill has it (kernels/digest: computed on the device
     # by the swap-out), here taken once outside the timings.
-    digests = []
-    for row in prompt.src_rows:
-        value = prompt.codec.encode_pending(row, 16)
-        value.seal()
-        digests.append(int.from_bytes(bytes(value.parts[0][CHECKSUM_OFFSET : CHECKSUM_OFFSET + 8]), "little"))
+    digests = [unpack_header(prompt.codec.encode_pending(row, 16).seal()[0]).checksum if args.digested else None for row in prompt.src_rows]
     modes = [(m, False) for m in ("same keys", "new keys", "new keys, the oldest evicted first")]
     if args.digested:  # the same writes, the sender hashing nothing, alternated with the hashing ones
         modes = [(m, d) for m in ("new keys", "new keys, the oldest evicted first") for d in (False, True, False, True)]

@@ -99,8 +99,8 @@ class SwapDigests:
     ) -> None:
         """Enqueue the digests of blocks ``ids`` holding ``tokens`` tokens into ``rows``.
         ``wait_rows`` waits until the buffer's previous copies (which read its argument rows)
-        are done; ``shared_event`` orders the shared device operands across streams."""
-        rows.count = 0
+        are done; ``shared_event`` orders the shared device operands across streams. The
+        swap has set ``rows.count`` to 0; it says ``n`` only once the digests are enqueued."""
         if not self._agree():
             return
         n = ids.size

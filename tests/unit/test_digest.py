@@ -13,10 +13,12 @@ import torch
 import xxhash
 
 from kernels.digest import DigestShapeError, reference, supports, xxh3
-from kernels.digest.reference import payload_words, xxh3_words
+from kernels.digest.probe import xxhash_digests
+from kernels.digest.reference import xxh3_words
 from kernels.swap import BlockSwapper, SwapShapeError
 from libs.engine import SamplingParams
 from libs.kvpool.codec import BlockCodec
+from libs.kvpool.header import unpack_header
 from tests.models import tiny_engine
 
 interpreted = pytest.mark.skipif(
@@ -25,11 +27,6 @@ interpreted = pytest.mark.skipif(
 )
 
 U64 = (1 << 64) - 1
-
-
-def expected(cache: torch.Tensor, ids, tokens) -> list[int]:
-    """python-xxhash over each block's payload bytes: what a reader of the pool computes."""
-    return [xxhash.xxh3_64_intdigest(payload_words(cache, b, n).numpy().tobytes()) for b, n in zip(ids, tokens)]
 
 
 def unsigned(out: torch.Tensor) -> list[int]:
@@ -80,7 +77,7 @@ def test_reference_digests_equal_xxhash_over_the_payload(shape, dtype):
     cache, ids, tokens = random_case(shape, dtype, seed=torch.seed() % 2**31)
     out = torch.empty(len(ids), dtype=torch.int64)
     reference.block_digests(cache, ids, tokens, out)
-    assert unsigned(out) == expected(cache, ids, tokens)
+    assert unsigned(out) == xxhash_digests(cache, ids, tokens)
 
 
 @interpreted
@@ -93,7 +90,7 @@ def test_triton_digests_equal_the_reference(shape, dtype):
     reference.block_digests(cache, ids, tokens, want)
     triton_digest.block_digests(cache, ids, tokens, got)
     assert torch.equal(got, want)
-    assert unsigned(got) == expected(cache, ids, tokens)
+    assert unsigned(got) == xxhash_digests(cache, ids, tokens)
 
 
 @interpreted
@@ -140,7 +137,7 @@ def test_a_swap_out_with_token_counts_carries_the_blocks_digests():
     with BlockSwapper(cache, 4, digests=True) as sw:
         assert sw.digests_on
         buf = sw.swap_out([5, 1, 2], num_tokens=[16, 16, 3])
-        assert [d & U64 for d in buf.digests.tolist()] == expected(cache, [5, 1, 2], [16, 16, 3])
+        assert [d & U64 for d in buf.digests.tolist()] == xxhash_digests(cache, [5, 1, 2], [16, 16, 3])
         buf.release()
         # No token counts: no digests (the writer hashes the rows itself).
         buf = sw.swap_out([5, 1])
@@ -245,9 +242,7 @@ def test_exported_blocks_carry_the_digests_their_pool_values_need(stream):
             digests = e.digests()
             assert None not in digests
             for (block, n), digest in zip(e.blocks(), digests):
-                value = codec.encode_pending(block, n)
-                value.seal()
-                assert digest == int.from_bytes(bytes(value.parts[0][16:24]), "little")
+                assert digest == unpack_header(codec.encode_pending(block, n).seal()[0]).checksum
                 seen += 1
             e.release()
     assert seen == 10
