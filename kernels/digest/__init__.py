@@ -10,6 +10,8 @@ so nothing about the value format changes: readers still verify it on the CPU.
 - ``reference``: the torch reference (the test oracle), ``block_digests``.
 - ``triton_digest``: the same on the device (``launch_digests`` for device operands).
 - ``checks``: what both accept (``supports(cache)``).
+- ``probe``: python-xxhash over the same payloads, and the one-time check that a device
+  implementation agrees with it (the swapper turns digests off where it does not).
 """
 
 from kernels.digest.checks import DigestShapeError, supports
