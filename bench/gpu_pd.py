@@ -165,6 +165,8 @@ async def one(session: aiohttp.ClientSession, url: str, model: str, prompt: list
 # (label, where, field): the services' wall-clock phase marks, in the order a request meets them.
 PHASES = [
     ("prefill receives", "prefill", "received_at"),
+    ("prefill job starts", "prefill", "started_at"),  # validated, stream headers sent, block keys hashed
+    ("prefill: pool query answered", "prefill", "pool_queried_at"),
     ("engine gets the prompt", "prefill", "engine_at"),
     ("lease taken", "prefill", "leased_at"),
     ("compute done", "prefill", "compute_done_at"),

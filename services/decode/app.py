@@ -9,7 +9,7 @@
    (the streamed handoff, services/decode/handoff.py) prefill is still running: the
    blocks are loaded as the router's ``POST /v1/handoff`` updates say they are durable,
    and the request waits for the last update, which brings the first token.
-2. The handoff lease is released once the load is done.
+2. The handoff lease is released once the first token is out (or the request ends).
 3. Whatever could not be loaded (missing, evicted, corrupt, or never written because
    prefill died) is recomputed by the engine as a chunked prefill: slower, never wrong.
    Every block not loaded is counted with its reason in the metrics and the request's
@@ -97,8 +97,11 @@ async def handle_decode(request: web.Request) -> web.StreamResponse:
                 load = LoadResult(None)
             else:
                 load = await load_blocks(rt, keys, local, max_tokens=len(prompt) if prefix else len(prompt) - 1)
-        if lease_id:
-            asyncio.create_task(_release_lease(rt, lease_id))
+        # The lease is released once the first token is out (or the request ends): its
+        # Lua calls on every partition would otherwise run on this loop while the engine
+        # thread prepares the first step, and the GIL they hold delays that step. Decode
+        # holds the blocks in staging by then; the lease only keeps the pool's copy pinned.
+        releasing = _LeaseRelease(rt, lease_id)
         try:
             if msg.await_handoff and prefix and grammar is not None:
                 grammar = await start_grammar(rt, msg.sampling.structured, prefix)  # prefill's first token, replayed
@@ -106,6 +109,7 @@ async def handle_decode(request: web.Request) -> web.StreamResponse:
         except InvalidRequestError as e:
             if load.kv_import is not None:
                 load.kv_import.release()
+            releasing.now()
             if resp is None:
                 return rejected(rt, e)
             rt.metrics.requests.labels("invalid").inc()
@@ -135,6 +139,8 @@ async def handle_decode(request: web.Request) -> web.StreamResponse:
                     if handoff is not None:
                         event.trace.update(handoff.trace())
                 await resp.send(event)
+                if new:
+                    releasing.now()
             if stream.aborted:
                 outcome = "aborted"
         except EngineStepError as e:
@@ -145,6 +151,7 @@ async def handle_decode(request: web.Request) -> web.StreamResponse:
             stream.abort()
             raise
         finally:
+            releasing.now()
             rt.metrics.requests.labels(outcome).inc()
             rt.metrics.request_seconds.observe(time.perf_counter() - t0)
         await resp.write_eof()
@@ -202,6 +209,18 @@ def _trace(rt, load, local_blocks, out, t0, t_queued, first_token_at, n_out) -> 
         "output_tokens": n_out,
         "total_s": now - t0,
     }
+
+
+class _LeaseRelease:
+    """Releases a handoff lease once, in the background, when :meth:`now` is first called."""
+
+    def __init__(self, rt: WorkerRuntime, lease_id: str | None) -> None:
+        self.rt, self.lease_id = rt, lease_id
+        self.task: asyncio.Task[None] | None = None
+
+    def now(self) -> None:
+        if self.lease_id and self.task is None:
+            self.task = asyncio.create_task(_release_lease(self.rt, self.lease_id), name=f"release {self.lease_id}")
 
 
 async def _release_lease(rt: WorkerRuntime, lease_id: str) -> None:

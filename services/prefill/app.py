@@ -137,6 +137,8 @@ class PrefillJob:
     streamed_blocks: int = 0  # blocks durable before compute finished
     compute_done_at: float = 0.0  # wall clock when compute ended (decode's ``load_done_at`` is comparable on one host)
     leased_at: float = 0.0  # wall clock when the lease was taken (or given up: the pool is down)
+    started_at: float = 0.0  # wall clock when the job started (request validated, stream headers sent)
+    queried_at: float = 0.0  # wall clock when the pool answered which leading blocks it holds
     _lease: "asyncio.Task[None] | None" = field(default=None, init=False, repr=False)  # taking the lease
     _announced: "asyncio.Task[None] | None" = field(default=None, init=False, repr=False)  # the first progress
     prompt_scores: PromptLogprobs | None = None  # the prompt's logprobs, when asked (echo with logprobs)
@@ -186,6 +188,7 @@ class PrefillJob:
                 return
 
     async def run(self) -> PrefillResult:
+        self.started_at = time.time()
         rt, msg, keys = self.rt, self.msg, self.keys
         prompt = msg.prompt_token_ids
         full = [k for k in keys if not k.partial]
@@ -200,6 +203,7 @@ class PrefillJob:
         except (PoolError, OSError) as e:
             log.info("pool unavailable for %s (%s): computing everything", msg.request_id, e)
             rt.pool_health.report_failure(e)
+        self.queried_at = time.time()
         skip = min(pool_run, len(full))
         if skip:  # blocks already in the pool are pinned before anything relies on them
             await asyncio.shield(self._lease)
@@ -329,6 +333,8 @@ class PrefillJob:
             "durable_blocks": self.watermark,
             # The request's phases in wall time (one host: comparable with decode's and the client's).
             "received_at": wall_clock(self.t0),
+            "started_at": self.started_at,
+            "pool_queried_at": self.queried_at,
             "leased_at": self.leased_at,
             "engine_at": wall_clock(t_engine),
             "compute_done_at": self.compute_done_at,

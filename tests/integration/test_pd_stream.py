@@ -8,6 +8,7 @@ import time
 
 import aiohttp
 import pytest
+import redis as redis_sync
 import redis.asyncio as aioredis
 
 from libs.kvpool.config import PoolConfig
@@ -349,3 +350,46 @@ def test_decode_continues_from_a_first_token_whose_prefill_then_failed(cluster, 
     assert first.durable_blocks < first.num_blocks  # a tail decode had to compute
     assert trace["prefill_error"] == "prefill died"
     assert first.durable_blocks <= trace["pool_hit_blocks"] < first.num_blocks
+
+
+def test_decode_releases_the_lease_once_its_first_token_is_out(cluster, reference_engine):
+    """Decode releases the handoff lease after its first token has gone out, not while its
+    engine prepares that token's step: the release's Lua calls on every partition would run
+    on decode's event loop then and hold the GIL the engine thread needs (on the H100 they
+    cost the first step 2 ms: bench/RESULTS.md, issue 8 round 10). And it does release it."""
+    from libs.kvpool.scripts import RELEASE_LUA, SHA
+
+    prompt = reference_engine.tokenizer.encode(long_prompt("tide tables", 4))
+    releases: list[tuple[float, str]] = []  # (Redis' clock, command) of every release script run
+    monitor = redis_sync.Redis.from_url(cluster.redis_url)
+    watching = threading.Event()
+    done = threading.Event()
+
+    def watch() -> None:
+        with monitor.monitor() as m:
+            watching.set()
+            for cmd in m.listen():
+                if done.is_set():
+                    return
+                if SHA[RELEASE_LUA] in cmd["command"]:
+                    releases.append((cmd["time"], cmd["command"]))
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    assert watching.wait(10)
+    try:
+        tokens, _, result, trace = by_hand(cluster, prompt, lease_ttl_s=30)
+        wait_until(lambda: any(result.lease_id in c for _, c in releases), 10, "decode to release the lease")
+    finally:
+        done.set()
+        redis_sync.Redis.from_url(cluster.redis_url).ping()  # wakes the monitor up to see ``done``
+        watcher.join(10)
+    assert tokens == engine_tokens(reference_engine, prompt, 8)
+    released_at = min(t for t, c in releases if result.lease_id in c)
+    assert released_at > trace["first_token_at"] > trace["engine_at"]  # after the first token, never during its step
+
+    async def still_leased() -> bool:
+        async with RedisPool(PoolConfig(url=cluster.redis_url, key_prefix="tidepool")) as pool:
+            return await pool.release_lease(result.lease_id)
+
+    assert not asyncio.run(still_leased())  # already released by decode
