@@ -168,6 +168,7 @@ PHASES = [
     ("prefill job starts", "prefill", "started_at"),  # validated, stream headers sent, block keys hashed
     ("prefill: pool query answered", "prefill", "pool_queried_at"),
     ("engine gets the prompt", "prefill", "engine_at"),
+    ("lease asked", "prefill", "lease_started_at"),  # a fresh prompt: once its first step is on the device
     ("lease taken", "prefill", "leased_at"),
     ("compute done", "prefill", "compute_done_at"),
     ("decode receives", "decode", "received_at"),

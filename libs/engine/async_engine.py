@@ -22,6 +22,7 @@ from libs.engine.outputs import RequestOutput
 from libs.engine.errors import DuplicateRequestError
 from libs.engine.params import SamplingParams
 from libs.engine.sequence import KVImport
+from libs.engine.step_inputs import Step
 from libs.structured import GrammarMatcher
 
 log = logging.getLogger(__name__)
@@ -67,6 +68,11 @@ class RequestStream:
         self._queue: asyncio.Queue[RequestOutput | BaseException | _Aborted] = asyncio.Queue()
         self.finished = False
         self.aborted = False
+        # Set once the request's first step is on the device, or once it ended without one
+        # (only for ``add_request(..., notify_launch=True)``): work the caller must do anyway
+        # can then run while the device computes, not while the engine thread prepares the
+        # step (both need the GIL).
+        self.launched = asyncio.Event()
 
     def _put(self, item: RequestOutput | BaseException | _Aborted) -> None:
         self._queue.put_nowait(item)
@@ -103,6 +109,8 @@ class AsyncEngine:
         self._stop = False
         self._idle_wait_s = idle_wait_s
         self._on_step = on_step
+        self._launch_waiters: set[str] = set()  # request ids whose stream waits for ``launched``
+        engine.on_launch = self._on_launch
         self.snapshot = EngineSnapshot(total_blocks=engine.block_manager.num_blocks, free_blocks=engine.block_manager.num_free_blocks)
 
     # -- lifecycle ----------------------------------------------------------------------
@@ -124,7 +132,9 @@ class AsyncEngine:
             self._thread = None
         for stream in list(self._streams.values()):
             stream._put(EngineStepError("the engine is shutting down"))
+            stream.launched.set()
         self._streams.clear()
+        self._launch_waiters.clear()
 
     @property
     def alive(self) -> bool:
@@ -143,16 +153,20 @@ class AsyncEngine:
         export_kv: bool = False,
         grammar: GrammarMatcher | None = None,
         stream_export: bool = False,
+        notify_launch: bool = False,
     ) -> RequestStream:
         """Validate (raising a typed error now, nothing queued) and queue a request.
 
         ``grammar``: a fresh matcher (``LLMEngine.start_grammar``, run off the event loop)
-        that has accepted ``output_prefix``."""
+        that has accepted ``output_prefix``. ``notify_launch``: set the stream's
+        ``launched`` when the request's first step is on the device."""
         if request_id in self._streams:
             raise DuplicateRequestError(f"request id {request_id!r} is already running", param="request_id")
         self.engine.validate(list(prompt_token_ids) + list(output_prefix), params, num_output_tokens=len(output_prefix))
         stream = RequestStream(self, request_id)
         self._streams[request_id] = stream
+        if notify_launch:
+            self._launch_waiters.add(request_id)
         kwargs = dict(output_prefix=list(output_prefix), kv_import=kv_import, export_kv=export_kv, grammar=grammar, stream_export=stream_export)
         self._inbox.put(("add", (request_id, list(prompt_token_ids), params, kwargs)))
         self._wake.set()
@@ -164,6 +178,7 @@ class AsyncEngine:
         if stream is not None:
             stream.aborted = True
             stream._put(_ABORTED)
+            self._ended(stream)
         self._inbox.put(("abort", request_id))
         self._wake.set()
 
@@ -177,16 +192,41 @@ class AsyncEngine:
             if out.error is not None:  # the engine failed this request alone
                 self._streams.pop(out.request_id, None)
                 stream._put(EngineStepError(f"engine failed the request: {out.error}"))
+                self._ended(stream)
                 continue
             stream._put(out)
             if out.finished:
                 self._streams.pop(out.request_id, None)
+                self._ended(stream)
 
     def _fail(self, request_ids: list[str], error: BaseException) -> None:
         for rid in request_ids:
             stream = self._streams.pop(rid, None)
             if stream is not None:
                 stream._put(error)
+                self._ended(stream)
+
+    def _ended(self, stream: RequestStream) -> None:
+        """No step of this request will launch any more: nobody may wait for one."""
+        self._launch_waiters.discard(stream.request_id)
+        stream.launched.set()
+
+    def _on_launch(self, step: Step) -> None:
+        """(Engine thread) A step is on the device: tell the requests in it that wait for that."""
+        waiters = self._launch_waiters
+        if not waiters:
+            return
+        ids = {c.seq.request_id for c in step.chunks} | {s.request_id for s in step.sample_seqs}
+        launched = [rid for rid in ids if rid in waiters]
+        if launched:
+            waiters.difference_update(launched)
+            self._post(self._mark_launched, launched)
+
+    def _mark_launched(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            stream = self._streams.get(rid)
+            if stream is not None:
+                stream.launched.set()
 
     def _post(self, fn: Callable[..., None], *args: Any) -> None:
         assert self._loop is not None

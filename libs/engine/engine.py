@@ -40,6 +40,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from pathlib import Path
+from typing import Callable
 from typing import Sequence as Seq
 
 import numpy as np
@@ -165,6 +166,9 @@ class LLMEngine:
         )
         self.timer = self.runner.timer
         self.phases = HostPhases()
+        # Called with each step right after its device work is enqueued (AsyncEngine tells
+        # waiting requests: a service may then do its own Python work while the device runs).
+        self.on_launch: Callable[[Step], None] | None = None
         self.vocab_size = mc.vocab_size
         self.bitmasks = BitmaskFiller(mc.vocab_size)
         self._grammars: GrammarCompiler | None = None
@@ -375,6 +379,8 @@ class LLMEngine:
             t2 = time.perf_counter()
             if step.num_tokens:
                 self._in_flight.launch(step, self.queue.submit(lambda: self.runner.execute(step, pre_ops)))
+                if self.on_launch is not None:
+                    self.on_launch(step)
             else:  # drafting failed every request of the step: nothing left to run
                 self._pre_ops[:0] = pre_ops
                 launched = False

@@ -183,6 +183,10 @@ class BlockPool(ABC):
 
     async def exists_prefix(self, ns: NamespaceLike, keys: Sequence[KeyLike]) -> int:
         """How many of ``keys``, from the first, exist without a gap (read-only)."""
+        if len(keys) > 1 and not (await self._exists_blocks(block_ids(ns, keys[:1])))[0]:
+            # A new prompt's first block is absent: one key answers, and the other ids are
+            # not even built (this query is in front of every prompt's compute).
+            return 0
         ids = block_ids(ns, keys)
         return await self._exists_prefix(ids) if ids else 0
 

@@ -2,9 +2,10 @@
 
 ``POST /v1/prefill`` (PrefillRequest → PrefillResult), per DESIGN.md's request path:
 
-1. A handoff lease is taken on every block key of the prompt first, so blocks that
-   already exist cannot be evicted between here and decode, and every block written
-   later is pinned from its first byte.
+1. A handoff lease is taken on every block key of the prompt before anything relies on
+   them: before loading, where the pool holds leading blocks (they cannot be evicted
+   between here and decode), else while the engine's first step runs; every block is
+   written under it, pinned from its first byte.
 2. Leading blocks already in the pool (and not in our own prefix cache) are loaded
    instead of computed, unless the prompt is to be scored (``prompt_logprobs``: every
    position computed; the result carries the scores).
@@ -18,9 +19,10 @@
 With ``stream_progress`` (the streamed handoff, docs/HANDOFF.md) the engine hands out
 each chunk's full blocks as soon as the chunk is computed (libs/engine/kv_export.py) and
 they are written while the next chunk computes; the answer is a message stream of
-:class:`PrefillProgress` (the leading run of blocks durable in the pool, sent whenever it
-grows: first right after the lease, with the blocks that were there already), ending in
-the :class:`PrefillResult`. The partial tail goes last, when the prompt is done. The
+:class:`PrefillProgress` (the leading run of blocks durable in the pool and the lease,
+sent whenever they change: first right after the pool's prefix query, with the blocks that
+were there already, under the lease where there are any; a fresh prompt's lease comes in
+a later one), ending in the :class:`PrefillResult`. The partial tail goes last, when the prompt is done. The
 first tokens go out in a progress event as soon as they are sampled, before the last
 writes are acknowledged: the router streams them to the client at once, so the client's
 time to its first token is the compute's, not the handoff's. A stream that ends without a
@@ -44,7 +46,7 @@ from aiohttp import web
 from libs.blocks import BlockKey
 from libs.engine import InvalidRequestError, SamplingParams
 from libs.structured import GrammarMatcher
-from libs.engine.async_engine import EngineStepError
+from libs.engine.async_engine import EngineStepError, RequestStream
 from libs.kvpool.pool import PoolError
 from libs.protocol import MessageStreamResponse, msgpack_response, read_message
 from libs.protocol.messages import PrefillProgress, PrefillRequest, PrefillResult, PromptLogprobs
@@ -139,8 +141,8 @@ class PrefillJob:
     leased_at: float = 0.0  # wall clock when the lease was taken (or given up: the pool is down)
     started_at: float = 0.0  # wall clock when the job started (request validated, stream headers sent)
     queried_at: float = 0.0  # wall clock when the pool answered which leading blocks it holds
+    lease_started_at: float = 0.0  # wall clock when taking the lease began (a fresh prompt: its first step is on the device)
     _lease: "asyncio.Task[None] | None" = field(default=None, init=False, repr=False)  # taking the lease
-    _announced: "asyncio.Task[None] | None" = field(default=None, init=False, repr=False)  # the first progress
     prompt_scores: PromptLogprobs | None = None  # the prompt's logprobs, when asked (echo with logprobs)
     engine_time: dict[str, float] = field(default_factory=dict)  # _engine_clock's advance while this prompt computed
 
@@ -192,10 +194,14 @@ class PrefillJob:
         rt, msg, keys = self.rt, self.msg, self.keys
         prompt = msg.prompt_token_ids
         full = [k for k in keys if not k.partial]
-        # The lease and the pool's prefix query run at once, and a prompt with nothing in
-        # the pool goes to the engine without waiting for the lease (~1-4 ms on the H100
-        # host): only its writes need the lease, and they wait for it (``_store``).
-        self._lease = asyncio.create_task(self._take_lease(), name=f"lease {msg.request_id}")
+        # The pool's prefix query first, alone. A prompt with nothing in the pool goes to the
+        # engine without the lease, which is taken once the engine has put the prompt's
+        # first step on the device: only the writes need it, and they wait for it
+        # (``_store``). The lease is ~1.3 ms of Python on this loop (16 partitions' Lua
+        # calls, packed and parsed by redis-py) on the H100 host. Before the query it
+        # delayed the answer by that much; beside the engine thread preparing the step, it
+        # slowed the step as much (both need the GIL); while the device computes, it
+        # costs nothing (bench/RESULTS.md, issue 8 round 10).
         pool_run = 0
         try:
             if rt.pool_health.usable:  # known down: compute everything without waiting for it
@@ -206,8 +212,14 @@ class PrefillJob:
         self.queried_at = time.time()
         skip = min(pool_run, len(full))
         if skip:  # blocks already in the pool are pinned before anything relies on them
+            self._lease = asyncio.create_task(self._take_lease(), name=f"lease {msg.request_id}")
             await asyncio.shield(self._lease)
-        self._announced = asyncio.create_task(self._announce(skip), name=f"progress {msg.request_id}")
+        # The first progress: the blocks already in the pool (pinned by now), or none and no
+        # lease yet (a later progress brings it). It starts decode, which must not wait for
+        # the lease: a decode that joins late fetches larger runs and acts on the last
+        # update later (2 ms on the H100: bench/RESULTS.md, issue 8 round 10).
+        self._mark_durable(0, skip)
+        self.changed.set()
         local = rt.cached_prefix_blocks(prompt)
         load = LoadResult(None)
         if pool_run > local and self.params.prompt_logprobs is None:  # a prompt to score is computed whole
@@ -217,8 +229,10 @@ class PrefillJob:
         engine0 = _engine_clock(rt)
         stream = rt.engine.add_request(
             msg.request_id, prompt, self.params, kv_import=load.kv_import, export_kv=True, stream_export=self.streamed,
-            grammar=self.grammar,
+            grammar=self.grammar, notify_launch=self._lease is None,
         )
+        if self._lease is None:
+            self._lease = asyncio.create_task(self._take_lease(after=stream), name=f"lease {msg.request_id}")
         n = self.params.n
         first: dict[int, int] = {}
         first_lp: dict[int, object] = {}
@@ -249,7 +263,7 @@ class PrefillJob:
         if final is not None and final.exported_kv is not None:
             self.computed_tokens = len(prompt)
             writes.append(asyncio.create_task(self._store(final.exported_kv, skip)))
-        await asyncio.shield(self._announced)  # the lease id goes into the result
+        await asyncio.shield(self._lease)  # the lease id goes into the result
         if final is not None and len(first) == n:
             self.first_token_ids, self.first_logprobs = self._firsts(first, first_lp)
             self.changed.set()  # streamed: a progress carries them before the last writes end (the client's first token)
@@ -271,9 +285,17 @@ class PrefillJob:
         lps = [first_lp[i] for i in range(n)] if self.params.logprobs is not None and len(first_lp) == n else None
         return [first[i] for i in range(n)], lps
 
-    async def _take_lease(self) -> None:
-        """The handoff lease on every key of the prompt (none if the pool is down)."""
+    async def _take_lease(self, after: RequestStream | None = None) -> None:
+        """The handoff lease on every key of the prompt (none if the pool is down); with
+        ``after``, once that request's first step is on the device (none if it was aborted
+        before: nothing will be written)."""
         rt = self.rt
+        if after is not None:
+            await after.launched.wait()
+            if after.aborted:
+                self.leased_at = time.time()
+                return
+        self.lease_started_at = time.time()
         try:
             if rt.pool_health.usable:
                 self.lease_id = await rt.pool.create_lease(rt.namespace, self.keys, self.msg.lease_ttl_s)
@@ -282,19 +304,13 @@ class PrefillJob:
             rt.pool_health.report_failure(e)
         self.leased_at = time.time()
 
-    async def _announce(self, skip: int) -> None:
-        """The first progress, once the lease exists: the ``skip`` blocks already in the pool."""
-        await asyncio.shield(self._lease)
-        self._mark_durable(0, skip)
-        self.changed.set()
-
     async def _store(self, piece, skip: int) -> StoreResult:
         # Each block is announced as soon as its write is acknowledged (not when the whole
         # piece is): decode reads the first blocks of a piece while the rest is written.
-        # The first progress (the lease) goes out before any block's. (Shielded: several
-        # writes wait on it. Cancelled while waiting, the piece's staging goes back here.)
+        # Every block is written under the lease. (Shielded: several writes wait on it.
+        # Cancelled while waiting, the piece's staging goes back here.)
         try:
-            await asyncio.shield(self._announced)
+            await asyncio.shield(self._lease)
         except BaseException:
             piece.release()
             raise
@@ -335,6 +351,7 @@ class PrefillJob:
             "received_at": wall_clock(self.t0),
             "started_at": self.started_at,
             "pool_queried_at": self.queried_at,
+            "lease_started_at": self.lease_started_at,
             "leased_at": self.leased_at,
             "engine_at": wall_clock(t_engine),
             "compute_done_at": self.compute_done_at,

@@ -30,7 +30,7 @@ Faults cost latency, never a request:
 
 Streamed handoff (``--stream-handoff``, on by default; docs/HANDOFF.md): prefill is asked
 for ``stream_progress`` and answers with ``PrefillProgress`` events before its result.
-As soon as the first one arrives (prefill has its lease), the choices start their decode
+As soon as the first one arrives (prefill has asked the pool), the choices start their decode
 attempts with ``await_handoff``; each attempt forwards every change of the prompt's
 :class:`~services.router.progress.HandoffProgress` to its decode instance as a
 ``HandoffUpdate``, so decode loads durable blocks while prefill computes the rest. Prefill

@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import re
+import threading
 import time
 import urllib.request
+from contextlib import contextmanager
+from typing import Iterator
 
 import aiohttp
+import redis
 
 from libs.engine import SamplingParams
+from libs.kvpool.scripts import SHA
 from libs.protocol import decode, encode, iter_messages
 from libs.protocol.messages import DecodeRequest, PrefillRequest, PrefillResult, SamplingSpec, TokenEvent
 
@@ -104,3 +109,32 @@ def prefill_then_decode(
             return tokens, trace
 
     return asyncio.run(go())
+
+
+@contextmanager
+def script_calls(redis_url: str, script: str) -> Iterator[list[tuple[float, list]]]:
+    """The (Redis clock, command) of every EVALSHA of ``script`` one Redis runs inside the
+    block, from ``MONITOR`` (its clock is the host's: comparable with the traces' stamps)."""
+    calls: list[tuple[float, list]] = []
+    watching, done = threading.Event(), threading.Event()
+    sha = SHA[script]
+
+    def watch() -> None:
+        with redis.Redis.from_url(redis_url).monitor() as m:
+            watching.set()
+            for cmd in m.listen():
+                if done.is_set():
+                    return
+                if sha in cmd["command"]:
+                    calls.append((cmd["time"], cmd["command"]))
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    assert watching.wait(10), "MONITOR did not start"
+    try:
+        yield calls
+    finally:
+        done.set()
+        with redis.Redis.from_url(redis_url) as r:
+            r.ping()  # wakes the monitor up to see ``done``
+        watcher.join(10)

@@ -8,7 +8,6 @@ import time
 
 import aiohttp
 import pytest
-import redis as redis_sync
 import redis.asyncio as aioredis
 
 from libs.kvpool.config import PoolConfig
@@ -23,7 +22,8 @@ from libs.protocol.messages import (
     SamplingSpec,
     TokenEvent,
 )
-from tests.integration.pd_helpers import TRACE, engine_tokens, metric, metrics, trace_of, wait_until
+from libs.kvpool.scripts import CREATE_LEASE_LUA, RELEASE_LUA
+from tests.integration.pd_helpers import TRACE, engine_tokens, metric, metrics, script_calls, trace_of, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -197,10 +197,8 @@ def test_progress_is_monotonic_and_leases_expiring_cost_only_a_recompute(cluster
     prompt = tok.encode(long_prompt("salt marsh", 10))
     ref = engine_tokens(reference_engine, prompt, 8)
 
-    started = time.monotonic()
-
     async def expire_and_evict(result: PrefillResult):
-        await asyncio.sleep(max(0.0, started + 4.2 - time.monotonic()))  # past the lease's TTL
+        await asyncio.sleep(max(0.0, result.trace["leased_at"] + 4.2 - time.time()))  # past the lease's TTL
         async with RedisPool(pool_cfg) as pool:
             await pool.reap_leases()  # (cache_store's policy loop may have reaped it first)
             assert not await pool.release_lease(result.lease_id)  # gone: the blocks are unpinned
@@ -210,7 +208,9 @@ def test_progress_is_monotonic_and_leases_expiring_cost_only_a_recompute(cluster
     assert tokens == ref
     durable = [p.durable_blocks for p in progress]
     assert durable == sorted(durable) and durable[-1] == len(result.block_keys)  # only ever grows, to all of them
-    assert progress[0].lease_id == result.lease_id is not None  # the lease came before the first write
+    assert progress[0].durable_blocks == 0  # the first progress came at once, before the lease (a fresh prompt)
+    first_durable = next(p for p in progress if p.durable_blocks > 0)
+    assert first_durable.lease_id == result.lease_id is not None  # the lease came before the first write
     assert trace["pool_hit_blocks"] == 0 and trace["pool_miss_reasons"].get("absent") == 1
     assert trace["early_blocks"] == 0
 
@@ -357,33 +357,10 @@ def test_decode_releases_the_lease_once_its_first_token_is_out(cluster, referenc
     engine prepares that token's step: the release's Lua calls on every partition would run
     on decode's event loop then and hold the GIL the engine thread needs (on the H100 they
     cost the first step 2 ms: bench/RESULTS.md, issue 8 round 10). And it does release it."""
-    from libs.kvpool.scripts import RELEASE_LUA, SHA
-
     prompt = reference_engine.tokenizer.encode(long_prompt("tide tables", 4))
-    releases: list[tuple[float, str]] = []  # (Redis' clock, command) of every release script run
-    monitor = redis_sync.Redis.from_url(cluster.redis_url)
-    watching = threading.Event()
-    done = threading.Event()
-
-    def watch() -> None:
-        with monitor.monitor() as m:
-            watching.set()
-            for cmd in m.listen():
-                if done.is_set():
-                    return
-                if SHA[RELEASE_LUA] in cmd["command"]:
-                    releases.append((cmd["time"], cmd["command"]))
-
-    watcher = threading.Thread(target=watch, daemon=True)
-    watcher.start()
-    assert watching.wait(10)
-    try:
+    with script_calls(cluster.redis_url, RELEASE_LUA) as releases:
         tokens, _, result, trace = by_hand(cluster, prompt, lease_ttl_s=30)
         wait_until(lambda: any(result.lease_id in c for _, c in releases), 10, "decode to release the lease")
-    finally:
-        done.set()
-        redis_sync.Redis.from_url(cluster.redis_url).ping()  # wakes the monitor up to see ``done``
-        watcher.join(10)
     assert tokens == engine_tokens(reference_engine, prompt, 8)
     released_at = min(t for t, c in releases if result.lease_id in c)
     assert released_at > trace["first_token_at"] > trace["engine_at"]  # after the first token, never during its step
@@ -393,3 +370,20 @@ def test_decode_releases_the_lease_once_its_first_token_is_out(cluster, referenc
             return await pool.release_lease(result.lease_id)
 
     assert not asyncio.run(still_leased())  # already released by decode
+
+
+def test_prefill_leases_a_fresh_prompt_while_its_step_runs_and_pool_blocks_before_loading(cluster, reference_engine):
+    """A prompt with nothing in the pool goes to the engine without the lease; prefill asks
+    for it once the engine has put the first step on the device (its Python then runs while
+    the device computes, not in front of the pool query or beside the step's preparation).
+    A prompt whose blocks are in the pool is leased before they are loaded."""
+    prompt = reference_engine.tokenizer.encode(long_prompt("lock gates", 4))
+    with script_calls(cluster.redis_url, CREATE_LEASE_LUA) as leases:
+        _, _, fresh, _ = by_hand(cluster, prompt, lease_ttl_s=30)
+        _, _, again, _ = by_hand(cluster, prompt, lease_ttl_s=30)  # its blocks are in the pool now
+        wait_until(lambda: all(any(r.lease_id in c for _, c in leases) for r in (fresh, again)), 10, "both leases")
+    at = {r.lease_id: min(t for t, c in leases if r.lease_id in c) for r in (fresh, again)}
+    f, a = fresh.trace, again.trace
+    assert f["blocks_already_in_pool"] == 0 and a["blocks_already_in_pool"] > 0
+    assert f["engine_at"] < f["lease_started_at"] < at[fresh.lease_id]  # asked once the step was on the device
+    assert at[again.lease_id] < a["engine_at"]  # pinned before the engine relies on them
