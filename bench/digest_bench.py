@@ -12,6 +12,13 @@ payload each; 2048 tokens = 128 blocks = 47 MB). Timed:
 
 Both digests are compared, so the timing is only reported for equal results.
 
+And the host's side, which the engine thread pays before it posts prefill's final output
+(medians of ``--reps``, no device sync inside the timed call):
+
+- ``launch_host_us``: one ``launch_digests`` call (Triton's launcher);
+- ``swap_out_host_us``: ``BlockSwapper.swap_out`` of the blocks, with digests
+  (``num_tokens`` given) and without, the way the export gathers a prompt.
+
     python -m bench.digest_bench --blocks 128 --reps 20
 """
 
@@ -64,12 +71,14 @@ def main() -> None:
         digests = [xxhash.xxh3_64_intdigest(r) for r in rows]
         cpu_ms.append((time.perf_counter() - t) * 1e3)
     equal = [d & ((1 << 64) - 1) for d in out.tolist()] == digests
+    launch_us, swap_us = host_times(cache, ids, tokens, out, args.reps)
     nbytes = n * host[0].numel() * host.element_size()
     result = {
         "blocks": n, "payload_mb": round(nbytes / 1e6, 2), "digests_equal": equal,
         "gpu_ms": round(statistics.median(gpu_ms), 4), "cpu_ms": round(statistics.median(cpu_ms), 3),
         "cpu_over_gpu": round(statistics.median(cpu_ms) / statistics.median(gpu_ms), 1),
         "gpu_gb_s": round(nbytes / statistics.median(gpu_ms) / 1e6, 1), "cpu_gb_s": round(nbytes / statistics.median(cpu_ms) / 1e6, 1),
+        "launch_host_us": launch_us, "swap_out_host_us": swap_us,
         "device": torch.cuda.get_device_name(),
     }
     print(json.dumps(result))
@@ -78,6 +87,33 @@ def main() -> None:
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
+
+
+def host_times(cache: torch.Tensor, ids: torch.Tensor, tokens: torch.Tensor, out: torch.Tensor, reps: int) -> tuple[float, dict[str, float]]:
+    """Host microseconds of one digest launch, and of one swap-out with and without digests."""
+    from kernels.swap.swapper import BlockSwapper
+
+    def median_us(fn, after=None) -> float:  # noqa: ANN001
+        times = []
+        for _ in range(reps + 3):
+            t = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t) * 1e6)
+            torch.cuda.synchronize()
+            if after is not None:
+                after()
+        return round(statistics.median(times[3:]), 1)
+
+    launch = median_us(lambda: launch_digests(cache, ids, tokens, out))
+    n = ids.numel()
+    block_ids, counts = ids.tolist(), [int(cache.shape[3])] * n
+    swaps = {}
+    for name, digests in (("digests", True), ("no digests", False)):
+        swapper = BlockSwapper(cache, n, digests=digests)
+        bufs: list = []
+        swaps[name] = median_us(lambda: bufs.append(swapper.swap_out(block_ids, counts)), after=lambda: bufs.pop().release())
+        swapper.close()
+    return launch, swaps
 
 
 if __name__ == "__main__":
