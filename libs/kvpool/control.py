@@ -49,6 +49,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from libs.kvpool.config import PoolConfig, redact_url
 from libs.kvpool.pool import PoolError, PoolUnavailable
+from libs.kvpool.resp import Frames
 from libs.kvpool.scripts import SHA
 from libs.kvpool.topology import Node, SlotMap
 
@@ -337,7 +338,14 @@ class ControlPlane:
 
 
 async def _exchange(conn: AbstractConnection, commands: Sequence[Command]) -> list[Any]:
-    await conn.send_packed_command(conn.pack_commands(commands))
+    # Packed by the bulk path's RESP framer, not redis-py's ``pack_commands``: a lease's 16
+    # scripts carry ~170 arguments, and redis-py's per-argument encoder was the largest
+    # share of the Python a lease costs the event loop (which the engine thread competes
+    # with for the GIL). Arguments are str, bytes or int here.
+    frames = Frames()
+    for command in commands:
+        frames.command(*command)
+    await conn.send_packed_command(frames.finish())
     replies: list[Any] = []
     for _ in commands:
         try:

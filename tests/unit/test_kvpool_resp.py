@@ -45,6 +45,24 @@ def test_small_commands_pack_as_resp_arrays() -> None:
     assert pack("SET", "k", b"v", 12) == b"*4\r\n$3\r\nSET\r\n$1\r\nk\r\n$1\r\nv\r\n$2\r\n12\r\n"
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["EVALSHA", "EXISTS", "GET", "HLEN", "INFO", "SCRIPT", "CLUSTER", "PING"]),
+                           st.lists(st.one_of(st.text(max_size=40), st.binary(max_size=64), st.integers(-(2**63), 2**63 - 1)),
+                                    max_size=12)).map(lambda c: [c[0], *c[1]]), min_size=1, max_size=8))
+def test_control_commands_pack_to_the_bytes_redis_py_packs(commands: list[list]) -> None:
+    """The control plane packs its commands with ``Frames`` (libs/kvpool/control.py) where
+    redis-py's ``pack_commands`` did: for its argument types (str, bytes, int) the bytes
+    on the wire are the same."""
+    from redis.asyncio.connection import Connection
+
+    frames = Frames()
+    for c in commands:
+        frames.command(*c)
+    ours = b"".join(bytes(b) for b in frames.finish())
+    theirs = b"".join(bytes(b) for b in Connection().pack_commands([tuple(c) for c in commands]))
+    assert ours == theirs
+
+
 def test_a_large_value_is_referenced_not_copied() -> None:
     value = np.arange(INLINE_MAX * 2, dtype=np.uint8)
     frames = Frames().command("SET", "key", value).command("GET", "key")
