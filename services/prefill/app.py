@@ -22,12 +22,12 @@ they are written while the next chunk computes; the answer is a message stream o
 :class:`PrefillProgress` (the leading run of blocks durable in the pool and the lease,
 sent whenever they change: first right after the pool's prefix query, with the blocks that
 were there already, under the lease where there are any; a fresh prompt's lease comes in
-a later one), ending in the :class:`PrefillResult`. The partial tail goes last, when the prompt is done. The
-first tokens go out in a progress event as soon as they are sampled, before the last
-writes are acknowledged: the router streams them to the client at once, so the client's
-time to its first token is the compute's, not the handoff's. A stream that ends without a
-result means prefill failed: decode recomputes what is not durable (after the first
-tokens, which stand: decode continues from them).
+a later one), ending in the :class:`PrefillResult`. The partial tail goes last, when the
+prompt is done. The first tokens go out in a progress event as soon as they are sampled,
+before the last writes are acknowledged: the router streams them to the client at once,
+so the client's time to its first token is the compute's, not the handoff's. A stream
+that ends without a result means prefill failed: decode recomputes what is not durable
+(after the first tokens, which stand: decode continues from them).
 
 Timings: ``compute_s`` is the engine's (queue included); ``write_s`` is the pool write
 time *not* overlapped with compute (from the end of compute to the last acknowledgement),

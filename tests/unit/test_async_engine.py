@@ -65,11 +65,12 @@ class GatedScheduler:
     def __init__(self, engine) -> None:  # noqa: ANN001
         self.gate = threading.Event()
         self.entered = threading.Event()
+        self._scheduler = engine.scheduler
         self._schedule = engine.scheduler.schedule
         engine.scheduler.schedule = self
 
     def __call__(self):  # noqa: ANN204
-        if self._schedule.__self__.waiting:  # a request to admit: the step that launches it
+        if self._scheduler.waiting:  # a request to admit: the step that launches it
             self.entered.set()
             self.gate.wait(10)
         return self._schedule()
