@@ -103,6 +103,7 @@ def test_launched_is_set_once_the_first_step_is_on_the_device_and_before_any_out
         finally:
             gated.gate.set()
             await ae.stop()
+            eng.close()  # a step may still be on the device queue's thread: torch aborts at exit otherwise
 
     early, launched_step, order = asyncio.run(main())
     assert not early, "launched was set before the engine thread had launched any step"
@@ -127,6 +128,7 @@ def test_launched_is_set_for_a_request_aborted_before_its_first_step() -> None:
         finally:
             gated.gate.set()
             await ae.stop()
+            eng.close()  # a step may still be on the device queue's thread: torch aborts at exit otherwise
 
     aborted, forgotten = asyncio.run(main())
     assert aborted and forgotten
