@@ -13,7 +13,7 @@ import statistics
 import subprocess
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -44,12 +44,13 @@ QWEN2_5_7B = dict(
 SHAPES = {"smollm2-135m": SMOLLM2_135M, "llama-3.2-1b": LLAMA_3_2_1B, "qwen2.5-7b": QWEN2_5_7B}
 
 
-def hf_llama(device: torch.device, dtype: torch.dtype, seed: int = 0):
-    """A transformers LlamaForCausalLM of SmolLM2-135M's shape with random weights."""
+def hf_llama(device: torch.device, dtype: torch.dtype, seed: int = 0, **overrides: Any):
+    """A transformers LlamaForCausalLM of SmolLM2-135M's shape (config fields in
+    ``overrides`` replaced, e.g. ``num_hidden_layers``) with random weights."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(**SMOLLM2_135M, bos_token_id=1, eos_token_id=2, pad_token_id=2))
+    model = LlamaForCausalLM(LlamaConfig(**{**SMOLLM2_135M, **overrides}, bos_token_id=1, eos_token_id=2, pad_token_id=2))
     model.generation_config.eos_token_id = None  # never stop early: fixed-length timing
     return model.to(device=device, dtype=dtype).eval()
 

@@ -29,10 +29,14 @@ Goals (issue 8, judged on an H100 with 2048-token prompts): time to the second t
 On a GPU the models are random weights of SmolLM2-135M's shape saved as a Hugging Face
 checkpoint (the GGUF cannot travel to the lent machines; ``--tokenizer`` gives its
 tokenizer files), bf16. ``--device cpu`` runs the same script at small scale on the real
-SmolLM2 GGUF (float32), for the record and as a check of the script:
+SmolLM2 GGUF (float32), for the record and as a check of the script. ``--layers N`` uses a
+random checkpoint of N layers on either device (``--tokenizer`` needed): with one layer a
+CPU run's compute is small, so the host's own path (the router's front, the messages) can
+be timed here, on the 2-core VM:
 
     python -m bench.gpu_pd --tokenizer DIR [--prompt-len 2048] [--requests 8] [--prefill-chunks 512,1024,2048]
     python -m bench.gpu_pd --device cpu --prompt-len 512 --requests 4 --prefill-chunks 128,512
+    python -m bench.gpu_pd --device cpu --layers 1 --tokenizer DIR --prefill-chunks 2048 --redis-nodes 4 --requests 15
 """
 
 from __future__ import annotations
@@ -61,8 +65,8 @@ VOCAB = 49152
 WARMUP = 2
 
 
-def make_checkpoint(folder: Path, tokenizer_dir: Path) -> None:
-    hf = hf_llama(torch.device("cpu"), torch.bfloat16)
+def make_checkpoint(folder: Path, tokenizer_dir: Path, layers: int | None = None) -> None:
+    hf = hf_llama(torch.device("cpu"), torch.bfloat16, **({"num_hidden_layers": layers} if layers else {}))
     hf.save_pretrained(folder, safe_serialization=True)
     for f in tokenizer_dir.iterdir():
         shutil.copy(f, folder / f.name)
@@ -105,7 +109,7 @@ def colocated_rows(args: argparse.Namespace, model: str | None) -> dict[str, lis
 def colocated(args: argparse.Namespace) -> dict[str, list[dict]]:
     argv = [sys.executable, "-m", "bench.gpu_pd", "--colocated-only", "--device", args.device, "--prompt-len", str(args.prompt_len),
             "--requests", str(args.requests), "--threads", str(args.threads), "--prefill-chunks", ",".join(map(str, args.prefill_chunks)),
-            *(["--tokenizer", args.tokenizer] if args.tokenizer else [])]
+            *(["--tokenizer", args.tokenizer] if args.tokenizer else []), *(["--layers", str(args.layers)] if args.layers else [])]
     env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
     out = subprocess.run(argv, check=True, capture_output=True, text=True, env=env).stdout
     return json.loads(out.strip().splitlines()[-1])
@@ -157,13 +161,14 @@ async def one(session: aiohttp.ClientSession, url: str, model: str, prompt: list
         "bytes_written": pre.get("bytes_written", 0),
         "write_fail_reasons": pre["worker"].get("write_fail_reasons", {}),
         "bytes_read": dec.get("bytes_read", 0),
-        "timeline": timeline(wall0, pre["worker"], dec, first, second),
+        "timeline": timeline(wall0, pre, dec, first, second),
         "trace": trace,  # the router's whole trace
     }
 
 
 # (label, where, field): the services' wall-clock phase marks, in the order a request meets them.
 PHASES = [
+    ("router calls prefill", "router", "called_at"),
     ("prefill receives", "prefill", "received_at"),
     ("prefill job starts", "prefill", "started_at"),  # validated, stream headers sent, block keys hashed
     ("prefill: pool query answered", "prefill", "pool_queried_at"),
@@ -185,15 +190,14 @@ PHASES = [
 
 
 def timeline(wall0: float, pre: dict, dec: dict, first: float | None, second: float | None) -> dict[str, float | None]:
-    """Each phase mark in seconds since the client sent the request (all on one host)."""
+    """Each phase mark in seconds since the client sent the request (all on one host);
+    ``pre`` is the router's prefill trace (its ``worker``: prefill's own)."""
     client = {"first": first, "second": second}
+    where_from = {"router": pre, "prefill": pre["worker"], "decode": dec}
     out: dict[str, float | None] = {}
     for label, where, key in PHASES:
-        if where == "client":
-            out[label] = client[key]
-        else:
-            at = (pre if where == "prefill" else dec).get(key)
-            out[label] = None if at is None else at - wall0
+        at = client[key] if where == "client" else where_from[where].get(key)
+        out[label] = None if at is None else (at if where == "client" else at - wall0)
     return out
 
 
@@ -255,8 +259,9 @@ def report(args: argparse.Namespace, colo: dict[str, list[dict]], rows: list[dic
     colo_ttft, colo_second = med(colo["default"], "ttft_s"), med(colo["default"], "second_token_s")
     ms = lambda s: f"{s * 1e3:.1f}"  # noqa: E731
     chunked = "; ".join(f"{c}-token chunks: TTFT {ms(med(colo[str(c)], 'ttft_s'))} ms" for c in args.prefill_chunks if str(c) in colo)
+    weights = "SmolLM2-135M-Instruct GGUF" if args.model is None else f"random SmolLM2-135M weights, {args.layers or 30} layers"
     out = [f"\n{device}: {args.prompt_len}-token prompts, median of {args.requests} per row "
-           f"({'bf16, random SmolLM2-135M weights' if args.device.startswith('cuda') else 'float32, SmolLM2-135M-Instruct GGUF'}; "
+           f"({'bf16' if args.device.startswith('cuda') else 'float32'}, {weights}; "
            f"{args.threads} torch threads per model process; pool {args.pool_gb or 'default'} GB; Redis flags '{args.redis_args}'; worker flags '{args.worker_args}')\n",
            f"co-located engine (one process, no pool): TTFT {ms(colo_ttft)} ms, TTFT + one decode step {ms(colo_second)} ms"
            + (f" (the same engine with its step budget at the prefill chunk, what chunking alone costs: {chunked})" if chunked else "") + "\n"]
@@ -306,7 +311,8 @@ def report(args: argparse.Namespace, colo: dict[str, list[dict]], rows: list[dic
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--tokenizer", default=None, help="CUDA: folder with SmolLM2's tokenizer files (for the random checkpoint)")
+    ap.add_argument("--tokenizer", default=None, help="CUDA or --layers: folder with SmolLM2's tokenizer files (for the random checkpoint)")
+    ap.add_argument("--layers", type=int, default=None, help="a random checkpoint with this many layers, on any device (default: all 30)")
     ap.add_argument("--device", default="cuda", help="cuda (the benchmark) or cpu (small scale, real GGUF)")
     ap.add_argument("--prompt-len", type=int, default=2048)
     ap.add_argument("--requests", type=int, default=8, help="per row (chunk size x handoff mode)")
@@ -328,13 +334,14 @@ def main() -> None:
     args.prefill_chunks = [int(c) for c in (args.prefill_chunks or f"512,{args.prompt_len}").split(",")]
     args.redis_nodes = [int(n) for n in args.redis_nodes.split(",")]
     model: str | None = None
-    if cuda:
+    if cuda or args.layers:
         if not args.tokenizer:
-            ap.error("--tokenizer is required on CUDA (the random checkpoint needs SmolLM2's tokenizer files)")
-        folder = Path("/tmp/tidepool-random-smollm2")
+            ap.error("--tokenizer is required on CUDA and with --layers (the random checkpoint needs SmolLM2's tokenizer files)")
+        folder = Path("/tmp/tidepool-random-smollm2" + (f"-{args.layers}-layers" if args.layers else ""))
         if not folder.exists():
-            make_checkpoint(folder, Path(args.tokenizer))
+            make_checkpoint(folder, Path(args.tokenizer), args.layers)
         model = str(folder)
+    args.model = model
     if args.colocated_only:
         print(json.dumps(colocated_rows(args, model)))
         return

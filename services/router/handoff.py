@@ -213,9 +213,11 @@ class PromptJob:
         # case, then pays no cache_store round trip (~2 ms, measured) in front of its
         # compute. A prompt the query finds whole in the pool abandons the call (prefill
         # gets an abort, decode loads every block). A scored prompt must be computed.
-        query = None
-        if s.cache_store_url and self.req.prompt_logprobs is None:
-            query = asyncio.create_task(self._pool_query(target), name=f"pool query {self.id}")
+        # The call is started first and the query yields once before its Python (the
+        # prompt's block keys hashed, a JSON body), so the call's request, body included,
+        # is on its socket first (aiohttp writes a body from a task of its own before
+        # Python 3.12). Router's prefill decision -> prefill has the request: 1.95-2.48
+        # -> 1.27-1.59 ms for 2048 tokens on the 2-core VM (bench/RESULTS.md, issue 8, round 11).
         stream = self.req.stream_handoff if self.req.stream_handoff is not None else s.stream_handoff
         if stream and self.req.prompt_logprobs is None:
             # Streamed: the choices start once prefill has announced its progress (or is done).
@@ -223,7 +225,11 @@ class PromptJob:
             call = self._prefill_in_background(prefill, handoff)
         else:
             call = self._prefill_serial(prefill, handoff)
+        self.trace.prefill.called_at = time.time()
         self._prefill_task = asyncio.create_task(call, name=f"prefill {self.id}")
+        query = None
+        if s.cache_store_url and self.req.prompt_logprobs is None:
+            query = asyncio.create_task(self._pool_query(target), name=f"pool query {self.id}")
         try:
             in_pool = await query if query is not None else None
         finally:
@@ -243,6 +249,7 @@ class PromptJob:
 
     async def _pool_query(self, target: Instance) -> list[str] | None:
         """The prompt's keys when every block is in the pool (cache_store says), else None."""
+        await asyncio.sleep(0)  # the prefill call's request first (see _prefill)
         t_query = time.perf_counter()
         complete, keys, note = await self.state.client.pool_has_all(target.root, self.prompt_ids)
         note["s"] = round(time.perf_counter() - t_query, 6)

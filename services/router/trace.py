@@ -77,6 +77,7 @@ class PrefillTrace:
     instance: str | None = None
     request_id: str | None = None
     call_s: float | None = None
+    called_at: float | None = None  # wall clock when the call started: comparable with the instances' stamps on one host
     pool_query: dict[str, Any] | None = None
     result: PrefillResult | None = None
 
@@ -100,6 +101,8 @@ class PrefillTrace:
                 out[name] = getattr(self, name)
         if self.call_s is not None:
             out["call_s"] = round(self.call_s, 6)
+        if self.called_at is not None:
+            out["called_at"] = self.called_at
         r = self.result
         if r is not None:
             out.update(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 import msgpack
 import pytest
@@ -274,11 +274,13 @@ class FakeCacheStore:
         self.status = 200
         self.hold: asyncio.Event | None = None  # set: each query waits for it
         self.asked = asyncio.Event()
+        self.on_query: Callable[[], None] = lambda: None  # called as a query arrives, before its body is read
         app = web.Application()
         app.router.add_post("/v1/blocks/query", self.query)
         self.runner = web.AppRunner(app)
 
     async def query(self, request: web.Request) -> web.Response:
+        self.on_query()
         body = await request.json()
         self.queries.append(body)
         self.asked.set()
@@ -328,6 +330,30 @@ async def test_prompt_fully_in_the_pool_skips_prefill() -> None:
         await client.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
         assert len(c.prefills[0].requests) == 3
         assert c.decodes[0].requests[-1].first_token_id is not None
+    finally:
+        await c.close()
+        await store.runner.cleanup()
+
+
+@pytest.mark.parametrize("stream_handoff", [False, True])
+async def test_the_prefill_call_goes_out_before_the_pool_query(stream_handoff: bool) -> None:
+    """A fresh prompt's critical path is its prefill call; the query is only useful when the
+    whole prompt is already in the pool. So the call is sent first and the query's Python
+    (128 block keys hashed, a JSON body) runs after it: cache_store sees the query only
+    once prefill has read the call."""
+    store = FakeCacheStore()
+    url = await store.start()
+    c = await start_cluster(cache_store_url=url)
+    seen: list[int] = []  # prefill calls read when each query arrives
+    store.on_query = lambda: seen.append(len(c.prefills[0].requests))
+    try:
+        c.prefills[0].streams = stream_handoff
+        prompt = tokenizer().encode(long_prompt())
+        client = c.openai()
+        for _ in range(3):
+            r = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, extra_body={"tidepool": {"stream_handoff": stream_handoff}})
+            assert r.choices[0].text == script_text(0, 2)
+        assert seen == [1, 2, 3]
     finally:
         await c.close()
         await store.runner.cleanup()
