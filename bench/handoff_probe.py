@@ -23,7 +23,10 @@ The put rows overwrite the same keys every repetition (the servers reuse the val
 memory); ``new keys`` rows write a prompt never seen before each time, as the services do
 until the pool is full (the servers' memory grows, page by page).
 
-    python -m bench.handoff_probe --redis-bin /tmp/redis-root/usr/bin --nodes 0,4
+``--layers 1`` makes each value 1/30 of SmolLM2's (12 KB): the rows then time what a block
+costs beyond its bytes (commands, replies, the writer's and the bulk threads' hand-offs).
+
+    python -m bench.handoff_probe --redis-bin /tmp/redis-root/usr/bin --nodes 0,4 [--layers 1]
 """
 
 from __future__ import annotations
@@ -37,9 +40,11 @@ import time
 from pathlib import Path
 
 from bench.pool_throughput import Prompt, start_redis  # noqa: E402  (sets OMP_WAIT_POLICY, sys.path)
+import torch  # noqa: E402  (after the line above)
 from libs.blocks.keys import Namespace, block_keys
 from libs.kvpool.config import PoolConfig
-from libs.kvpool.header import unpack_header
+from libs.kvpool.header import HEADER_NBYTES, unpack_header
+from libs.kvpool.layout import KVLayout
 from libs.kvpool.redis_pool import RedisPool
 from libs.kvpool.writer import AsyncWriter
 from services.launch.redis_cluster import LocalRedisCluster
@@ -47,7 +52,7 @@ from services.launch.redis_cluster import LocalRedisCluster
 
 async def probe(url: str, args: argparse.Namespace) -> list[tuple[str, float]]:
     pool = RedisPool(PoolConfig(url=url, key_prefix="probe"))
-    prompt = Prompt(0)
+    prompt = Prompt(0, args.layout)
     rows: list[tuple[str, float]] = []
 
     async def timed(label: str, fn, setup=None, nbytes: int = prompt.nbytes) -> None:
@@ -135,15 +140,18 @@ def main() -> None:
     ap.add_argument("--digested", action="store_true",
                     help="writer rows only with new keys, each twice with the sender hashing and twice with the checksums given (as a GPU prefill's)")
     ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--layers", type=int, default=30,
+                    help="layers in a block (SmolLM2-135M: 30); 1 makes values small, so the rows time what each block costs beyond its bytes")
     ap.add_argument("--warmup", type=int, default=2)
     args = ap.parse_args()
     args.writers = [tuple(int(x) for x in w.split("x")) for w in args.writers.split(",") if w]
     args.runs = [int(k) for k in args.runs.split(",") if k]
     args.get_pipelines = [tuple(int(x) for x in g.split("x")) for g in args.get_pipelines.split(",") if g]
+    args.layout = KVLayout(args.layers, 3, 64, 16, torch.bfloat16)  # SmolLM2-135M's block, args.layers deep
     server = args.redis_server = os.path.join(args.redis_bin, "redis-server") if args.redis_bin else "redis-server"
     cli = args.redis_cli = os.path.join(args.redis_bin, "redis-cli") if args.redis_bin else "redis-cli"
     for n in (int(x) for x in args.nodes.split(",")):
-        print(f"{'one Redis' if n == 0 else f'{n}-node cluster'}: 128 blocks of 368,664 B", flush=True)
+        print(f"{'one Redis' if n == 0 else f'{n}-node cluster'}: 128 blocks of {args.layout.block_nbytes + HEADER_NBYTES:,} B", flush=True)
         if n == 0:
             with tempfile.TemporaryDirectory() as work:
                 child, port = start_redis(args, work)

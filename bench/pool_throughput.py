@@ -87,19 +87,20 @@ VALUE_NBYTES = LAYOUT.block_nbytes + HEADER_NBYTES
 class Prompt:
     """One prompt's blocks in (pinned) staging, written from and read back into it."""
 
-    def __init__(self, index: int) -> None:
-        self.codec = BlockCodec(LAYOUT)
+    def __init__(self, index: int, layout: KVLayout = LAYOUT) -> None:
+        self.codec = BlockCodec(layout)
         self.ns = Namespace(model_digest=f"bench-{index}", dtype="bf16", block_size=16)
         self.keys = block_keys(self.ns, list(range(PROMPT_TOKENS)))
         pin = torch.cuda.is_available()
-        self.src = torch.empty(len(self.keys), *LAYOUT.block_shape, dtype=LAYOUT.dtype, pin_memory=pin)
-        self.src.copy_(torch.randn(self.src.shape).to(LAYOUT.dtype))
+        self.src = torch.empty(len(self.keys), *layout.block_shape, dtype=layout.dtype, pin_memory=pin)
+        self.src.copy_(torch.randn(self.src.shape).to(layout.dtype))
         self.dst = torch.empty_like(self.src, pin_memory=pin)
         # Slots as the services use them: one numpy view per staging buffer (BlockCodec.byte_rows).
         self.src_rows, self.dst_rows = self.codec.byte_rows(self.src), self.codec.byte_rows(self.dst)
         self.headers = np.empty((len(self.keys), HEADER_NBYTES), dtype=np.uint8)
         self.dests = [self.codec.value_views(memoryview(self.headers[i]), self.dst_rows[i], 16) for i in range(len(self.keys))]
-        self.nbytes = len(self.keys) * VALUE_NBYTES
+        self.value_nbytes = layout.block_nbytes + HEADER_NBYTES
+        self.nbytes = len(self.keys) * self.value_nbytes
         self.codec_s: list[float] = []  # CPU seconds in the codec, appended from any thread
         self.codec_wall_s: list[float] = []  # the same calls' wall seconds (GIL waits, preemption included)
 

@@ -59,6 +59,8 @@ BENCHES = [
           needs=["redis-server", "redis-benchmark"], what="KV pool client vs redis-benchmark"),
     Bench("handoff_probe", ["-m", "bench.handoff_probe", "--nodes", "0,4", "--reps", "5"], 300, needs=["redis-server", "redis-cli"],
           what="one prompt's pool writes and reads in the services' patterns (writer, new keys, decode's runs), one Redis and a 4-node cluster"),
+    Bench("bulk_threads", ["-m", "bench.bulk_threads_bench", "--nodes", "4", "--reps", "30"], 300, needs=["redis-server", "redis-cli"],
+          what="the bulk path's thread hand-off vs run_in_executor, and a prompt's write/read loop CPU on a 4-node cluster"),
     Bench("pd_vs_engine", ["-m", "bench.pd_vs_engine", "--threads", "1", "--requests", "16", "--concurrency", "8",
                             "--output-len", "uniform:16-32", "--handoff-requests", "3", "--num-blocks", "512"], 900,
           needs=["redis-server"], what="PD through the router vs the in-process engine"),

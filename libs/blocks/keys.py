@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Sequence
 
 KEY_BYTES = 16
@@ -103,7 +104,7 @@ class Namespace:
         if not self.model_digest:
             raise ValueError("model_digest must not be empty")
 
-    @property
+    @cached_property  # frozen: computed once (the pool asks for it with every block it moves)
     def digest(self) -> bytes:
         """A field added later enters the hash only when it is not its default, so every
         namespace that existed before it keeps its digest, and the pool its blocks.
@@ -123,7 +124,7 @@ class Namespace:
         desc = "|".join(fields).encode()
         return hashlib.blake2b(desc, digest_size=KEY_BYTES, person=_NAMESPACE_PERSON).digest()
 
-    @property
+    @cached_property
     def hex(self) -> str:
         return self.digest.hex()
 

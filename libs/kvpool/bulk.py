@@ -10,7 +10,7 @@ bookkeeping scripts) and what the replies mean is the pool's business
 
 Concurrency models (``PoolConfig.bulk_model``), over ``max_parallel`` pooled sockets per node:
 
-- ``"threads"``: blocking sockets driven from a thread pool. ``recv_into`` and ``sendmsg``
+- ``"threads"``: blocking sockets driven from worker threads (libs/kvpool/threads.py). ``recv_into`` and ``sendmsg``
   release the GIL, so several pipelines (on several nodes, or several sockets of one)
   move bytes truly in parallel while the event loop stays free. Every return from a
   system call must take the GIL back, which in a busy process (the engine's thread
@@ -54,12 +54,12 @@ import ssl
 import struct
 import threading
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Literal, Sequence
 
 from libs.kvpool.config import BULK_MODELS
 from libs.kvpool.header import Buffer
 from libs.kvpool.resp import ConnectionClosed, Frames, ProtocolError, ReplyError, ReplyParser, Sink
+from libs.kvpool.threads import WorkerThreads
 from libs.kvpool.topology import Node
 
 BulkModel = Literal["threads", "asyncio"]
@@ -448,7 +448,7 @@ class BulkClient:
         self._endpoint = endpoint
         self._size = sockets_per_node
         self._nodes: dict[Node, _NodeSockets] = {}
-        self._executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvpool-bulk") if model == "threads" else None
+        self._executor = WorkerThreads(threads, "kvpool-bulk") if model == "threads" else None
         self._closed = False
         # syscalls: sends and receives (asyncio: reads and writelines), how often a transfer
         # goes back for the GIL; bench/pool_throughput.py reports them per MB.
@@ -501,9 +501,9 @@ class BulkClient:
             await asyncio.get_running_loop().run_in_executor(None, self._executor.shutdown)
 
 
-async def _in_thread(executor: ThreadPoolExecutor, conn: _BlockingConnection, fn: Callable[[], list[Any]]) -> list[Any]:
+async def _in_thread(executor: WorkerThreads, conn: _BlockingConnection, fn: Callable[[], list[Any]]) -> list[Any]:
     """Run ``fn`` on the pool; if cancelled, abort the socket and wait until ``fn`` is out."""
-    fut = asyncio.get_running_loop().run_in_executor(executor, fn)
+    fut = executor.submit(fn)
     try:
         return await asyncio.shield(fut)
     except asyncio.CancelledError:
