@@ -196,8 +196,11 @@ def timeline(wall0: float, pre: dict, dec: dict, first: float | None, second: fl
     where_from = {"router": pre, "prefill": pre["worker"], "decode": dec}
     out: dict[str, float | None] = {}
     for label, where, key in PHASES:
-        at = client[key] if where == "client" else where_from[where].get(key)
-        out[label] = None if at is None else (at if where == "client" else at - wall0)
+        if where == "client":
+            out[label] = client[key]
+            continue
+        at = where_from[where].get(key)
+        out[label] = None if at is None else at - wall0
     return out
 
 
@@ -259,7 +262,8 @@ def report(args: argparse.Namespace, colo: dict[str, list[dict]], rows: list[dic
     colo_ttft, colo_second = med(colo["default"], "ttft_s"), med(colo["default"], "second_token_s")
     ms = lambda s: f"{s * 1e3:.1f}"  # noqa: E731
     chunked = "; ".join(f"{c}-token chunks: TTFT {ms(med(colo[str(c)], 'ttft_s'))} ms" for c in args.prefill_chunks if str(c) in colo)
-    weights = "SmolLM2-135M-Instruct GGUF" if args.model is None else f"random SmolLM2-135M weights, {args.layers or 30} layers"
+    random = args.device.startswith("cuda") or args.layers  # main's choice of checkpoint
+    weights = f"random SmolLM2-135M weights, {args.layers or 30} layers" if random else "SmolLM2-135M-Instruct GGUF"
     out = [f"\n{device}: {args.prompt_len}-token prompts, median of {args.requests} per row "
            f"({'bf16' if args.device.startswith('cuda') else 'float32'}, {weights}; "
            f"{args.threads} torch threads per model process; pool {args.pool_gb or 'default'} GB; Redis flags '{args.redis_args}'; worker flags '{args.worker_args}')\n",
@@ -341,7 +345,6 @@ def main() -> None:
         if not folder.exists():
             make_checkpoint(folder, Path(args.tokenizer), args.layers)
         model = str(folder)
-    args.model = model
     if args.colocated_only:
         print(json.dumps(colocated_rows(args, model)))
         return

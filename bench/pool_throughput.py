@@ -99,8 +99,7 @@ class Prompt:
         self.src_rows, self.dst_rows = self.codec.byte_rows(self.src), self.codec.byte_rows(self.dst)
         self.headers = np.empty((len(self.keys), HEADER_NBYTES), dtype=np.uint8)
         self.dests = [self.codec.value_views(memoryview(self.headers[i]), self.dst_rows[i], 16) for i in range(len(self.keys))]
-        self.value_nbytes = layout.block_nbytes + HEADER_NBYTES
-        self.nbytes = len(self.keys) * self.value_nbytes
+        self.nbytes = len(self.keys) * (layout.block_nbytes + HEADER_NBYTES)
         self.codec_s: list[float] = []  # CPU seconds in the codec, appended from any thread
         self.codec_wall_s: list[float] = []  # the same calls' wall seconds (GIL waits, preemption included)
 
