@@ -3,7 +3,8 @@ the model's dispatch reads.
 
 The projections of a decode step, N x K, for SmolLM2-135M (qkv 960 x 576, o 576 x 576,
 gate/up 3072 x 576, down 576 x 1536, LM head 49152 x 576) and Llama-3.2-1B (3072 x 2048,
-2048 x 2048, 16384 x 2048, 2048 x 8192, 128256 x 2048), at M in {1, 2, 4, 8, 16, 32, 64},
+2048 x 2048, 16384 x 2048, 2048 x 8192, 128256 x 2048) and Qwen2.5-7B (4608 x 3584,
+3584 x 3584, 37888 x 3584, 3584 x 18944, 152064 x 3584), at M in {1, 2, 4, 8, 16, 32, 64},
 in bf16, all in one run on one GPU:
 
 - ours: ``triton_gemv.skinny_linear``; qkv and gate/up as ``norm_skinny_linear`` (the
@@ -51,6 +52,7 @@ from kernels.gemv import threshold as thr
 MODELS = {
     "smollm2-135m": (30, [("qkv", 960, 576), ("o", 576, 576), ("gate_up", 3072, 576), ("down", 576, 1536), ("lm_head", 49152, 576)]),
     "llama-3.2-1b": (16, [("qkv", 3072, 2048), ("o", 2048, 2048), ("gate_up", 16384, 2048), ("down", 2048, 8192), ("lm_head", 128256, 2048)]),
+    "qwen2.5-7b": (28, [("qkv", 4608, 3584), ("o", 3584, 3584), ("gate_up", 37888, 3584), ("down", 3584, 18944), ("lm_head", 152064, 3584)]),
 }
 NORM_BEFORE = {"qkv", "gate_up"}
 TOY_MODELS = {"toy": (2, [("qkv", 96, 64), ("down", 64, 96), ("lm_head", 200, 64)])}

@@ -5,7 +5,8 @@
 # Python 3.12), `.device-debs/` (Debian's redis 7.0) and `.device-assets/tokenizer/`
 # (SmolLM2's tokenizer files, for random checkpoints of its shape). Each step has its own
 # time limit and log; a failing step does not stop the others. Everything a step writes
-# under bench/results/ and the measured threshold files come back in $OUT/results.tgz.
+# under bench/results/, the measured threshold files and the steps' logs (logs/NAME.txt)
+# come back in $OUT/results.tgz, beside session.log (each step's last 40 lines).
 #
 #   bench/gpu_session.sh tests pd pool          # issue 8 and the GPU test suite
 #   bench/gpu_session.sh digest                 # issue 8: GPU-computed pool checksums, tests + off/on A/B (~8 min: alone in a call)
@@ -107,6 +108,8 @@ for s in "$@"; do
     esac
 done
 
+# The device tool brings back at most 8 files: the step logs travel inside the tarball (logs/).
+mkdir -p /tmp/gpu-session-logs/logs && mv "$OUT"/*.txt /tmp/gpu-session-logs/logs/ 2>/dev/null
 tar czf "$OUT/results.tgz" bench/results kernels/gemv/threshold.json kernels/fp8/swap_ab_threshold.json kernels/fp8/cublas_threshold.json kernels/fp8/gemm_configs.json \
-    libs/model/moe/hybrid_thresholds.json 2>/dev/null
+    libs/model/moe/hybrid_thresholds.json -C /tmp/gpu-session-logs logs 2>/dev/null
 echo "done" | tee -a "$LOG"

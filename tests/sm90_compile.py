@@ -58,6 +58,18 @@ def compile_job(job: dict) -> dict:
 
 
 def _compile(job: dict) -> dict:
+    kernel = compile_kernel(job)
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([str(_bin_dir() / "cuobjdump"), "--dump-resource-usage", f.name], capture_output=True, text=True, check=True).stdout
+    line = next(line for line in usage.splitlines() if "REG:" in line)
+    return {"regs": int(line.split("REG:")[1].split()[0]), "local": int(line.split("LOCAL:")[1].split()[0])}
+
+
+def compile_kernel(job: dict):
+    """One job (the module docstring's form) compiled for sm_90: Triton's compiled kernel,
+    whose ``asm`` holds the PTX and the cubin."""
     fn = getattr(importlib.import_module(job["module"]), job["kernel"])
     constexprs = {k: _constant(v) for k, v in job["constexprs"].items()}
     signature = {}
@@ -79,13 +91,7 @@ def _compile(job: dict) -> dict:
         options["enable_fp_fusion"] = job["enable_fp_fusion"]
     attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in job.get("divisible", ())}
     src = ASTSource(fn=fn, signature=signature, constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()}, attrs=attrs)
-    kernel = triton.compile(src, target=HOPPER, options=options)
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(kernel.asm["cubin"])
-        f.flush()
-        usage = subprocess.run([str(_bin_dir() / "cuobjdump"), "--dump-resource-usage", f.name], capture_output=True, text=True, check=True).stdout
-    line = next(line for line in usage.splitlines() if "REG:" in line)
-    return {"regs": int(line.split("REG:")[1].split()[0]), "local": int(line.split("LOCAL:")[1].split()[0])}
+    return triton.compile(src, target=HOPPER, options=options)
 
 
 def run_without_interpreter(module: str, cwd: Path, stdin: str = "", timeout: float = 600) -> str:

@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import pdl_launch, pdl_wait
+
 # Columns per program: wide enough for 16-byte loads on every thread of 4 warps.
 _MAX_BLOCK = 1024
 
@@ -29,8 +31,9 @@ def _silu_and_mul_kernel(
     x_ptr, out_ptr,
     stride_xt, stride_xd, stride_ot,
     intermediate,
-    BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)  # kernels/pdl
     row = tl.program_id(0).to(tl.int64)  # row * stride overflows int32 on long prefills
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < intermediate
@@ -54,6 +57,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     block = min(triton.next_power_of_2(intermediate), _MAX_BLOCK)
     _silu_and_mul_kernel[(num_tokens, triton.cdiv(intermediate, block))](
         x, out, *x.stride(), out.stride(0), intermediate,
-        BLOCK=block, num_warps=4 if block >= 512 else 1,
+        BLOCK=block, num_warps=4 if block >= 512 else 1, **pdl_launch(x.device),
     )
     return out

@@ -56,6 +56,7 @@ import triton
 import triton.language as tl
 
 from kernels.device import device_facts
+from kernels.pdl import pdl_launch, pdl_wait
 from kernels.rope.triton_rope import check_rotary, rotary_num_warps, rotate_heads, rotated_halves, table_rows
 
 _LOG2E = 1.4426950408889634
@@ -242,8 +243,9 @@ def _decode_kernel(
     num_heads, num_splits,
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, SPLIT: tl.constexpr, NATIVE_DOT: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, ROPE: tl.constexpr, HALF: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, ROPE: tl.constexpr, HALF: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)  # kernels/pdl: q, k, v and seq_lens come from the kernels before
     # num_splits is a runtime int (one compiled kernel serves every split count); SPLIT says
     # whether it is above 1, i.e. whether to write partials for the reduce kernel.
     seq = tl.program_id(0)
@@ -323,9 +325,10 @@ def _decode_reduce_kernel(
     part_out_ptr, part_lse_ptr, out_ptr,
     stride_ob, stride_oh, stride_od,
     num_heads, num_splits,
-    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):
     """Merge one (sequence, head)'s split partials: softmax-weighted by their log-sum-exp."""
+    pdl_wait(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     s = tl.arange(0, BLOCK_S)
@@ -606,12 +609,13 @@ def paged_decode_attention_splits(
         BLOCK_D=block_d, BLOCK_SIZE=k_cache.shape[1], ROPE=rope is not None, HALF=head_dim // 2,
         num_warps=_DECODE_NUM_WARPS, num_stages=_DECODE_NUM_STAGES,
         enable_fp_fusion=rope is None,  # the rotation bit-identical to rotary_store_kv's
+        **pdl_launch(q.device),
     )
     if num_splits > 1:
         _decode_reduce_kernel[(batch, num_heads)](
             part_out, part_lse, out, *out.stride(), num_heads, num_splits,
             HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
-            num_warps=1 if block_d <= 64 else 2,
+            num_warps=1 if block_d <= 64 else 2, **pdl_launch(q.device),
         )
     return out
 

@@ -23,6 +23,12 @@ multiplies; program 0 writes the new residual stream. One launch instead of two;
 of squares runs in another order than kernels/norm's, so the result matches the unfused
 pair to rounding, not bit for bit.
 
+On Hopper the kernel takes part in programmatic dependent launch (kernels/pdl): its programs
+start while the previous kernel finishes and wait for it before reading their inputs, and
+where one step covers K they request their whole weight slice before that wait. So a
+decode step's chain of projections does not pay a launch and a memory latency at every
+boundary.
+
 The wrapper reads no device memory on the host (shapes, strides and the SM count only):
 capturable in a CUDA graph once compiled by an eager call.
 """
@@ -35,6 +41,7 @@ import triton.language as tl
 
 from kernels.device import device_facts
 from kernels.gemv.threshold import MAX_M, tuned_config
+from kernels.pdl import pdl_launch, pdl_wait
 
 _TILE = 8192  # weight elements per program per K step (times BLOCK_M below 16 rows)
 _DOT_MIN_M = 16
@@ -57,7 +64,8 @@ def _skinny_kernel(
     M, N, K, eps,
     stride_xm, stride_xk, stride_wn, stride_wk, stride_om, stride_rm, stride_rk,
     HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, USE_DOT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     pid = tl.program_id(0)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -68,6 +76,12 @@ def _skinny_kernel(
     dtype = out_ptr.dtype.element_ty
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
     x_rows = x_ptr + rm[:, None] * stride_xm
+    if PREFETCH:
+        # One step covers K: the program's whole weight slice is requested before waiting
+        # for the previous kernel (kernels/pdl: no kernel of the step writes weights), so
+        # its latency overlaps that kernel.
+        w = tl.load(w_rows + rk[None, :] * stride_wk, mask=n_ok[:, None] & (rk < K)[None, :], other=0.0)
+    pdl_wait(PDL)
     if NORM:
         # RMSNorm of the stream first: every program sums its rows' squares (M x K values,
         # a few KB from L2); program 0 also writes the new residual stream.
@@ -85,7 +99,8 @@ def _skinny_kernel(
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + rk
         k_ok = ks < K
-        w = tl.load(w_rows + ks[None, :] * stride_wk, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        if not PREFETCH:
+            w = tl.load(w_rows + ks[None, :] * stride_wk, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         x_mask = m_ok[:, None] & k_ok[None, :]
         if NORM:
             # kernels/norm's rounding: the normalised row to the dtype, then times the weight.
@@ -157,6 +172,13 @@ def _check(x: torch.Tensor, weight: torch.Tensor, width: int) -> None:
         raise ValueError(f"the skinny GEMM takes at most {MAX_M} rows, got {x.shape[0]}")
 
 
+def _prefetch(pdl: bool, block_k: int, k: int) -> bool:
+    """Whether programs request their weight slice before waiting for the previous kernel:
+    with PDL, where one step covers K. (A loop that carried each next tile across steps
+    measured slower than the plain one: bench/RESULTS.md, issue 10, round 5.)"""
+    return pdl and block_k >= k
+
+
 def _launch(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
     config_override: tuple[int, int, int, int] | None, *, silu_mul: bool = False,
@@ -168,11 +190,14 @@ def _launch(
     block_m, block_n, block_k, num_warps = config_override or config(m, n, k, x.device)
     residual, norm_weight, eps, res_out = norm if norm is not None else (None, weight, 0.0, out)
     r = residual if residual is not None else x
+    launch = pdl_launch(x.device)
+    launch["PREFETCH"] = _prefetch(launch["PDL"], block_k, k)
     _skinny_kernel[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else weight, out, r, norm_weight, res_out,
         m, n, k, eps, *x.stride(), *weight.stride(), out.stride(0), *r.stride(),
         HAS_BIAS=bias is not None, SILU_MUL=silu_mul, NORM=norm is not None, HAS_RESIDUAL=residual is not None,
         USE_DOT=block_m >= _DOT_MIN_M, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
+        **launch,
     )
 
 

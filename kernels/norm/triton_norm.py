@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import pdl_launch, pdl_wait
+
 # The longest row one program holds in registers: 16384 covers every Llama-family width.
 MAX_HIDDEN = 16384
 
@@ -34,8 +36,9 @@ def _rms_norm_kernel(
     x_ptr, residual_ptr, weight_ptr, out_ptr, new_residual_ptr,
     stride_xt, stride_xd, stride_rt, stride_rd, stride_w, stride_ot, stride_nt,
     hidden, eps,
-    ADD_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    ADD_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)  # kernels/pdl
     row = tl.program_id(0).to(tl.int64)  # row * stride overflows int32 on long prefills
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
@@ -86,7 +89,7 @@ def _launch(
         x, residual, weight, out, new_residual,
         *x.stride(), *residual.stride(), weight.stride(0), out.stride(0), new_residual.stride(0),
         hidden, eps,
-        ADD_RESIDUAL=add_residual, BLOCK=block, num_warps=_num_warps(block),
+        ADD_RESIDUAL=add_residual, BLOCK=block, num_warps=_num_warps(block), **pdl_launch(x.device),
     )
 
 

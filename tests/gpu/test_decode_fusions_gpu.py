@@ -34,20 +34,27 @@ def bf16_models():
     return hf, ours_from_hf(hf, torch.device("cuda"), torch.bfloat16)
 
 
+def runs_under(loaded, monkeypatch, env: str, values: list[str], ps, params) -> dict:
+    """The bf16 engine's outputs for ``ps`` with ``env`` set to each of ``values``, decoding
+    through its CUDA graphs."""
+    runs = {}
+    for value in values:
+        monkeypatch.setenv(env, value)
+        eng = make(loaded, dtype="bfloat16")
+        runs[value] = eng.generate(ps, params)
+        assert eng.runner.graphs.replays["decode"] > 0
+        eng.close()
+    return runs
+
+
 def test_decode_through_the_skinny_gemm_equals_cublas_and_transformers(bf16_models, monkeypatch):
     hf, loaded = bf16_models
     calls = count_skinny_calls(monkeypatch)
     ps = prompts(4)
     params = SamplingParams(temperature=0, max_tokens=16, logprobs=3, ignore_eos=True)
-    runs = {}
-    for max_m in ("0", "64"):
-        monkeypatch.setenv(threshold.ENV, max_m)
-        eng = make(loaded, dtype="bfloat16")
-        runs[max_m] = eng.generate(ps, params)
-        assert eng.runner.graphs.replays["decode"] > 0
-        eng.close()
-        if max_m == "0":
-            assert calls == {"plain": 0, "silu_mul": 0, "norm": 0}
+    runs = runs_under(loaded, monkeypatch, threshold.ENV, ["0"], ps, params)
+    assert calls == {"plain": 0, "silu_mul": 0, "norm": 0}
+    runs.update(runs_under(loaded, monkeypatch, threshold.ENV, ["64"], ps, params))
     # every layer's four projections (qkv and gate/up with their norms, down with the
     # activation) and the LM head went through the kernel (captured graphs included)
     layers = SMALL["num_hidden_layers"]

@@ -1,0 +1,63 @@
+"""Compile the kernels that take part in programmatic dependent launch (kernels/pdl) for
+Hopper (sm_90) without a GPU, with ``PDL`` on and off, and print what their PTX holds as
+JSON: run by tests/unit/test_pdl.py in a process of its own (without
+``TRITON_INTERPRET``, whose interpreter has no grid dependency control).
+
+Per variant: how many ``griddepcontrol.wait`` and ``griddepcontrol.launch_dependents``
+the PTX has, and how many global loads come before the first wait (the skinny GEMM's
+weight prefetch where one step covers K; otherwise nothing may be read before it).
+
+    python -m tests.pdl_sm90_compile
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+assert "TRITON_INTERPRET" not in os.environ or os.environ["TRITON_INTERPRET"] in ("", "0"), "run without TRITON_INTERPRET"
+
+from tests.sm90_compile import compile_kernel  # noqa: E402
+
+BF16 = {"dtype": "bfloat16"}
+# K: the weight's width the launch is for (the wrapper prefetches where BLOCK_K covers it).
+SKINNY = dict(module="kernels.gemv.triton_gemv", kernel="_skinny_kernel", ptr="*bf16", floats=("eps",), K=2048,
+              constexprs=dict(HAS_BIAS=False, SILU_MUL=False, NORM=False, HAS_RESIDUAL=False, USE_DOT=False,
+                              BLOCK_M=1, BLOCK_N=4, BLOCK_K=2048))
+KERNELS = {
+    "skinny": SKINNY,
+    "skinny norm": {**SKINNY, "constexprs": {**SKINNY["constexprs"], "NORM": True, "HAS_RESIDUAL": True}},
+    "skinny several steps": {**SKINNY, "K": 8192, "constexprs": {**SKINNY["constexprs"], "SILU_MUL": True}},
+    "skinny dot": {**SKINNY, "K": 4096, "constexprs": {**SKINNY["constexprs"], "USE_DOT": True, "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128}},
+    "rms_norm": dict(module="kernels.norm.triton_norm", kernel="_rms_norm_kernel", ptr="*bf16", floats=("eps",),
+                     constexprs=dict(ADD_RESIDUAL=True, BLOCK=2048)),
+    "silu_and_mul": dict(module="kernels.activation.triton_activation", kernel="_silu_and_mul_kernel", ptr="*bf16",
+                         constexprs=dict(BLOCK=1024)),
+    "decode_reduce": dict(module="kernels.attention.triton_attention", kernel="_decode_reduce_kernel", ptr="*fp32",
+                          constexprs=dict(HEAD_DIM=64, BLOCK_S=16, BLOCK_D=64)),
+}
+
+
+def stats(ptx: str) -> dict:
+    body = ptx[ptx.index(".entry"):]
+    first_wait = body.find("griddepcontrol.wait")
+    before = body[:first_wait] if first_wait >= 0 else ""
+    return {"wait": body.count("griddepcontrol.wait"), "launch_dependents": body.count("griddepcontrol.launch_dependents"),
+            "loads_before_wait": len(re.findall(r"\bld\.global", before))}
+
+
+def main() -> dict:
+    out = {}
+    for name, job in KERNELS.items():
+        for pdl in (True, False):
+            flags = {"PDL": pdl}
+            if job["kernel"] == "_skinny_kernel":  # as the wrapper: prefetch where one step covers K
+                flags["PREFETCH"] = pdl and job["constexprs"]["BLOCK_K"] >= job["K"]
+            kernel = compile_kernel({**job, "constexprs": {**job["constexprs"], **flags}})
+            out[f"{name} pdl={pdl}"] = stats(kernel.asm["ptx"])
+    return out
+
+
+if __name__ == "__main__":
+    print(json.dumps(main()))
