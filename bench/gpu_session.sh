@@ -14,6 +14,7 @@
 #   bench/gpu_session.sh moe_fp8                # issue 13's FP8 experts: tests/gpu/test_moe_fp8_gpu.py, bench.moe_fp8_bench (~5-7 min)
 #   bench/gpu_session.sh engine                 # issue 10: the engine's GPU tests and benchmarks
 #   bench/gpu_session.sh decode_fusions         # issue 10: skinny GEMM + fused decode attention: tests, tuned sweep (~8 min)
+#   bench/gpu_session.sh pdl                    # issue 10: programmatic dependent launch: GPU tests, engine off/on A/B (~5 min)
 #   bench/gpu_session.sh fusions_engine         # issue 10: the engine with neither, each and both fusions; profile (~6 min)
 #   QUICK=1 bench/gpu_session.sh engine         # the same, benchmarks shortened (--quick)
 #   bench/gpu_session.sh tp                     # issue 15 on nvidia-h200-x2: the TP GPU tests
@@ -97,6 +98,16 @@ for s in "$@"; do
                   tests/unit/test_attention_kernels.py tests/gpu/test_decode_fusions_gpu.py tests/gpu/test_attention_gpu.py
               step gemv_bench 280 python3 -m bench.gemv_bench --tune --tune-budget-s ${GEMV_TUNE_S:-150} --write-threshold \
                   --out bench/results/gemv_h100.json ;;
+        pdl) # issue 10: programmatic dependent launch (kernels/pdl.py): its GPU tests, then the engine with it off
+             # and on, alternated twice (SmolLM2 and Llama-3.2-1B shapes, ~35 s a run)
+             step pdl_tests 200 python3 -m pytest -v -p no:cacheprovider --timeout 150 tests/gpu/test_pdl_gpu.py \
+                 tests/gpu/test_decode_fusions_gpu.py
+             for r in 1 2; do
+                 for p in 0 1; do
+                     TIDEPOOL_PDL=$p step "gpu_engine_pdl${p}_$r" 100 python3 -m bench.gpu_engine --quick \
+                         --shapes smollm2-135m,llama-3.2-1b --out "bench/results/gpu_engine_pdl${p}_$r.json"
+                 done
+             done ;;
         fusions_engine) # issue 10: the engine without either fusion, with each, with both (one process), then a profile
               step gpu_engine_fusions 300 python3 -m bench.gpu_engine --fusions --shapes smollm2-135m,llama-3.2-1b \
                   --out bench/results/gpu_engine_fusions_h100.json

@@ -4,8 +4,8 @@ launch and ramp instead of queuing behind them.
 Why: at batch 1 a decode step is ~100-300 small kernels, each bound by the bytes of one
 weight. Launched the ordinary way, a kernel's programs are placed only once the previous
 kernel has finished, and its first loads only then leave for memory, so every boundary
-costs a launch plus a memory latency during which the GPU streams nothing: 3-6 us per
-projection on an H200 against 2-15 us of bytes (bench/RESULTS.md, issue 10, round 5). On
+costs a launch plus a memory latency during which the GPU streams nothing: 3-5 us per
+projection on an H200 against 2-8 us of bytes (bench/RESULTS.md, issue 10, round 5). On
 Hopper (SM90+), a kernel launched with the programmatic-stream-serialization attribute
 (Triton's ``launch_pdl=True``) may start as soon as every program of the previous kernel
 has executed ``griddepcontrol.launch_dependents``; it must execute
