@@ -46,6 +46,7 @@ from bench.common import git_commit, kernel_bench_parser, table
 from bench.gpu_timing import copies_for, kernel_timer
 from kernels.gemv import reference as ref
 from kernels.gemv import threshold as thr
+from kernels.pdl import pdl_enabled
 
 # name -> (layers, [(projection, N, K)]). What is folded into ours (and run before cuBLAS as
 # the model runs it): the residual add and RMSNorm into qkv and gate/up, SwiGLU into down.
@@ -211,7 +212,8 @@ def main() -> None:
     rows = run(device, models, ms, torch.float32 if toy else torch.bfloat16, tune=args.tune, budget_s=args.tune_budget_s)
     sums = step_sums(rows, models)
     name = "cpu (interpreter: timings mean nothing)" if toy else torch.cuda.get_device_name(device)
-    print(f"\n## {name}, torch {torch.__version__}, commit {git_commit()}\n")
+    pdl = pdl_enabled(device)  # ours overlaps the previous kernel's tail with it (kernels/pdl), cuBLAS does not
+    print(f"\n## {name}, torch {torch.__version__}, commit {git_commit()}, PDL {'on' if pdl else 'off'}\n")
     print(table(["model", "proj", "N x K", "M", "ours us", "cuBLAS us", "cuBLAS/ours", "ours GB/s", "config (BM, BN, BK, warps)", "untuned us"],
                 [[r["model"], r["proj"], f"{r['n']}x{r['k']}", r["m"], f"{r['ours_ms'] * 1e3:.2f}", f"{r['cublas_ms'] * 1e3:.2f}",
                   f"{r['ratio']:.2f}x", f"{r['ours_gb_s']:.0f}", r["config"], f"{r['untuned_ms'] * 1e3:.2f}"] for r in rows]))
@@ -221,7 +223,7 @@ def main() -> None:
     if args.write_threshold and not toy:
         print(f"\nwrote max_m = {write_threshold(rows, sums, name)} and per shape {shape_thresholds(rows)} for {name} to {thr.THRESHOLD_FILE}")
     if args.out:
-        Path(args.out).write_text(json.dumps(dict(device=name, torch=torch.__version__, commit=git_commit(),
+        Path(args.out).write_text(json.dumps(dict(device=name, torch=torch.__version__, commit=git_commit(), pdl=pdl,
                                                   date=datetime.now(timezone.utc).isoformat(timespec="seconds"), rows=rows, step_sums=sums), indent=1))
 
 

@@ -287,7 +287,8 @@ def report(res: dict) -> None:
     f = lambda x, d=2: f"{x:,.{d}f}"  # noqa: E731
     if "ours_async" in res:
         a, s, hf = res["ours_async"], res["ours_sync"], res
-        print(f"\n{res['device']}, torch {res['torch']}, bf16, SmolLM2-135M shape (random weights)\n")
+        pdl = {True: "PDL on", False: "PDL off"}.get(res.get("pdl"), "PDL not recorded")
+        print(f"\n{res['device']}, torch {res['torch']}, bf16, {pdl}, SmolLM2-135M shape (random weights)\n")
         rows = [
             ["decode b1, ms/step", f(a["b1"]["ms_per_step"], 3), f(hf["hf_b1"]["ms_per_step"]), f(hf["hf_b1"]["ms_per_step"] / a["b1"]["ms_per_step"], 1) + "x", "<= 0.9"],
             ["decode b64, tokens/s", f(a["b64"]["tokens_per_s"], 0), f(hf["hf_b64"]["tokens_per_s"], 0), f(a["b64"]["tokens_per_s"] / hf["hf_b64"]["tokens_per_s"], 1) + "x", ">= 45,000"],
@@ -335,7 +336,9 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     global QUICK
     QUICK = args.quick
-    res: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "quick": QUICK}
+    from kernels.pdl import pdl_enabled
+
+    res: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "quick": QUICK, "pdl": pdl_enabled("cuda")}
     for shape in args.shapes.split(","):
         if args.fusions:
             fusions(res, shape, args.skinny_max_m)
