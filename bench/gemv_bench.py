@@ -73,14 +73,14 @@ def projection(name: str, m: int, k: int, device: torch.device, dtype: torch.dty
         h, residual = torch.randn(m, k, device=device, dtype=dtype), torch.randn(m, k, device=device, dtype=dtype)
         nw = 1 + 0.1 * torch.randn(k, device=device, dtype=dtype)
         return (
-            lambda w, cfg=None: triton_gemv.norm_skinny_linear(h, residual, nw, EPS, w, config_override=cfg)[0],
+            lambda w, cfg=None: triton_gemv.norm_skinny_linear(h, residual, nw, EPS, w, config_override=cfg, static_weight=True)[0],
             lambda w: torch.nn.functional.linear(ops.fused_add_rms_norm(h, residual, nw, EPS)[0], w),
             lambda w: ref.norm_skinny_linear(h.float(), residual.float(), nw.float(), EPS, w.float())[0],
         )
     fused = name == "down"
     x = torch.randn(m, 2 * k if fused else k, device=device, dtype=dtype)
     return (
-        lambda w, cfg=None: triton_gemv.skinny_linear(x, w, silu_mul=fused, config_override=cfg),
+        lambda w, cfg=None: triton_gemv.skinny_linear(x, w, silu_mul=fused, config_override=cfg, static_weight=True),
         (lambda w: torch.nn.functional.linear(ops.silu_and_mul(x), w)) if fused else (lambda w: torch.nn.functional.linear(x, w)),
         lambda w: ref.skinny_linear(x.float(), w.float(), silu_mul=fused),
     )

@@ -14,7 +14,10 @@ anything at all. CUDA graphs keep the attribute as a programmatic edge.
 
 The contract every kernel here follows, which makes the overlap safe:
 
-- before ``pdl_wait``, a program only *reads* data no kernel of the step writes (weights);
+- before ``pdl_wait``, a program only *reads*, and only a weight its caller declared
+  static (the skinny GEMM's ``static_weight``: a loaded model's). Nothing the previous
+  kernel wrote is guaranteed visible before the wait, so a weight some kernel may just
+  have written (a test's ``torch.randn``, a conversion at load) waits like any input;
 - every program calls ``pdl_wait`` (``gdc_wait``, then ``gdc_launch_dependents``) before
   any other read and before any write. So kernel N+1 can run its prologue while kernel N
   computes, but nothing of N+1 that depends on N, and nothing that N or N-1 could still

@@ -25,7 +25,8 @@ pair to rounding, not bit for bit.
 
 On Hopper the kernel takes part in programmatic dependent launch (kernels/pdl): its programs
 start while the previous kernel finishes and wait for it before reading their inputs, and
-where one step covers K they request their whole weight slice before that wait. So a
+for a static weight (``static_weight=True``: the model's) where one step covers K they
+request their whole weight slice before that wait. So a
 decode step's chain of projections does not pay a launch and a memory latency at every
 boundary.
 
@@ -172,17 +173,19 @@ def _check(x: torch.Tensor, weight: torch.Tensor, width: int) -> None:
         raise ValueError(f"the skinny GEMM takes at most {MAX_M} rows, got {x.shape[0]}")
 
 
-def _prefetch(pdl: bool, block_k: int, k: int) -> bool:
+def _prefetch(pdl: bool, static_weight: bool, block_k: int, k: int) -> bool:
     """Whether programs request their weight slice before waiting for the previous kernel:
-    with PDL, where one step covers K. (A loop that carried each next tile across steps
-    measured slower than the plain one: bench/RESULTS.md, issue 10, round 5.)"""
-    return pdl and block_k >= k
+    with PDL, for a weight the caller declares static, where one step covers K. (Before the
+    wait nothing the previous kernel wrote is guaranteed visible, so a weight that kernel
+    might have just written must wait like any input. A loop that carried each next tile
+    across steps measured slower than the plain one: bench/RESULTS.md, issue 10, round 5.)"""
+    return pdl and static_weight and block_k >= k
 
 
 def _launch(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
     config_override: tuple[int, int, int, int] | None, *, silu_mul: bool = False,
-    norm: tuple[torch.Tensor | None, torch.Tensor, float, torch.Tensor] | None = None,
+    norm: tuple[torch.Tensor | None, torch.Tensor, float, torch.Tensor] | None = None, static_weight: bool = False,
 ) -> None:
     m, n, k = x.shape[0], weight.shape[0], weight.shape[1]
     if m == 0 or n == 0:
@@ -191,7 +194,7 @@ def _launch(
     residual, norm_weight, eps, res_out = norm if norm is not None else (None, weight, 0.0, out)
     r = residual if residual is not None else x
     launch = pdl_launch(x.device)
-    launch["PREFETCH"] = _prefetch(launch["PDL"], block_k, k)
+    launch["PREFETCH"] = _prefetch(launch["PDL"], static_weight, block_k, k)
     _skinny_kernel[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else weight, out, r, norm_weight, res_out,
         m, n, k, eps, *x.stride(), *weight.stride(), out.stride(0), *r.stride(),
@@ -203,23 +206,27 @@ def _launch(
 
 def skinny_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, silu_mul: bool = False,
-    config_override: tuple[int, int, int, int] | None = None,
+    config_override: tuple[int, int, int, int] | None = None, static_weight: bool = False,
 ) -> torch.Tensor:
     """``x @ weight.T + bias`` for ``x`` ``[M, K]`` (``[M, 2K]`` with ``silu_mul``), M <= 64;
     the output is new, contiguous, in ``x``'s dtype. ``config_override``: a configuration
-    of ``candidates`` (the tuning sweep), else ``config``'s."""
+    of ``candidates`` (the tuning sweep), else ``config``'s. ``static_weight``: no kernel
+    writes ``weight`` any more (a loaded model's), so with PDL it may be read before the
+    previous kernel has completed."""
     _check(x, weight, 2 * weight.shape[-1] if silu_mul else weight.shape[-1])
     out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
-    _launch(x, weight, bias, out, config_override, silu_mul=silu_mul)
+    _launch(x, weight, bias, out, config_override, silu_mul=silu_mul, static_weight=static_weight)
     return out
 
 
 def norm_skinny_linear(
     x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
     weight: torch.Tensor, bias: torch.Tensor | None = None, *, config_override: tuple[int, int, int, int] | None = None,
+    static_weight: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(linear(rms_norm(x + residual)), x + residual)`` in one launch (``residual`` None:
-    no add, and the stream returned is ``x`` itself); the reference's signature."""
+    no add, and the stream returned is ``x`` itself); the reference's signature, plus
+    ``skinny_linear``'s ``config_override`` and ``static_weight``."""
     _check(x, weight, weight.shape[-1])
     if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
         raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} must match x {tuple(x.shape)} {x.dtype}")
@@ -227,5 +234,5 @@ def norm_skinny_linear(
         raise ValueError(f"norm weight must be a contiguous [{x.shape[1]}], got {tuple(norm_weight.shape)}")
     out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
     stream = torch.empty_like(x, memory_format=torch.contiguous_format) if residual is not None else x
-    _launch(x, weight, bias, out, config_override, norm=(residual, norm_weight, eps, stream))
+    _launch(x, weight, bias, out, config_override, norm=(residual, norm_weight, eps, stream), static_weight=static_weight)
     return out, stream

@@ -34,7 +34,7 @@ def linear_weight(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if _skinny(x, weight):
         from kernels.gemv.triton_gemv import skinny_linear
 
-        return skinny_linear(x, weight, bias)
+        return skinny_linear(x, weight, bias, static_weight=True)
     return F.linear(x, weight, bias)
 
 
@@ -53,7 +53,7 @@ def norm_linear(norm: nn.Module, module: nn.Module, h: torch.Tensor, residual: t
     if type(module) is nn.Linear and _skinny(h, module.weight) and norm.weight.dtype == h.dtype:
         from kernels.gemv.triton_gemv import norm_skinny_linear
 
-        return norm_skinny_linear(h, residual, norm.weight, norm.eps, module.weight, module.bias)
+        return norm_skinny_linear(h, residual, norm.weight, norm.eps, module.weight, module.bias, static_weight=True)
     x, stream = (norm(h), h) if residual is None else norm.add_and_norm(h, residual)
     return linear(module, x), stream
 
@@ -65,5 +65,5 @@ def silu_mul_linear(module: nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
     if type(module) is nn.Linear and _skinny(gate_up, module.weight):
         from kernels.gemv.triton_gemv import skinny_linear
 
-        return skinny_linear(gate_up, module.weight, module.bias, silu_mul=True)
+        return skinny_linear(gate_up, module.weight, module.bias, silu_mul=True, static_weight=True)
     return module(ops_for(gate_up.device).silu_and_mul(gate_up))

@@ -31,8 +31,8 @@ def _chain(x, residual, weights, norm_weight):
     """Ten layers of dependent kernels: every launch reads what the one before wrote."""
     h, r = x, residual
     for w_up, w_down in weights:
-        a, r = norm_skinny_linear(h, r, norm_weight, 1e-5, w_up)  # add + norm + gate/up
-        h = skinny_linear(a, w_down, silu_mul=True)  # SwiGLU + down
+        a, r = norm_skinny_linear(h, r, norm_weight, 1e-5, w_up, static_weight=True)  # add + norm + gate/up
+        h = skinny_linear(a, w_down, silu_mul=True, static_weight=True)  # SwiGLU + down
         h, r = fused_add_rms_norm(h, r, norm_weight, 1e-5)  # a separate norm kernel
         h = skinny_linear(silu_and_mul(torch.cat([h, h], dim=1)), w_down[:, : h.shape[1]].contiguous())
     return h, r

@@ -248,22 +248,25 @@ def test_model_through_the_skinny_gemm_equals_the_plain_path(monkeypatch):
 
 @pytest.mark.parametrize("kind", ["plain", "silu_mul", "norm"])
 def test_the_weight_slice_requested_before_the_wait_computes_the_same(kind, monkeypatch):
-    """The PDL path's prefetch (kernels/pdl; on the GPU only with PDL) forced on here: where
-    one step covers K the program's weight slice is loaded before the loop, and the result
-    is the reference's. A K past one step never prefetches."""
+    """The PDL path's prefetch (kernels/pdl; on the GPU only with PDL, for a static weight)
+    forced on here: where one step covers K the program's weight slice is loaded before the
+    loop, and the result is the reference's. A K past one step never prefetches."""
+    assert tri._prefetch(True, True, 1024, 576)  # PDL, a static weight, one step covers K
+    assert not tri._prefetch(True, False, 1024, 576)  # a weight the previous kernel may have written
+    assert not tri._prefetch(True, True, 512, 576) and not tri._prefetch(False, True, 1024, 576)
     seed = torch.randint(0, 2**31, ()).item()
-    monkeypatch.setattr(tri, "_prefetch", lambda pdl, block_k, k: block_k >= k)
-    assert tri._prefetch(False, 1024, 576) and not tri._prefetch(False, 512, 576)
+    monkeypatch.setattr(tri, "_prefetch", lambda pdl, static_weight, block_k, k: static_weight and block_k >= k)
     m, n, k = 3, 40, 96
     w = _rand(n, k, seed=seed) / k**0.5
     cfg = (4, 8, 128, 4)  # one step covers K = 96
     if kind == "norm":
         x, r, nw = _rand(m, k, seed=seed + 1), _rand(m, k, seed=seed + 2), 1 + 0.1 * _rand(k, seed=seed + 3)
-        got, stream = tri.norm_skinny_linear(x, r, nw, 1e-5, w, config_override=cfg)
+        got, stream = tri.norm_skinny_linear(x, r, nw, 1e-5, w, config_override=cfg, static_weight=True)
         want, want_stream = ref.norm_skinny_linear(x, r, nw, 1e-5, w)
         torch.testing.assert_close(stream, want_stream, **TOL)
     else:
         silu = kind == "silu_mul"
         x = _rand(m, 2 * k if silu else k, seed=seed + 1)
-        got, want = tri.skinny_linear(x, w, silu_mul=silu, config_override=cfg), ref.skinny_linear(x, w, silu_mul=silu)
+        got = tri.skinny_linear(x, w, silu_mul=silu, config_override=cfg, static_weight=True)
+        want = ref.skinny_linear(x, w, silu_mul=silu)
     torch.testing.assert_close(got, want, **TOL)
