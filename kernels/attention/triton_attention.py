@@ -599,6 +599,7 @@ def paged_decode_attention_splits(
         rope_args, rope_strides = rope, (*k.stride(), *v.stride(), positions.stride(0), *cos.stride(), *sin.stride())
     else:  # never read without ROPE
         rope_args, rope_strides = (q, q, seq_lens, q, q, seq_lens), (0,) * 11
+    pdl = pdl_launch(q.device)
     _decode_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse, *rope_args,
         scale * _LOG2E,
@@ -609,13 +610,13 @@ def paged_decode_attention_splits(
         BLOCK_D=block_d, BLOCK_SIZE=k_cache.shape[1], ROPE=rope is not None, HALF=head_dim // 2,
         num_warps=_DECODE_NUM_WARPS, num_stages=_DECODE_NUM_STAGES,
         enable_fp_fusion=rope is None,  # the rotation bit-identical to rotary_store_kv's
-        **pdl_launch(q.device),
+        **pdl,
     )
     if num_splits > 1:
         _decode_reduce_kernel[(batch, num_heads)](
             part_out, part_lse, out, *out.stride(), num_heads, num_splits,
             HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
-            num_warps=1 if block_d <= 64 else 2, **pdl_launch(q.device),
+            num_warps=1 if block_d <= 64 else 2, **pdl,
         )
     return out
 

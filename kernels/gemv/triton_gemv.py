@@ -26,9 +26,8 @@ pair to rounding, not bit for bit.
 On Hopper the kernel takes part in programmatic dependent launch (kernels/pdl): its programs
 start while the previous kernel finishes and wait for it before reading their inputs, and
 for a static weight (``static_weight=True``: the model's) where one step covers K they
-request their whole weight slice before that wait. So a
-decode step's chain of projections does not pay a launch and a memory latency at every
-boundary.
+request their whole weight slice before that wait. So a decode step's chain of
+projections does not pay a launch and a memory latency at every boundary.
 
 The wrapper reads no device memory on the host (shapes, strides and the SM count only):
 capturable in a CUDA graph once compiled by an eager call.
@@ -78,9 +77,9 @@ def _skinny_kernel(
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
     x_rows = x_ptr + rm[:, None] * stride_xm
     if PREFETCH:
-        # One step covers K: the program's whole weight slice is requested before waiting
-        # for the previous kernel (kernels/pdl: no kernel of the step writes weights), so
-        # its latency overlaps that kernel.
+        # One step covers K and the caller declared the weight static (``_prefetch``): the
+        # program's whole weight slice is requested before waiting for the previous kernel
+        # (kernels/pdl), so its latency overlaps that kernel.
         w = tl.load(w_rows + rk[None, :] * stride_wk, mask=n_ok[:, None] & (rk < K)[None, :], other=0.0)
     pdl_wait(PDL)
     if NORM:
