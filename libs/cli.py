@@ -25,6 +25,7 @@ from libs.engine import EngineConfig, InvalidRequestError, LLM, SamplingParams
 from libs.engine.spec import parse_speculative_config
 from libs.model import IncrementalDetokenizer, ModelNotFoundError
 from libs.model.moe.options import STRATEGIES
+from libs.model.weight_cache import resolve_cache_dir
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -57,6 +58,11 @@ def _build_parser() -> argparse.ArgumentParser:
         "--async-scheduling", choices=("auto", "on", "off"), default="auto",
         help="launch each step before the previous one's tokens are read back (default auto: on only where measured faster)",
     )
+    g.add_argument(
+        "--cache-dir", default="auto",
+        help="where a GGUF's converted weights are cached and memory-mapped on the next run (a warm run skips "
+        "conversion, as the services do); auto (default): $XDG_CACHE_HOME/tidepool or ~/.cache/tidepool; none: off",
+    )
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     g.add_argument(
         "--speculative-config", default=None, metavar="JSON",
@@ -78,6 +84,7 @@ def _generate(args: argparse.Namespace) -> int:
         tensor_parallel_size=args.tensor_parallel_size,
         async_scheduling=args.async_scheduling,
         speculative_config=args.speculative_config,
+        weight_cache_dir=str(cache) if (cache := resolve_cache_dir(args.cache_dir)) else None,
     ))
     try:
         return _run(engine, args, params)

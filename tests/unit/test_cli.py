@@ -56,12 +56,23 @@ def start(args: list[str]) -> subprocess.Popen:
 
 
 @pytest.fixture(scope="module")
-def runs() -> dict[str, tuple[int, str, str]]:
-    procs = {name: start(args) for name, args in {**RUNS, **{k: v[0] for k, v in BAD_ARGS.items()}}.items()}
+def weight_cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("weight-cache")
+
+
+@pytest.fixture(scope="module")
+def runs(weight_cache) -> dict[str, tuple[int, str, str]]:
+    """The first model run converts the GGUF into ``weight_cache`` (the bad-argument runs,
+    which load nothing, beside it); the other model runs then start together and map it."""
+    cache = ["--cache-dir", str(weight_cache)]
+    first, *rest = RUNS
+    waves = [{first: RUNS[first] + cache, **{k: v[0] for k, v in BAD_ARGS.items()}}, {name: RUNS[name] + cache for name in rest}]
     results = {}
-    for name, p in procs.items():
-        out, err = p.communicate(timeout=600)
-        results[name] = (p.returncode, out, err)
+    for wave in waves:
+        procs = {name: start(args) for name, args in wave.items()}
+        for name, p in procs.items():
+            out, err = p.communicate(timeout=600)
+            results[name] = (p.returncode, out, err)
     return results
 
 
@@ -128,3 +139,12 @@ def test_bad_input_exits_2_with_one_line(runs, name):
     assert "Traceback" not in err
     expected = BAD_ARGS[name][1] if name in BAD_ARGS else "maximum context length"
     assert expected in lines[0]
+
+
+def test_model_runs_share_one_weight_cache_entry(runs, weight_cache):
+    """``--cache-dir``: the first run stored the converted weights, whole (no temporary
+    directory left behind); the runs after it found the entry and added none."""
+    assert all(runs[name][0] == 0 for name in RUNS if name != "too_long")
+    entries = list((weight_cache / "gguf").iterdir())
+    assert len(entries) == 1, entries
+    assert {p.name for p in entries[0].iterdir()} == {"model.safetensors", "meta.json"}
