@@ -17,8 +17,9 @@ row: ms, TFLOP/s, the hybrid's speed relative to the best other candidate (goal 
 to the dense rate (goal >= 0.6 at prefill sizes).
 
 ``--write-thresholds`` first times masked against contiguous on a finer token grid, and
-contiguous against ``torch._grouped_mm`` at 4096 and 16384 tokens, and writes the crossover
-(the largest count where masked is not slower) and the faster large-batch executor per GPU
+contiguous against ``torch._grouped_mm`` on that grid and at 4096 and 16384 tokens, and
+writes the crossover (the largest count where masked is not slower), the faster
+large-batch executor and, where that is grouped_mm, the count from which it wins per GPU
 and layer shape into libs/model/moe/hybrid_thresholds.json, which the hybrid then uses.
 
 GPU: ``python -m bench.moe_bench --out bench/results/moe_bench_h100.json``.
@@ -136,18 +137,36 @@ def measure_thresholds(shapes: dict[str, LayerShape], device: torch.device, time
             masked_wins = masked_wins and masked <= contiguous  # the crossover ends the masked range
             if masked_wins:
                 crossover = t
-        large = {}  # contiguous against torch._grouped_mm on large batches, where it runs
+        large = {}  # contiguous against torch._grouped_mm on every count, where it runs
         if cand["torch._grouped_mm"] is not None:
-            for t in large_tokens:
+            for t in [*tokens, *large_tokens]:
                 x, r = layer.inputs(t, "topk")
-                large[t] = (time_ms(lambda: cand["contiguous"](x, r, layer.w13, layer.w2)), time_ms(lambda: cand["torch._grouped_mm"](x, r, layer.w13, layer.w2)))
-        wins = bool(large) and sum(g for _, g in large.values()) < sum(c for c, _ in large.values())
+                contiguous = rows[t][1] if t in rows else time_ms(lambda: cand["contiguous"](x, r, layer.w13, layer.w2))
+                large[t] = (contiguous, time_ms(lambda: cand["torch._grouped_mm"](x, r, layer.w13, layer.w2)))
+        top = {t: large[t] for t in large_tokens if t in large}
+        wins = bool(top) and sum(g for _, g in top.values()) < sum(c for c, _ in top.values())
         out[shape.key()] = {
             "name": name, "max_masked_tokens": crossover, "ms_masked_contiguous": rows,
             "large": "grouped_mm" if wins else "contiguous", "ms_contiguous_grouped_mm": large,
         }
-        print(f"threshold {name}: masked up to {crossover} tokens, {out[shape.key()]['large']} above", flush=True)
+        if wins:
+            out[shape.key()]["min_grouped_mm_tokens"] = max(grouped_mm_crossover(large), crossover + 1)
+        tiers = f"contiguous, grouped_mm from {out[shape.key()]['min_grouped_mm_tokens']}" if wins else "contiguous"
+        print(f"threshold {name}: masked up to {crossover} tokens, then {tiers}", flush=True)
     return out
+
+
+def grouped_mm_crossover(times: dict[int, tuple[float, float]]) -> int:
+    """The smallest measured token count from which ``torch._grouped_mm`` was faster than
+    contiguous at that count and every larger one (``times``: count -> (contiguous ms,
+    grouped_mm ms)); past the largest count if it never was at the top."""
+    start = max(times) + 1
+    for t in sorted(times, reverse=True):
+        contiguous, grouped = times[t]
+        if grouped >= contiguous:
+            break
+        start = t
+    return start
 
 
 def write_thresholds(measured: dict, device: torch.device, commit: str, path: Path = strategy.THRESHOLDS_PATH) -> None:
@@ -156,6 +175,7 @@ def write_thresholds(measured: dict, device: torch.device, commit: str, path: Pa
     for key, m in measured.items():
         entries[key] = {
             "max_masked_tokens": m["max_masked_tokens"], "large": m["large"], "provisional": False,
+            **({"min_grouped_mm_tokens": m["min_grouped_mm_tokens"]} if "min_grouped_mm_tokens" in m else {}),
             "source": f"bench/moe_bench.py --write-thresholds, {datetime.date.today()}, commit {commit}, topk routing",
             "ms_masked_contiguous": {str(t): [round(a, 4), round(b, 4)] for t, (a, b) in m["ms_masked_contiguous"].items()},
             "ms_contiguous_grouped_mm": {str(t): [round(a, 4), round(b, 4)] for t, (a, b) in m["ms_contiguous_grouped_mm"].items()},

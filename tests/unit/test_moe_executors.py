@@ -100,6 +100,32 @@ def test_hybrid_picks_by_token_count():
     assert contiguous.for_tokens(1) is contiguous
 
 
+def test_hybrid_largest_tier_runs_from_its_count_and_never_inside_a_capture():
+    """Three tiers: masked, contiguous, then (where measured faster) a non-capturable one;
+    inside a graph capture the contiguous tier takes the last tier's batches."""
+    masked, contiguous, loop = ex.MaskedExecutor(reference_moe_ops()), ex.ContiguousExecutor(reference_moe_ops()), ex.LoopExecutor()
+    hybrid = ex.HybridExecutor(masked, contiguous, 8, largest=loop, min_largest_tokens=100)
+    assert [hybrid.for_tokens(t) for t in (1, 8, 9, 99, 100, 4096)] == [masked, masked, contiguous, contiguous, loop, loop]
+    assert [hybrid.for_tokens(t, capturing=True) for t in (8, 99, 100, 4096)] == [masked, contiguous, contiguous, contiguous]
+    assert hybrid.graph_safe  # every batch size has a capturable executor
+    x, routing, w13, w2 = problem(13, "skewed", seed=3)
+    torch.testing.assert_close(ex.HybridExecutor(masked, contiguous, 8, loop, 13)(x, routing, w13, w2), loop(x, routing, w13, w2))
+    with pytest.raises(ValueError, match="go together"):
+        ex.HybridExecutor(masked, contiguous, 8, largest=loop)
+    with pytest.raises(ValueError, match="must exceed"):
+        ex.HybridExecutor(masked, contiguous, 8, largest=loop, min_largest_tokens=8)
+
+
+def test_grouped_mm_crossover_is_where_it_wins_from_then_on():
+    from bench.moe_bench import grouped_mm_crossover
+
+    # (contiguous ms, grouped_mm ms): grouped wins at 8 (noise), loses at 64, wins from 256 on
+    times = {1: (1.0, 2.0), 8: (1.0, 0.5), 64: (1.0, 2.0), 256: (2.0, 1.5), 4096: (5.0, 4.0)}
+    assert grouped_mm_crossover(times) == 256
+    assert grouped_mm_crossover({1: (1.0, 0.5), 64: (2.0, 1.0)}) == 1
+    assert grouped_mm_crossover({1: (1.0, 0.5), 64: (1.0, 2.0)}) == 65  # loses at the top: never
+
+
 # -- selection --------------------------------------------------------------------------------
 
 SHAPE = LayerShape(E, K, H, INTER)
@@ -190,8 +216,18 @@ def test_grouped_mm_competes_in_the_hybrid_as_measured_data(tmp_path, monkeypatc
     assert "grouped_mm above" in sel.reason
     x, routing, w13, w2 = problem(13, "skewed", seed=1, dtype=torch.bfloat16)
     torch.testing.assert_close(sel.executor(x, routing, w13, w2).float(), ex.LoopExecutor()(x, routing, w13, w2).float(), atol=2e-2, rtol=2e-2)
+    assert sel.executor.for_tokens(5, capturing=True).name == "contiguous"  # grouped_mm is not capturable
     fp32 = select_executor("hybrid", CPU, torch.float32, SHAPE)  # grouped_mm cannot run fp32: contiguous
     assert fp32.executor.for_tokens(5).name == "contiguous"
+
+
+@pytest.mark.skipif(not strategy.grouped_mm_usable(CPU, torch.bfloat16, SHAPE), reason="this torch has no CPU _grouped_mm")
+def test_grouped_mm_starts_at_its_measured_crossover(tmp_path, monkeypatch):
+    """``min_grouped_mm_tokens``: contiguous between the masked range and it."""
+    _thresholds_file(tmp_path, monkeypatch, {"max_masked_tokens": 4, "large": "grouped_mm", "min_grouped_mm_tokens": 20})
+    sel = select_executor("hybrid", CPU, torch.bfloat16, SHAPE)
+    assert [sel.executor.for_tokens(t).name for t in (4, 5, 19, 20, 4096)] == ["masked", "contiguous", "contiguous", "grouped_mm", "grouped_mm"]
+    assert "contiguous up to 19, grouped_mm from 20" in sel.reason
 
 
 def test_graph_capture_refuses_a_non_capturable_executor(monkeypatch, tmp_path):
@@ -212,6 +248,11 @@ def test_graph_capture_refuses_a_non_capturable_executor(monkeypatch, tmp_path):
     with pytest.raises(RuntimeError, match="'loop'.*cannot be captured"):
         moe_block(x)
     moe_block.strategy, moe_block.selection = "contiguous", None
+    assert moe_block(x).shape == (3, H)
+    # A hybrid whose last tier cannot be captured runs that tier's batches on contiguous there.
+    ops = reference_moe_ops()
+    hybrid = ex.HybridExecutor(ex.MaskedExecutor(ops), ex.ContiguousExecutor(ops), 1, largest=ex.LoopExecutor(), min_largest_tokens=2)
+    moe_block.strategy, moe_block.selection = "hybrid", strategy.Selection(hybrid, "hybrid", "test")
     assert moe_block(x).shape == (3, H)
     # A hybrid is judged by what it picks for the batch: masked decode captures even when
     # large batches would go to a non-capturable executor.

@@ -80,8 +80,9 @@ class SparseMoeBlock(nn.Module):
             shape = LayerShape(self.w13.shape[0], routing.ids.shape[1], self.w13.shape[2], self.w2.shape[2])
             self.selection = select_executor(self.strategy, x.device, x.dtype, shape, fp8=self.fp8)
             log.info("MoE experts %s: %s", shape.key(), self.selection.reason)
-        executor = self.selection.executor.for_tokens(x.shape[0])
-        if not executor.graph_safe and capturing_graph(x.device):
+        capturing = capturing_graph(x.device)
+        executor = self.selection.executor.for_tokens(x.shape[0], capturing)
+        if not executor.graph_safe and capturing:
             raise RuntimeError(
                 f"the MoE executor {executor.name!r} (moe_strategy={self.strategy!r}) cannot be captured in a CUDA "
                 "graph; use moe_strategy auto, hybrid, contiguous or masked, or turn CUDA graphs off"

@@ -61,8 +61,10 @@ class ExpertExecutor(ABC):
     def run(self, x: torch.Tensor, routing: Routing, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
         """The experts' weighted sum for a non-empty batch."""
 
-    def for_tokens(self, num_tokens: int) -> "ExpertExecutor":
-        """The executor that actually runs a batch of this size (the hybrid delegates)."""
+    def for_tokens(self, num_tokens: int, capturing: bool = False) -> "ExpertExecutor":
+        """The executor that actually runs a batch of this size (the hybrid delegates);
+        ``capturing``: inside a CUDA graph capture (the hybrid then keeps to its capturable
+        tiers)."""
         return self
 
     def __repr__(self) -> str:
@@ -150,21 +152,37 @@ class MaskedExecutor(ExpertExecutor):
 
 
 class HybridExecutor(ExpertExecutor):
-    """``small`` (masked) for ``num_tokens <= max_masked_tokens``, ``large`` above. Whether a
-    batch can be captured in a CUDA graph is the chosen executor's: ``for_tokens(n).graph_safe``."""
+    """``small`` (masked) for ``num_tokens <= max_masked_tokens``, ``large`` (contiguous)
+    above; with a ``largest`` tier (``torch._grouped_mm`` where it was measured faster), that
+    one from ``min_largest_tokens`` up. ``largest`` need not be capturable: inside a CUDA
+    graph capture its batches run on ``large`` (``for_tokens(n, capturing=True)``), so the
+    hybrid is capturable wherever ``small`` and ``large`` are."""
 
     name = "hybrid"
 
-    def __init__(self, small: ExpertExecutor, large: ExpertExecutor, max_masked_tokens: int):
+    def __init__(
+        self, small: ExpertExecutor, large: ExpertExecutor, max_masked_tokens: int,
+        largest: ExpertExecutor | None = None, min_largest_tokens: int | None = None,
+    ):
+        if (largest is None) != (min_largest_tokens is None):
+            raise ValueError("largest and min_largest_tokens go together")
+        if min_largest_tokens is not None and min_largest_tokens <= max_masked_tokens:
+            raise ValueError(f"min_largest_tokens ({min_largest_tokens}) must exceed max_masked_tokens ({max_masked_tokens})")
         self.small, self.large, self.max_masked_tokens = small, large, max_masked_tokens
+        self.largest, self.min_largest_tokens = largest, min_largest_tokens
         self.graph_safe = small.graph_safe and large.graph_safe
-        self.runs_fp8 = small.runs_fp8 and large.runs_fp8
+        self.runs_fp8 = all(e.runs_fp8 for e in (small, large, largest) if e is not None)
 
     def pick(self, num_tokens: int) -> ExpertExecutor:
-        return self.small if num_tokens <= self.max_masked_tokens else self.large
+        if num_tokens <= self.max_masked_tokens:
+            return self.small
+        if self.largest is not None and num_tokens >= self.min_largest_tokens:
+            return self.largest
+        return self.large
 
-    def for_tokens(self, num_tokens: int) -> ExpertExecutor:
-        return self.pick(num_tokens)
+    def for_tokens(self, num_tokens: int, capturing: bool = False) -> ExpertExecutor:
+        chosen = self.pick(num_tokens)
+        return self.large if capturing and not chosen.graph_safe and chosen is self.largest else chosen
 
     def run(self, x, routing, w13, w2):
         return self.pick(x.shape[0]).run(x, routing, w13, w2)

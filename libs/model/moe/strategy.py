@@ -31,13 +31,17 @@ optional is imported or probed at module import: the first call does it, and cac
 **CUDA graphs.** The grouped executors are capturable; ``loop`` and ``grouped_mm`` are not
 (yet). The MoE block asks ``capturing_graph`` at each call and refuses, with the strategy's
 name, to run a non-capturable executor inside a capture (for the hybrid: the one it picks
-for the batch, so a hybrid whose large batches go to ``grouped_mm`` still captures decode).
+for the batch inside a capture, which is never ``grouped_mm``: the hybrid captures).
 
 **Hybrid threshold.** Data, not code: hybrid_thresholds.json beside this module, keyed by
 GPU name and layer shape, written by ``bench/moe_bench.py --write-thresholds``: the token
-count up to which masked wins, and (``"large"``) whether our contiguous executor or
-``torch._grouped_mm`` was faster on large batches. That is how ``grouped_mm`` competes in
-automatic selection: as a measured candidate, used only where it runs.
+count up to which masked wins, (``"large"``) whether our contiguous executor or
+``torch._grouped_mm`` was faster on large batches, and where grouped_mm wins
+(``"min_grouped_mm_tokens"``: the count from which it was faster at every larger one
+measured; contiguous between the two ranges). That is how ``grouped_mm`` competes in
+automatic selection: as a measured candidate, used only where it runs, and never inside a
+graph capture (contiguous takes its batches there). An entry without the grouped_mm
+crossover (measured before it was) sends every batch above the masked range to grouped_mm.
 """
 
 from __future__ import annotations
@@ -226,7 +230,11 @@ def _hybrid(device: torch.device, dtype: torch.dtype, shape: LayerShape, fp8: bo
     small, which = _grouped(MaskedExecutor, device, fp8)
     large, _ = _grouped(ContiguousExecutor, device, fp8)
     if not fp8 and entry.get("large") == "grouped_mm" and grouped_mm_usable(device, dtype, shape):
-        large = GroupedMMExecutor(small.ops)
+        # From the measured crossover up (an entry without one: right above the masked range).
+        start = max(int(entry.get("min_grouped_mm_tokens", threshold + 1)), threshold + 1)
+        tiers = f"contiguous up to {start - 1}, grouped_mm from {start}" if start > threshold + 1 else "grouped_mm above"
+        return (HybridExecutor(small, large, threshold, GroupedMMExecutor(small.ops), start),
+                f"{which}, masked up to {threshold} tokens, {tiers} (contiguous inside a graph capture){note}")
     return HybridExecutor(small, large, threshold), f"{which}, masked up to {threshold} tokens, {large.name} above{note}"
 
 
