@@ -35,6 +35,7 @@ from typing import Callable
 import torch
 
 from libs.engine.step_inputs import Layout, PackViews, StepStaging
+from libs.model.graph_capture import for_graph
 from libs.model.llama import LlamaModel
 
 
@@ -126,13 +127,14 @@ class ForwardGraphs:
                 v.seq_lens.zero_()
                 v.query_start_loc.zero_()
                 v.block_tables.zero_()
-                for _ in range(2):  # compiles the Triton kernels, settles allocations
-                    fn(v)
                 graph = torch.cuda.CUDAGraph()
-                # thread_local: another thread's CUDA calls (an earlier engine's worker, a
-                # pool thread freeing pinned memory) do not invalidate this capture.
-                with torch.cuda.graph(graph, pool=self.pool, stream=stream, capture_error_mode="thread_local"):
-                    self.outputs[key] = fn(v)
+                with for_graph():  # the warm-up takes the capture's kernels (libs/model/graph_capture.py)
+                    for _ in range(2):  # compiles the Triton kernels, settles allocations
+                        fn(v)
+                    # thread_local: another thread's CUDA calls (an earlier engine's worker, a
+                    # pool thread freeing pinned memory) do not invalidate this capture.
+                    with torch.cuda.graph(graph, pool=self.pool, stream=stream, capture_error_mode="thread_local"):
+                        self.outputs[key] = fn(v)
                 if self.pool is None:
                     self.pool = graph.pool()
                 self.graphs[key] = graph

@@ -35,6 +35,7 @@ from kernels.moe.gemm import triton_gemm as gemm_tri  # noqa: E402
 from kernels.moe.scatter import reference as scatter_ref  # noqa: E402
 from kernels.moe.select import reference_moe_ops  # noqa: E402
 from libs.model.fp8 import Fp8Experts  # noqa: E402
+from libs.model.graph_capture import for_graph  # noqa: E402
 from libs.model.moe import executors as ex  # noqa: E402
 from libs.model.moe.strategy import select_executor  # noqa: E402
 from tests.gpu.test_moe_gpu import SHAPES, TOKENS, random_layer, rel_err, routed_tokens  # noqa: E402
@@ -108,12 +109,13 @@ def test_fp8_hybrid_is_captured_in_a_cuda_graph(layer, num_tokens):
     shape, _, _, q13, q2, _ = layer
     sel = select_executor("auto", CUDA, torch.bfloat16, shape, fp8=True)
     assert sel.executor.name == "hybrid"
-    if not sel.executor.for_tokens(num_tokens).graph_safe:
-        pytest.skip(f"{num_tokens} tokens go to {sel.executor.for_tokens(num_tokens).name}, not capturable")
+    captured = sel.executor.for_tokens(num_tokens, capturing=True)  # the tier a capture runs
+    assert captured.graph_safe
     x, routing = routed(layer, num_tokens)
     static_x, static_w, static_ids = x.clone(), routing.weights.clone(), routing.ids.clone()
     run = lambda: sel.executor(static_x, type(routing)(static_w, static_ids), q13, q2)  # noqa: E731
-    run()  # compile outside the capture
+    with for_graph():  # the engine's warm-up: compiles the tier the capture records
+        run()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -123,7 +125,7 @@ def test_fp8_hybrid_is_captured_in_a_cuda_graph(layer, num_tokens):
     static_w.copy_(routing2.weights)
     static_ids.copy_(routing2.ids)
     graph.replay()
-    torch.testing.assert_close(out, sel.executor(x2, routing2, q13, q2), atol=0, rtol=0)
+    torch.testing.assert_close(out, captured(x2, routing2, q13, q2), atol=0, rtol=0)
 
 
 @needs_fp8

@@ -116,6 +116,22 @@ def test_hybrid_largest_tier_runs_from_its_count_and_never_inside_a_capture():
         ex.HybridExecutor(masked, contiguous, 8, largest=loop, min_largest_tokens=8)
 
 
+def test_for_graph_marks_the_warm_up_as_the_capture():
+    """The engine's warm-up runs before a capture are marked (libs/model/graph_capture.py),
+    so the hybrid compiles the tier the capture will record; nesting restores the mark."""
+    from libs.model.graph_capture import capturing_graph, for_graph
+
+    cuda = torch.device("cuda")
+    assert capturing_graph(CPU) is False
+    with for_graph():
+        assert capturing_graph(cuda) is True and capturing_graph(CPU) is False
+        with for_graph():
+            pass
+        assert capturing_graph(cuda) is True
+    if not torch.cuda.is_available():
+        assert capturing_graph(cuda) is False
+
+
 def test_grouped_mm_crossover_is_where_it_wins_from_then_on():
     from bench.moe_bench import grouped_mm_crossover
 

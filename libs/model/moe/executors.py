@@ -40,6 +40,7 @@ import torch.nn.functional as F
 
 from kernels.moe.select import reference_moe_ops
 from kernels.select import ops_for
+from libs.model.graph_capture import capturing_graph
 from libs.model.moe.routing import Routing
 
 
@@ -185,7 +186,7 @@ class HybridExecutor(ExpertExecutor):
         return self.large if capturing and not chosen.graph_safe and chosen is self.largest else chosen
 
     def run(self, x, routing, w13, w2):
-        return self.pick(x.shape[0]).run(x, routing, w13, w2)
+        return self.for_tokens(x.shape[0], capturing_graph(x.device)).run(x, routing, w13, w2)
 
 
 class GroupedMMExecutor(ExpertExecutor):

@@ -29,7 +29,8 @@ choice, not crash the engine (the seed PR's checks raised during auto selection)
 optional is imported or probed at module import: the first call does it, and caches it.
 
 **CUDA graphs.** The grouped executors are capturable; ``loop`` and ``grouped_mm`` are not
-(yet). The MoE block asks ``capturing_graph`` at each call and refuses, with the strategy's
+(yet). The MoE block asks ``capturing_graph`` (libs/model/graph_capture.py: the capture, or
+the engine's warm-up runs before it) at each call and refuses, with the strategy's
 name, to run a non-capturable executor inside a capture (for the hybrid: the one it picks
 for the batch inside a capture, which is never ``grouped_mm``: the hybrid captures).
 
@@ -67,6 +68,7 @@ from libs.model.moe.executors import (
     LoopExecutor,
     MaskedExecutor,
 )
+from libs.model.graph_capture import capturing_graph  # noqa: F401 - the MoE block's question, asked here too
 from libs.model.moe.options import STRATEGIES
 
 log = logging.getLogger(__name__)
@@ -150,14 +152,6 @@ def grouped_mm_usable(device: torch.device, dtype: torch.dtype, shape: LayerShap
         if (shape.hidden * row_bytes) % 16 or (shape.intermediate * row_bytes) % 16:
             return False
         return _grouped_mm_probe(str(device), dtype)
-    except Exception:
-        return False
-
-
-def capturing_graph(device: torch.device) -> bool:
-    """Whether the current CUDA stream is being captured into a graph."""
-    try:
-        return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
     except Exception:
         return False
 
