@@ -28,10 +28,10 @@ from torch import nn
 
 from libs.model.config import ModelConfig
 from libs.model.fp8 import Fp8Experts, Fp8Weight
+from libs.model.graph_capture import capturing_graph
 from libs.model.moe.dispatch import make_dispatch
 from libs.model.moe.options import MoEOptions
 from libs.model.moe.routing import FakeBalanceExpert, Routing, select_topk
-from libs.model.graph_capture import capturing_graph
 from libs.model.moe.strategy import LayerShape, Selection, select_executor
 
 log = logging.getLogger(__name__)
