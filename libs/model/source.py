@@ -16,7 +16,8 @@ from dataclasses import replace
 from typing import Iterator
 
 from libs.model.config import ModelConfig
-from libs.model.gguf_meta import gguf_config, gguf_metadata
+from libs.model.gguf_file import read_gguf_file
+from libs.model.gguf_meta import gguf_config
 from libs.model.tokenizer import Tokenizer
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -116,9 +117,7 @@ def _gguf_fields(path: Path, cache_dir: Path | None) -> dict:
     digest = weights_digest(path) if cache is not None else ""
     meta = cache.load_metadata(digest) if cache is not None else None
     if meta is None:
-        import gguf
-
-        meta = gguf_metadata(gguf.GGUFReader(str(path)))
+        meta = read_gguf_file(path).metadata
         if cache is not None:
             cache.store_metadata(digest, meta)
     return meta
@@ -127,12 +126,10 @@ def _gguf_fields(path: Path, cache_dir: Path | None) -> dict:
 def load_config(path: str | Path | None) -> ModelConfig:
     p = resolve_model_path(path)
     if p.is_file():
-        import gguf
-
-        reader = gguf.GGUFReader(str(p))
-        cfg = gguf_config(gguf_metadata(reader))
+        gguf_file = read_gguf_file(p)
+        cfg = gguf_config(gguf_file.metadata)
         # As in read_gguf: the embeddings are tied when the file has no output matrix.
-        return replace(cfg, tie_word_embeddings=not any(t.name == "output.weight" for t in reader.tensors))
+        return replace(cfg, tie_word_embeddings=not any(t.name == "output.weight" for t in gguf_file.tensors))
     return ModelConfig.from_hf(json.loads((p / "config.json").read_text()))
 
 

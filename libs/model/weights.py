@@ -15,7 +15,8 @@ import numpy as np
 import torch
 
 from libs.model.config import ModelConfig
-from libs.model.gguf_meta import gguf_config, gguf_metadata
+from libs.model.gguf_file import read_gguf_file
+from libs.model.gguf_meta import gguf_config
 
 _GGUF_LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -59,11 +60,11 @@ def read_gguf(path: Path, *, keep_q4: bool = False) -> tuple[ModelConfig, dict[s
 
     from libs.model.quantized import read_q4
 
-    reader = gguf.GGUFReader(str(path))
-    meta = gguf_metadata(reader)
+    gguf_file = read_gguf_file(path)
+    meta = gguf_file.metadata
     cfg = gguf_config(meta)
     state: dict[str, torch.Tensor] = {}
-    for t in reader.tensors:
+    for t in gguf_file.tensors:
         name = _gguf_to_hf_name(t.name)
         if name is None:
             continue

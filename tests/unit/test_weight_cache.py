@@ -44,6 +44,9 @@ def test_warm_load_maps_the_cache_and_equals_the_converted_model(engine, tmp_pat
     # The router's tokenizer comes from the cached metadata, without parsing the GGUF.
     import gguf
 
+    import libs.model.source as source
+
+    monkeypatch.setattr(source, "read_gguf_file", _no_conversion)
     monkeypatch.setattr(gguf, "GGUFReader", _no_conversion)
     assert load_tokenizer(None, tmp_path).encode_chat(chat) == engine.tokenizer.encode_chat(chat)
 

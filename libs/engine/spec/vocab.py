@@ -157,12 +157,11 @@ def _tokenizer_and_vocab_size(model: str | None):
     path = resolve_model_path(model)
     if not path.is_file():
         return load_tokenizer(path), load_config(path).vocab_size
-    import gguf
-
-    from libs.model.gguf_meta import gguf_config, gguf_metadata
+    from libs.model.gguf_file import read_gguf_file
+    from libs.model.gguf_meta import gguf_config
     from libs.model.tokenizer import Tokenizer
 
-    meta = gguf_metadata(gguf.GGUFReader(str(path)))
+    meta = read_gguf_file(path).metadata
     return Tokenizer.from_gguf_fields(meta), gguf_config(meta).vocab_size
 
 
