@@ -68,9 +68,13 @@ def read_gguf(path: Path, *, keep_q4: bool = False) -> tuple[ModelConfig, dict[s
         name = _gguf_to_hf_name(t.name)
         if name is None:
             continue
-        if keep_q4 and t.tensor_type.name in ("Q4_0", "Q4_1") and name.endswith("_proj.weight"):
-            # GGUF lists dims fastest-first: shape [in, out] is a [out, in] matrix.
+        if t.tensor_type.name in ("Q4_0", "Q4_1") and len(t.shape) == 2:
+            # GGUF lists dims fastest-first: shape [in, out] is a [out, in] matrix. Unpacked
+            # by kernels of our own (bit-exact with gguf.quants, tests/unit/test_quantized.py,
+            # and faster), then dequantized unless the caller keeps the 4-bit linears.
             tensor = read_q4(t.data, t.tensor_type.name, (int(t.shape[1]), int(t.shape[0])))
+            if not (keep_q4 and name.endswith("_proj.weight")):
+                tensor = tensor.dequantize()
         else:
             arr = gguf.quants.dequantize(t.data, t.tensor_type)
             # GGUF lists dims fastest-first; dequantize already returns [out, in].
