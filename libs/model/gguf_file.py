@@ -1,9 +1,9 @@
 """GGUF files read in bulk: metadata as plain Python values, tensors as numpy views.
 
 Why not ``gguf.GGUFReader`` alone: it builds a numpy view for every value of every field,
-and SmolLM2's vocabulary (49,152 tokens, 48,900 merges) makes that 4.1 s of a 7 s cold load
-on this project's CPU box (profiled 2026-11-28), paid by every process that converts the
-GGUF or reads its tokenizer without the cache. ``read_gguf_file`` parses the same format
+and SmolLM2's vocabulary (49,152 tokens, 48,900 merges) makes that 2.15 s of a 4.3-4.5 s
+cold ``load_model`` on this project's CPU box (measured 2026-11-28; bench/RESULTS.md), paid
+by every process that converts the GGUF or reads its tokenizer without the cache. ``read_gguf_file`` parses the same format
 (GGUF v2/v3, little-endian) with one pass of ``struct`` over a memory map, in about 0.1 s.
 It keeps what the library defines: the value and tensor types (``gguf.constants``), the
 scalar dtypes (``GGUFReader.gguf_scalar_to_np``), the quantized blocks' byte shapes
@@ -73,7 +73,6 @@ def _string(buf: memoryview, offs: int) -> tuple[str, int]:
 
 
 def _value(buf: memoryview, offs: int, vtype: int) -> tuple[Any, int]:
-    from gguf import GGUFReader
     from gguf.constants import GGUFValueType
 
     if vtype == GGUFValueType.STRING:
@@ -89,16 +88,18 @@ def _value(buf: memoryview, offs: int, vtype: int) -> tuple[Any, int]:
             return items, offs
         if etype == GGUFValueType.ARRAY:
             raise _Unsupported("an array of arrays")
-        dtype = _scalar_dtype(GGUFReader, etype)
+        dtype = _scalar_dtype(etype)
         return np.frombuffer(buf, dtype, count, offs).tolist(), offs + dtype.itemsize * count
-    dtype = _scalar_dtype(GGUFReader, vtype)
+    dtype = _scalar_dtype(vtype)
     return np.frombuffer(buf, dtype, 1, offs).tolist()[0], offs + dtype.itemsize
 
 
-def _scalar_dtype(reader_cls: Any, vtype: int) -> np.dtype:
+def _scalar_dtype(vtype: int) -> np.dtype:
+    """The library's numpy type for a scalar value type, little-endian."""
+    from gguf import GGUFReader
     from gguf.constants import GGUFValueType
 
-    nptype = reader_cls.gguf_scalar_to_np.get(GGUFValueType(vtype))
+    nptype = GGUFReader.gguf_scalar_to_np.get(GGUFValueType(vtype))
     if nptype is None:
         raise ValueError(f"unknown GGUF value type {vtype}")
     return np.dtype(nptype).newbyteorder("<")

@@ -23,10 +23,11 @@ Off FP8 tensor cores on CUDA the reference GEMMs read expert ids on the host, so
 executors are marked not capturable in a CUDA graph.
 
 **Capability checks never raise.** Each (``triton_usable``, ``sm_version``,
-``grouped_mm_usable``, ``capturing_graph``) catches everything and answers False or None:
-during automatic selection a missing package, an old GPU or an odd build must steer the
-choice, not crash the engine (the seed PR's checks raised during auto selection). Nothing
-optional is imported or probed at module import: the first call does it, and caches it.
+``grouped_mm_usable``, and libs/model/graph_capture.py's ``capturing_graph``) catches
+everything and answers False or None: during automatic selection a missing package, an old
+GPU or an odd build must steer the choice, not crash the engine (the seed PR's checks
+raised during auto selection). Nothing optional is imported or probed at module import:
+the first call does it, and caches it.
 
 **CUDA graphs.** The grouped executors are capturable; ``loop`` and ``grouped_mm`` are not
 (yet). The MoE block asks ``capturing_graph`` (libs/model/graph_capture.py: the capture, or
@@ -68,7 +69,6 @@ from libs.model.moe.executors import (
     LoopExecutor,
     MaskedExecutor,
 )
-from libs.model.graph_capture import capturing_graph  # noqa: F401 - the MoE block's question, asked here too
 from libs.model.moe.options import STRATEGIES
 
 log = logging.getLogger(__name__)
