@@ -4,9 +4,12 @@ Llama-3.2-1B's shape at batch 1 and 64, both in one run on one GPU.
 Random weights of the exact shape (hidden 2048, 16 layers, 32/8 heads, intermediate 8192,
 vocab 128256, tied embeddings): speed does not depend on the values. The FP8 engine
 quantizes its projections at load (libs/model/fp8.py), so on an FP8 GPU every projection
-runs the Triton quantization kernel and block-scaled GEMM (swap-AB at these batch sizes
-if the stored threshold says so); attention, norms and the LM head stay bf16 in both.
-CUDA graphs are on for both (the engine's default on CUDA).
+runs what an FP8 layer runs at that batch: the skinny GEMM with its e4m3 weight (norm or
+activation folded in, as bf16's; kernels/gemv) up to the stored ``fp8_max_m``, else the
+block-scaled GEMMs of kernels/fp8 (swap-AB at these batch sizes if the stored threshold
+says so). A third engine runs FP8 with the skinny GEMM turned off
+(``TIDEPOOL_FP8_SKINNY_MAX_M=0``), to show what it buys. Attention, norms and the LM head
+stay bf16 in all. CUDA graphs are on for all (the engine's default on CUDA).
 
 ``--toy`` runs a two-layer model on the CPU through the same code (the FP8 layers then take
 the dequantize-then-matmul path): it checks the script; its timings say nothing about GPUs.
@@ -19,12 +22,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
 
 import torch
 
 from bench.common import table
+from kernels.gemv.threshold import FP8_ENV, fp8_skinny_max_m
 from libs.engine import LLM, EngineConfig, SamplingParams
 from libs.model import LoadedModel, ModelFingerprint
 from libs.model.attention import make_backend
@@ -114,22 +119,32 @@ def main() -> None:
     batches = (1, 4) if args.toy else (1, 64)
     engine_cfg = dict(device=device.type, dtype=str(dtype).removeprefix("torch."), max_num_seqs=64, num_blocks=64 if args.toy else 4096, max_model_len=1024)
     results: dict = {"model": cfg.name, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "steps": steps}
-    for fp8 in (False, True):
-        name = "fp8" if fp8 else str(dtype).removeprefix("torch.")
-        loaded = random_model(cfg, device, dtype, fp8)
-        llm = LLM(EngineConfig(**engine_cfg), loaded=loaded)
-        results[name] = {"projection_bytes": projection_bytes(loaded.model)}
-        for batch in batches:
-            results[name][f"batch_{batch}_ms_per_step"] = decode_ms_per_step(llm, batch, steps)
-        llm.close()
+    dense = str(dtype).removeprefix("torch.")
+    for name, fp8, skinny_off in ((dense, False, False), ("fp8", True, False), ("fp8_no_skinny", True, True)):
+        if skinny_off:
+            os.environ[FP8_ENV] = "0"
+        try:
+            loaded = random_model(cfg, device, dtype, fp8)
+            llm = LLM(EngineConfig(**engine_cfg), loaded=loaded)
+            results[name] = {"projection_bytes": projection_bytes(loaded.model)}
+            for batch in batches:
+                results[name][f"batch_{batch}_ms_per_step"] = decode_ms_per_step(llm, batch, steps)
+            llm.close()
+        finally:
+            if skinny_off:
+                os.environ.pop(FP8_ENV, None)
         del llm, loaded
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    dense = str(dtype).removeprefix("torch.")
-    rows = [[b, f"{results[dense][f'batch_{b}_ms_per_step']:.3f}", f"{results['fp8'][f'batch_{b}_ms_per_step']:.3f}",
-             f"{results[dense][f'batch_{b}_ms_per_step'] / results['fp8'][f'batch_{b}_ms_per_step']:.2f}x"] for b in batches]
+    results["fp8_skinny_max_m"] = fp8_skinny_max_m(device)
+
+    def ms(name: str, b: int) -> float:
+        return results[name][f"batch_{b}_ms_per_step"]
+
+    rows = [[b, f"{ms(dense, b):.3f}", f"{ms('fp8', b):.3f}", f"{ms('fp8_no_skinny', b):.3f}",
+             f"{ms(dense, b) / ms('fp8', b):.2f}x", f"{ms(dense, b) / ms('fp8_no_skinny', b):.2f}x"] for b in batches]
     print(json.dumps(results, indent=2))
-    print(table(["batch", f"{dense} ms/step", "fp8 ms/step", f"{dense}/fp8"], rows))
+    print(table(["batch", f"{dense} ms/step", "fp8 ms/step", "fp8 without skinny ms/step", f"{dense}/fp8", f"{dense}/fp8 without skinny"], rows))
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2))
 

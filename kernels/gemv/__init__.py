@@ -14,13 +14,19 @@ paths carry such kernels for small batches).
   layer's residual add and RMSNorm (kernels/norm) then the projection: the oracles.
 - ``triton_gemv``: the same signatures, one launch each; the activation and the norm are
   folded into the load of ``x``, so at decode sizes a layer runs four kernels fewer.
+  ``weight_scale=`` takes an FP8 weight in kernels/fp8's format (e4m3, 128 x 128 block
+  scales; the reference is then kernels/fp8's ``fp8_linear``): the activations are
+  quantized per token and group of 128 in registers, so an FP8 decode step gets the same
+  folds and one launch per projection (M <= 8: no tensor-core path).
 - ``threshold.json``: per device, the largest M that takes the Triton kernel, overall and
   per weight shape the sweep measured (data, written by ``bench/gemv_bench.py
   --write-threshold`` from timings against cuBLAS in the same run). A device not in it
   takes cuBLAS at every M.
 
 ``skinny_max_m(device, n, k)`` answers the dispatch question (``TIDEPOOL_SKINNY_MAX_M``
-overrides the file: 0 turns the kernel off, N sends M <= N to it). libs/model/linear.py is
+overrides the file: 0 turns the kernel off, N sends M <= N to it); for FP8 weights
+``threshold.fp8_skinny_max_m(device, n_pad, k_pad)`` (``TIDEPOOL_FP8_SKINNY_MAX_M``;
+measured per shape by bench/fp8_gemm_bench.py). libs/model/linear.py is
 the one caller.
 """
 

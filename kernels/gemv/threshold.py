@@ -11,7 +11,14 @@ faster on a device before it serves there). ``TIDEPOOL_SKINNY_MAX_M`` overrides 
   ``NxK``, the largest M up to which the kernel beat cuBLAS (with the norm or activation
   each path runs) at every measured M, for the shapes the sweep measured;
 - ``configs``: per weight shape ``NxK`` and M, the fastest ``[BLOCK_M, BLOCK_N, BLOCK_K,
-  num_warps]`` of the tuning sweep."""
+  num_warps]`` of the tuning sweep; ``NxK:fp8`` for an FP8 weight of padded shape ``NxK``
+  (bench/fp8_gemm_bench.py's sweep);
+- ``fp8_max_m`` (optional, 0 when absent): the largest M at which an FP8 layer takes the
+  kernel with its e4m3 weight (bench/fp8_gemm_bench.py --write-threshold: where it beat
+  the block-scaled FP8 GEMMs of kernels/fp8 on every shape measured), for shapes not in
+  ``fp8_max_m_by_shape`` (optional): per padded weight shape ``NxK:fp8``, the largest M
+  up to which it beat them at every measured M. ``TIDEPOOL_FP8_SKINNY_MAX_M`` overrides
+  both."""
 
 from __future__ import annotations
 
@@ -28,7 +35,9 @@ from kernels.device import device_facts
 THRESHOLD_FILE = Path(__file__).with_name("threshold.json")
 FORMAT = 1
 ENV = "TIDEPOOL_SKINNY_MAX_M"
+FP8_ENV = "TIDEPOOL_FP8_SKINNY_MAX_M"
 MAX_M = 64  # the kernel's largest row count: larger batches are cuBLAS's whatever the file says
+FP8_MAX_M = 8  # with an FP8 weight the kernel has no tensor-core path: few rows only (16 measured 4-30x slower than kernels/fp8 on an H200)
 
 
 Config = tuple[int, int, int, int]  # BLOCK_M, BLOCK_N, BLOCK_K, num_warps
@@ -38,6 +47,8 @@ class DeviceThreshold(NamedTuple):
     max_m: int
     configs: dict[str, dict[int, Config]]
     max_m_by_shape: dict[str, int]
+    fp8_max_m: int = 0
+    fp8_max_m_by_shape: dict[str, int] = {}
 
 
 def _non_negative_int(value: object) -> bool:
@@ -64,7 +75,11 @@ def parse_thresholds(data: dict) -> dict[str, DeviceThreshold]:
                 if not (str(m).isdigit() and isinstance(cfg, list) and len(cfg) == 4 and all(isinstance(c, int) and c > 0 for c in cfg)):
                     raise ValueError(f"{THRESHOLD_FILE.name}: {name}: {shape} M={m}: a config is 4 positive ints, got {cfg!r}")
                 configs.setdefault(shape, {})[int(m)] = tuple(cfg)
-        out[name] = DeviceThreshold(value, configs, dict(by_shape))
+        fp8_max_m, fp8_by_shape = entry.get("fp8_max_m", 0), entry.get("fp8_max_m_by_shape", {})
+        if not _non_negative_int(fp8_max_m) or not isinstance(fp8_by_shape, dict) or not all(map(_non_negative_int, fp8_by_shape.values())):
+            raise ValueError(f"{THRESHOLD_FILE.name}: {name}: fp8_max_m and fp8_max_m_by_shape's values must be non-negative ints, "
+                             f"got {fp8_max_m!r} and {fp8_by_shape!r}")
+        out[name] = DeviceThreshold(value, configs, dict(by_shape), fp8_max_m, dict(fp8_by_shape))
     return out
 
 
@@ -78,15 +93,16 @@ def reload() -> None:
     _thresholds.cache_clear()
 
 
-def shape_key(n: int, k: int) -> str:
-    return f"{n}x{k}"
+def shape_key(n: int, k: int, fp8: bool = False) -> str:
+    return f"{n}x{k}:fp8" if fp8 else f"{n}x{k}"
 
 
-def tuned_config(device_name: str, n: int, k: int, m: int) -> Config | None:
-    """The configuration measured fastest for this shape at the smallest tuned M >= ``m``
-    (a tuned M's block of rows holds every smaller M), or None."""
+def tuned_config(device_name: str, n: int, k: int, m: int, fp8: bool = False) -> Config | None:
+    """The configuration measured fastest for this shape (``fp8``: an FP8 weight of that
+    padded shape) at the smallest tuned M >= ``m`` (a tuned M's block of rows holds every
+    smaller M), or None."""
     entry = _thresholds().get(device_name)
-    by_m = entry.configs.get(shape_key(n, k), {}) if entry is not None else {}
+    by_m = entry.configs.get(shape_key(n, k, fp8), {}) if entry is not None else {}
     fits = [tm for tm in by_m if tm >= m]
     return by_m[min(fits)] if fits else None
 
@@ -95,14 +111,28 @@ def skinny_max_m(device: torch.device, n: int | None = None, k: int | None = Non
     """The largest M that takes the Triton kernel on ``device`` (0: none; always 0 off
     CUDA), for an ``n x k`` weight when given (its own measured limit where the sweep
     measured that shape, else the device's)."""
-    override = os.environ.get(ENV)
+    return _max_m(device, n, k, fp8=False)
+
+
+def fp8_skinny_max_m(device: torch.device, n_pad: int | None = None, k_pad: int | None = None) -> int:
+    """The largest M at which an FP8 layer takes the kernel on ``device`` (0: none; always
+    0 off CUDA), for a padded ``n_pad x k_pad`` e4m3 weight when given (its own measured
+    limit where the sweep measured that shape, else the device's ``fp8_max_m``), or
+    ``TIDEPOOL_FP8_SKINNY_MAX_M``."""
+    return _max_m(device, n_pad, k_pad, fp8=True)
+
+
+def _max_m(device: torch.device, n: int | None, k: int | None, fp8: bool) -> int:
+    env, cap = (FP8_ENV, FP8_MAX_M) if fp8 else (ENV, MAX_M)
+    override = os.environ.get(env)
     if override is not None:
         if not override.isdigit():
-            raise ValueError(f"{ENV} must be a non-negative int, got {override!r}")
-        return min(int(override), MAX_M) if device.type == "cuda" else 0
+            raise ValueError(f"{env} must be a non-negative int, got {override!r}")
+        return min(int(override), cap) if device.type == "cuda" else 0
     facts = device_facts(device)
     entry = _thresholds().get(facts[0]) if facts is not None else None
     if entry is None:
         return 0
-    limit = entry.max_m_by_shape.get(shape_key(n, k), entry.max_m) if n is not None and k is not None else entry.max_m
-    return min(limit, MAX_M)
+    overall, by_shape = (entry.fp8_max_m, entry.fp8_max_m_by_shape) if fp8 else (entry.max_m, entry.max_m_by_shape)
+    limit = by_shape.get(shape_key(n, k, fp8), overall) if n and k else overall
+    return min(limit, cap)

@@ -40,7 +40,11 @@ block grid: parts whose N is a multiple of 128 (every real FP8 checkpoint's) con
 as they are; otherwise each part keeps its padding and ``out_index`` picks the real output
 columns after the GEMM (an extra gather only for such unusual shapes).
 
-On FP8 tensor cores a layer is one call of ``kernels.fp8.triton_gemm.fp8_linear`` with
+At decode sizes the model calls its FP8 layers through libs/model/linear.py, which sends
+them, up to the M measured per shape (kernels/gemv/threshold.json), to the skinny GEMM of
+kernels/gemv with their e4m3 weight: the norm before qkv and gate/up, or the activation
+before down, folded in, one launch per projection (bf16 layers get the same).
+Otherwise, on FP8 tensor cores a layer is one call of ``kernels.fp8.triton_gemm.fp8_linear`` with
 the plan ``plan_gemm`` picks for its token count, padded weight shape and GPU (tuned
 tiles where ``bench/fp8_tune.py`` measured them): for decode-sized batches the plan
 fuses the activation quantization into the GEMM, one launch per layer like a bf16
@@ -149,7 +153,8 @@ class Fp8Weight:
 
 
 @functools.lru_cache(maxsize=None)
-def _runs_kernels(device: torch.device) -> bool:
+def runs_fp8_kernels(device: torch.device) -> bool:
+    """Whether FP8 layers on ``device`` run the GPU kernels (else the references)."""
     return fp8_gemm_supported(device)
 
 
@@ -201,7 +206,7 @@ class Fp8Linear(_Fp8Module):
         n = self.out_features if self.out_index is None else self.weight_q.shape[0]
         if m == 0:
             y = x2.new_empty((0, n))
-        elif _runs_kernels(x.device):
+        elif runs_fp8_kernels(x.device):
             y = self._fp8_gemm(x2, n)
         else:
             q, s = fp8_ref.per_token_group_quant(x2)

@@ -4,10 +4,13 @@ The model's projections stay ``nn.Linear`` modules (the loader, the CPU packing 
 conversion all rely on that); the model calls them through ``linear``, ``norm_linear`` and
 ``silu_mul_linear``, which send a plain ``nn.Linear`` on CUDA with at most ``skinny_max_m``
 rows (measured data, kernels/gemv/threshold.json) to kernels/gemv's Triton kernel, with the
-norm before the projection or the activation after the previous one folded into it, and
-everything else where it went before: the norm kernel and the module itself (cuBLAS, an FP8
-or a 4-bit layer, the CPU's packed path). The row count is a tensor shape, so a CUDA graph
-of each batch size captures one choice.
+norm before the projection or the activation after the previous one folded into it. An
+``Fp8Linear`` (libs/model/fp8.py) goes there too with at most ``fp8_skinny_max_m`` rows:
+the same kernel reads its e4m3 weight and block scales and quantizes the activations as
+kernels/fp8 does, so an FP8 decode step gets the same folds and one launch per projection.
+Everything else goes where it went before: the norm kernel and the module itself (cuBLAS,
+kernels/fp8's GEMMs, a 4-bit layer, the CPU's packed path). The row count is a tensor
+shape, so a CUDA graph of each batch size captures one choice.
 """
 
 from __future__ import annotations
@@ -16,8 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.gemv.threshold import MAX_M, skinny_max_m
+from kernels.gemv.threshold import MAX_M, fp8_skinny_max_m, skinny_max_m
 from kernels.select import ops_for
+from libs.model.fp8 import Fp8Linear, runs_fp8_kernels
 
 _SKINNY_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -27,6 +31,23 @@ def _skinny(x: torch.Tensor, weight: torch.Tensor) -> bool:
         x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= MAX_M and x.dtype in _SKINNY_DTYPES and weight.dtype == x.dtype
         and x.shape[0] <= skinny_max_m(x.device, weight.shape[0], weight.shape[1])
     )
+
+
+def _fp8_skinny(x: torch.Tensor, module: Fp8Linear) -> bool:
+    return (
+        module.out_index is None and x.is_cuda and x.dim() == 2 and x.dtype in _SKINNY_DTYPES
+        and 0 < x.shape[0] <= fp8_skinny_max_m(x.device, *module.weight_q.shape) and runs_fp8_kernels(x.device)
+    )
+
+
+def _skinny_operands(module: nn.Module, x: torch.Tensor) -> dict | None:
+    """The skinny GEMM's weight arguments for ``module`` at this ``x``, or None where it
+    does not serve (the module runs as it is)."""
+    if type(module) is nn.Linear:
+        return {"weight": module.weight} if _skinny(x, module.weight) else None
+    if isinstance(module, Fp8Linear) and _fp8_skinny(x, module):
+        return {"weight": module.weight_q, "weight_scale": module.weight_scale, "out_features": module.out_features}
+    return None
 
 
 def linear_weight(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -39,9 +60,13 @@ def linear_weight(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 
 def linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``module(x)``; a plain ``nn.Linear`` takes the skinny GEMM where it serves."""
-    if type(module) is nn.Linear:
-        return linear_weight(x, module.weight, module.bias)
+    """``module(x)``; a plain ``nn.Linear`` or an ``Fp8Linear`` takes the skinny GEMM where
+    it serves."""
+    operands = _skinny_operands(module, x)
+    if operands is not None:
+        from kernels.gemv.triton_gemv import skinny_linear
+
+        return skinny_linear(x, bias=module.bias, static_weight=True, **operands)
     return module(x)
 
 
@@ -50,10 +75,11 @@ def norm_linear(norm: nn.Module, module: nn.Module, h: torch.Tensor, residual: t
     RMSNorm (``norm``: ``weight`` and ``eps``) and the projection after it; ``residual``
     None (the first layer): no add, and ``h`` is the stream. Through the skinny GEMM, one
     launch; else the fused add-and-norm kernel, then ``linear``."""
-    if type(module) is nn.Linear and _skinny(h, module.weight) and norm.weight.dtype == h.dtype:
+    operands = _skinny_operands(module, h) if norm.weight.dtype == h.dtype else None
+    if operands is not None:
         from kernels.gemv.triton_gemv import norm_skinny_linear
 
-        return norm_skinny_linear(h, residual, norm.weight, norm.eps, module.weight, module.bias, static_weight=True)
+        return norm_skinny_linear(h, residual, norm.weight, norm.eps, bias=module.bias, static_weight=True, **operands)
     x, stream = (norm(h), h) if residual is None else norm.add_and_norm(h, residual)
     return linear(module, x), stream
 
@@ -62,8 +88,9 @@ def silu_mul_linear(module: nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
     """``module(silu_and_mul(gate_up))`` (SwiGLU, the device's kernel: kernels/select.py);
     through the skinny GEMM the activation is folded into the GEMM's load of its input
     (one launch, not two)."""
-    if type(module) is nn.Linear and _skinny(gate_up, module.weight):
+    operands = _skinny_operands(module, gate_up)
+    if operands is not None:
         from kernels.gemv.triton_gemv import skinny_linear
 
-        return skinny_linear(gate_up, module.weight, module.bias, silu_mul=True, static_weight=True)
+        return skinny_linear(gate_up, bias=module.bias, silu_mul=True, static_weight=True, **operands)
     return module(ops_for(gate_up.device).silu_and_mul(gate_up))

@@ -4,6 +4,8 @@ each against the same engine without it: greedy tokens equal, logprobs close.
 - the Triton skinny GEMM serving every decode batch (``TIDEPOOL_SKINNY_MAX_M=64``; norms
   and the activation folded in) against cuBLAS and the separate norm and activation
   kernels (kernels/gemv);
+- the same with FP8 weights (``TIDEPOOL_FP8_SKINNY_MAX_M=8``: the e4m3 weight read by the
+  skinny GEMM) against kernels/fp8's block-scaled GEMMs;
 - decode attention with rotary and the KV store folded in (``rotary_decode_attention``,
   ``TIDEPOOL_FUSED_DECODE``) against ``rotary_store_kv`` then the decode kernel.
 
@@ -53,7 +55,7 @@ def test_decode_through_the_skinny_gemm_equals_cublas_and_transformers(bf16_mode
     ps = prompts(4)
     params = SamplingParams(temperature=0, max_tokens=16, logprobs=3, ignore_eos=True)
     runs = runs_under(loaded, monkeypatch, threshold.ENV, ["0"], ps, params)
-    assert calls == {"plain": 0, "silu_mul": 0, "norm": 0}
+    assert calls == {"plain": 0, "silu_mul": 0, "norm": 0, "fp8": 0}
     runs.update(runs_under(loaded, monkeypatch, threshold.ENV, ["64"], ps, params))
     # every layer's four projections (qkv and gate/up with their norms, down with the
     # activation) and the LM head went through the kernel (captured graphs included)
@@ -65,6 +67,36 @@ def test_decode_through_the_skinny_gemm_equals_cublas_and_transformers(bf16_mode
         a = torch.tensor([lp.top_logprobs for lp in cublas.logprobs])
         b = torch.tensor([lp.top_logprobs for lp in skinny.logprobs])
         assert torch.allclose(a, b, atol=5e-2, rtol=0), (a - b).abs().max()
+
+
+def test_fp8_decode_through_the_skinny_gemm_equals_the_fp8_gemms(bf16_models, monkeypatch):
+    """FP8 weights (quantized at load): every decode batch of at most 8 through the skinny
+    GEMM with the e4m3 weight (``TIDEPOOL_FP8_SKINNY_MAX_M=8``; norms and the activation
+    folded in) against kernels/fp8's block-scaled GEMMs (``=0``). Both quantize the
+    activations the same way; only fp32 summation order differs."""
+    from bench.common import ours_from_hf
+    from libs.model.fp8 import quantize_projections
+
+    hf, _ = bf16_models
+    loaded = ours_from_hf(hf, torch.device("cuda"), torch.bfloat16)
+    quantize_projections(loaded.model, torch.device("cuda"))
+    calls = count_skinny_calls(monkeypatch)
+    ps = prompts(4)
+    params = SamplingParams(temperature=0, max_tokens=16, logprobs=3, ignore_eos=True)
+    monkeypatch.setenv(threshold.ENV, "0")  # the LM head (bf16) on cuBLAS: only FP8 layers count
+    runs = runs_under(loaded, monkeypatch, threshold.FP8_ENV, ["0"], ps, params)
+    assert calls["fp8"] == 0
+    runs.update(runs_under(loaded, monkeypatch, threshold.FP8_ENV, ["8"], ps, params))
+    layers = SMALL["num_hidden_layers"]
+    assert calls["norm"] >= 2 * layers and calls["silu_mul"] >= layers and calls["plain"] >= layers
+    assert calls["fp8"] == calls["norm"] + calls["silu_mul"] + calls["plain"]
+    for gemm, skinny in zip(runs["0"], runs["8"]):
+        assert skinny.token_ids == gemm.token_ids
+        a = torch.tensor([lp.top_logprobs for lp in gemm.logprobs])
+        b = torch.tensor([lp.top_logprobs for lp in skinny.logprobs])
+        # the peaked logits reach -200, where one bf16 step of the logit is 1.0: a sum in
+        # another order may land one step away (2**-8 relative)
+        assert torch.allclose(a, b, atol=5e-2, rtol=2.0**-7), (a - b).abs().max()
 
 
 def test_decode_with_rotary_and_kv_store_in_the_attention_kernel_equals_unfused(bf16_models):

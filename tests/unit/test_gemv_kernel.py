@@ -98,7 +98,7 @@ def test_tuned_configs_serve_the_smallest_tuned_m_that_holds_m(monkeypatch):
 
 
 def test_threshold_is_data(monkeypatch, tmp_path):
-    assert threshold.parse_thresholds({"format": 1, "devices": {"H100": {"max_m": 8}}}) == {"H100": (8, {}, {})}
+    assert threshold.parse_thresholds({"format": 1, "devices": {"H100": {"max_m": 8}}}) == {"H100": (8, {}, {}, 0, {})}
     with pytest.raises(ValueError, match="max_m must be"):
         threshold.parse_thresholds({"format": 1, "devices": {"H100": {"max_m": -1}}})
     with pytest.raises(ValueError, match="format"):
