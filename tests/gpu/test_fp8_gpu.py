@@ -49,6 +49,14 @@ def test_quant_kernel_is_bit_exact_on_the_gpu(m, k, dtype):
         assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s, s_ref)
 
 
+def test_quant_kernel_rounds_ties_subnormals_and_signs_like_torch_on_the_gpu():
+    """The hardware's fp32 -> e4m3 cast (the GPU's rounding in ``quantize_groups``) against
+    torch's on every e4m3 value, every tie, subnormals, saturation and signed zeros."""
+    from tests.unit.test_fp8_kernels import check_rounding, rounding_cases
+
+    check_rounding(*rounding_cases("cuda"))
+
+
 def check_gemm(m: int, n: int, k: int, swap_ab: bool | None, out_dtype: torch.dtype, seed: int, plan=None) -> None:
     """``fp8_linear`` (the plan this GPU picks for the shape, tuned or heuristic, unless one
     is given) against the reference on the same quantized operands."""

@@ -7,10 +7,11 @@ What runs where:
   interpreter loads e4m3 (``float8e4nv``) correctly and ``tl.dot`` on it is exact (it
   widens to fp16, then multiplies in fp32), but its fp32 -> e4m3 cast truncates the
   mantissa without carrying into the exponent (31.2 -> 16). The quantization kernel never
-  relies on that cast: it rounds to the e4m3 grid in fp32 first (``_round_to_e4m3``, on the
-  GPU too), so the cast only sees representable values. That is what makes the kernel
-  bit-exact against torch's cast here, and it is tested below on every e4m3 value, every
-  midpoint between two, subnormals and signed zeros.
+  relies on that cast here: it rounds to the e4m3 grid in fp32 first (``_round_to_e4m3``;
+  the GPU uses its hardware cast), so the cast only sees representable values. That is
+  what makes the kernel bit-exact against torch's cast here, and it is tested below on
+  every e4m3 value, every midpoint between two, subnormals and signed zeros (and the
+  same cases in tests/gpu/test_fp8_gpu.py, through the hardware's cast).
 - M in {1, 3, 16, 64, 65} runs the kernels in the interpreter, with K and N that are not
   multiples of 128. M = 4096 takes 20+ s per case in the interpreter, so on the CPU it is
   tested at the reference level only (the quantizer and the GEMM reference against exact
@@ -90,7 +91,11 @@ def test_quant_kernel_is_bit_exact_and_pads_to_the_plans_tile(m, swap_ab):
     assert (s > 0).all() and torch.isfinite(s).all()
 
 
-def test_quant_kernel_rounds_ties_subnormals_and_signs_like_torch():
+def rounding_cases(device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x, vals)``: every finite e4m3 value, every tie between two, tiny and saturating
+    values and signed zeros, laid out as groups whose first column is 448 (so each
+    group's scale is exactly 1 and the quantized group is its values rounded); ``vals``
+    in order from ``x[:, 1:]``. Shared with tests/gpu (the hardware's cast)."""
     codes = torch.arange(256, dtype=torch.uint8).view(FP8_DTYPE).float()
     grid = codes[~codes.isnan()].unique()  # every finite e4m3 value, both zeros
     mids = (grid[1:] + grid[:-1]) / 2  # exact ties: nearest-even decides
@@ -102,11 +107,19 @@ def test_quant_kernel_rounds_ties_subnormals_and_signs_like_torch():
     x[:n] = vals
     x = x.view(rows, BLOCK - 1)
     x = torch.cat([torch.full((rows, 1), E4M3_MAX), x], dim=1)  # amax 448: scale exactly 1
+    return x.to(device), vals.to(device)
+
+
+def check_rounding(x: torch.Tensor, vals: torch.Tensor) -> None:
     q, s = triton_quant.per_token_group_quant(x)
     q_ref, s_ref = ref.per_token_group_quant(x)
     assert torch.equal(s, torch.ones_like(s))
     assert same_bits(q, q_ref)
-    assert same_bits(q[:, 1:].reshape(-1)[:n], vals.to(FP8_DTYPE))
+    assert same_bits(q[:, 1:].reshape(-1)[: vals.numel()], vals.to(FP8_DTYPE))
+
+
+def test_quant_kernel_rounds_ties_subnormals_and_signs_like_torch():
+    check_rounding(*rounding_cases())
 
 
 def test_quant_kernel_reads_strided_and_bf16_input():
