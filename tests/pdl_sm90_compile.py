@@ -5,7 +5,8 @@ JSON: run by tests/unit/test_pdl.py in a process of its own (without
 
 Per variant: how many ``griddepcontrol.wait`` and ``griddepcontrol.launch_dependents``
 the PTX has, and how many global loads come before the first wait (the skinny GEMM's
-weight prefetch where one step covers K; otherwise nothing may be read before it).
+weight prefetch where one step covers K, with an FP8 weight its block scales too;
+otherwise nothing may be read before it).
 
     python -m tests.pdl_sm90_compile
 """
@@ -22,11 +23,12 @@ from tests.sm90_compile import compile_kernel  # noqa: E402
 
 BF16 = {"dtype": "bfloat16"}
 # K: the weight's width the launch is for (the wrapper prefetches where BLOCK_K covers it).
-SKINNY = dict(module="kernels.gemv.triton_gemv", kernel="_skinny_kernel", ptr="*bf16", floats=("eps",), K=2048,
-              constexprs=dict(HAS_BIAS=False, SILU_MUL=False, NORM=False, HAS_RESIDUAL=False, USE_DOT=False,
-                              BLOCK_M=1, BLOCK_N=4, BLOCK_K=2048))
+SKINNY = dict(module="kernels.gemv.triton_gemv", kernel="_skinny_kernel", ptr="*bf16", floats=("eps", "q_eps", "fp32_max", "fp8_max"),
+              K=2048, constexprs=dict(HAS_BIAS=False, SILU_MUL=False, NORM=False, HAS_RESIDUAL=False, USE_DOT=False, W_FP8=False,
+                                      BLOCK_M=1, BLOCK_N=4, BLOCK_K=2048))
 KERNELS = {
     "skinny": SKINNY,
+    "skinny fp8": {**SKINNY, "ptr_types": {"w_ptr": "*fp8e4nv", "ws_ptr": "*fp32"}, "constexprs": {**SKINNY["constexprs"], "W_FP8": True}},
     "skinny norm": {**SKINNY, "constexprs": {**SKINNY["constexprs"], "NORM": True, "HAS_RESIDUAL": True}},
     "skinny several steps": {**SKINNY, "K": 8192, "constexprs": {**SKINNY["constexprs"], "SILU_MUL": True}},
     "skinny dot": {**SKINNY, "K": 4096, "constexprs": {**SKINNY["constexprs"], "USE_DOT": True, "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128}},

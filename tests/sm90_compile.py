@@ -79,7 +79,7 @@ def compile_kernel(job: dict):
         elif "types" in job:
             signature[name] = job["types"][name]
         elif name.endswith("_ptr"):
-            signature[name] = job["ptr"]
+            signature[name] = job.get("ptr_types", {}).get(name, job["ptr"])
         elif name in job.get("floats", ()):
             signature[name] = "fp32"
         else:

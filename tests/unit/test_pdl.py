@@ -42,12 +42,13 @@ def test_pdl_follows_the_capability_and_the_switch(monkeypatch):
 @pytest.mark.skipif(not tools_available(), reason="this Triton has no NVIDIA backend / ptxas")
 def test_kernels_wait_for_the_previous_grid_before_reading_what_it_wrote():
     got = json.loads(run_without_interpreter("tests.pdl_sm90_compile", ROOT, timeout=300).strip().splitlines()[-1])
+    assert "skinny fp8 pdl=True" in got
     for name, s in got.items():
         if name.endswith("pdl=False"):
             assert s["wait"] == 0 and s["launch_dependents"] == 0, (name, s)
             continue
         assert s["wait"] == 1 and s["launch_dependents"] == 1, (name, s)
-        if name.startswith(("skinny pdl", "skinny norm pdl")):
+        if name.startswith(("skinny pdl", "skinny norm pdl", "skinny fp8 pdl")):
             assert s["loads_before_wait"] > 0, (name, s)  # one step covers K: the weight slice is on its way
         else:  # a loop over K, the GEMM on tensor cores, the other kernels: nothing read before the wait
             assert s["loads_before_wait"] == 0, (name, s)
