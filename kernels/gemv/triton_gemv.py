@@ -29,6 +29,16 @@ for a static weight (``static_weight=True``: the model's) where one step covers 
 request their whole weight slice before that wait. So a decode step's chain of
 projections does not pay a launch and a memory latency at every boundary.
 
+An FP8 weight (``weight_scale=``: kernels/fp8's padded e4m3 with 128 x 128 block scales;
+``W_FP8``) takes the same kernel, at most 8 rows: each K step quantizes the loaded rows
+of ``x`` per token and group of 128 with kernels/fp8's ``quantize_groups`` (the same
+e4m3 values and scales as its quantization kernel), dequantizes both tiles to fp32 and
+multiplies as the broadcast path does, so the folds and PDL above serve FP8 decode too.
+``BLOCK_K`` is whole groups and ``BLOCK_N`` at most 128, so a program's rows share one
+block row of scales. Measured on an H200 (bench/RESULTS.md, FP8): 1.4-3x kernels/fp8's
+GEMMs at M = 1 on Llama-3.2-1B's qkv, o and down and Llama-3-8B's 4096 x 4096, slower on
+the wide shapes and from M = 4; kernels/gemv/threshold.json says where it serves.
+
 The wrapper reads no device memory on the host (shapes, strides and the SM count only):
 capturable in a CUDA graph once compiled by an eager call.
 """
