@@ -37,7 +37,8 @@ multiplies as the broadcast path does, so the folds and PDL above serve FP8 deco
 ``BLOCK_K`` is whole groups and ``BLOCK_N`` at most 128, so a program's rows share one
 block row of scales. Measured on an H200 (bench/RESULTS.md, FP8): 1.4-3x kernels/fp8's
 GEMMs at M = 1 on Llama-3.2-1B's qkv, o and down and Llama-3-8B's 4096 x 4096, slower on
-the wide shapes and from M = 4; kernels/gemv/threshold.json says where it serves.
+the wide shapes and, 2048 x 2048 apart, from M = 4; kernels/gemv/threshold.json says
+where it serves.
 
 The wrapper reads no device memory on the host (shapes, strides and the SM count only):
 capturable in a CUDA graph once compiled by an eager call.
