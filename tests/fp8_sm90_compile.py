@@ -53,7 +53,7 @@ def gemm(plan: GemmPlan) -> dict:
     if plan.tma:
         sig.update(x_ptr=f"tensordesc<fp8e4nv[{plan.token_tile}, 128]>", w_ptr=f"tensordesc<fp8e4nv[{plan.weight_tile}, 128]>")
     consts = dict(SWAP_AB=plan.swap_ab, X_RAW=plan.fuse_quant, USE_TMA=plan.tma, SPLIT_K=plan.split_k,
-                  BLOCK_T=plan.token_tile, BLOCK_W=plan.weight_tile, GROUP=plan.group)
+                  BLOCK_T=plan.token_tile, BLOCK_W=plan.weight_tile, GROUP=plan.group, PDL=False)
     sig.update(dict.fromkeys(consts, "constexpr"))
     attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in DIV16 if not (plan.tma and a in ("x_ptr", "w_ptr"))}
     kernel = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=TARGET,
@@ -64,8 +64,9 @@ def gemm(plan: GemmPlan) -> dict:
 def quant() -> dict:
     fn = _per_token_group_quant_kernel
     sig = dict.fromkeys(fn.arg_names, "i32")
-    sig.update(x_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32", eps="fp32", fp32_max="fp32", fp8_max="fp32", BLOCK_ROWS="constexpr", GROUP="constexpr")
-    kernel = triton.compile(ASTSource(fn, sig, constexprs={"BLOCK_ROWS": 16, "GROUP": 128}), target=TARGET, options={"num_warps": 4})
+    sig.update(x_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32", eps="fp32", fp32_max="fp32", fp8_max="fp32", BLOCK_ROWS="constexpr",
+               GROUP="constexpr", PDL="constexpr")
+    kernel = triton.compile(ASTSource(fn, sig, constexprs={"BLOCK_ROWS": 16, "GROUP": 128, "PDL": False}), target=TARGET, options={"num_warps": 4})
     return stats(kernel)
 
 

@@ -25,6 +25,11 @@ One kernel; a ``GemmPlan`` (kernels/fp8/plan.py) picks its tiles and which of th
 - TMA (``tma``): the e4m3 operands are read through host-built tensor descriptors (Hopper's
   bulk copies, which Triton pipelines with mbarriers) instead of pointer loads.
 
+With ``TIDEPOOL_PDL_FP8=1`` the GEMM and the quantization kernel take part in programmatic
+dependent launch (kernels/pdl: every program waits for the previous kernel before it reads
+or writes anything; no early reads), as the bf16 decode path's kernels do. It is opt-in
+until a GPU has measured it (``bash bench/gpu_session.sh fp8_pdl``).
+
 The K loop steps by 128, the block edge, so each step's scales are one value per row of
 each operand: the MMA's fp32 partial sum of one block is scaled and added to an fp32
 accumulator in registers. That is also the "promotion" DeepSeek-V3 describes: the tensor
@@ -45,7 +50,8 @@ import triton.language as tl
 
 from kernels.fp8.layout import BLOCK, E4M3_MAX, FP32_MAX, SCALE_EPS, check_fused_operands, check_gemm_operands
 from kernels.fp8.plan import GemmPlan, plan_gemm
-from kernels.fp8.triton_quant import per_token_group_quant, quantize_groups
+from kernels.fp8.triton_quant import FP8_PDL_ENV, per_token_group_quant, quantize_groups
+from kernels.pdl import pdl_launch, pdl_wait
 from kernels.split_counters import split_counters
 
 
@@ -69,8 +75,9 @@ def _fp8_gemm_kernel(
     stride_xm, stride_xk, stride_xs, stride_w, stride_ws, stride_ym, stride_yn,
     eps, fp32_max, fp8_max,
     SWAP_AB: tl.constexpr, X_RAW: tl.constexpr, USE_TMA: tl.constexpr, SPLIT_K: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr, GROUP: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr, GROUP: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)  # kernels/pdl: before any read or write (opt-in: FP8_PDL_ENV)
     BLOCK_K: tl.constexpr = 128
     tiles_t = tl.cdiv(T_ROWS, BLOCK_T)
     tiles_w = W_ROWS // BLOCK_W
@@ -204,7 +211,7 @@ def _launch(
         SCALE_EPS, FP32_MAX, E4M3_MAX,
         SWAP_AB=plan.swap_ab, X_RAW=x_s is None, USE_TMA=plan.tma, SPLIT_K=plan.split_k,
         BLOCK_T=plan.token_tile, BLOCK_W=plan.weight_tile, GROUP=plan.group,
-        num_warps=plan.num_warps, num_stages=plan.num_stages,
+        num_warps=plan.num_warps, num_stages=plan.num_stages, **pdl_launch(device, opt_in=FP8_PDL_ENV),
     )
     return y
 

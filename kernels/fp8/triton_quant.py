@@ -32,6 +32,11 @@ import triton
 import triton.language as tl
 
 from kernels.fp8.layout import BLOCK, E4M3_MAX, FP32_MAX, FP8_DTYPE, SCALE_EPS, check_activation, padded
+from kernels.pdl import pdl_launch, pdl_wait
+
+# Programmatic dependent launch for this kernel and kernels/fp8's GEMM: opt-in (``1``) until
+# a GPU has measured it (kernels/pdl).
+FP8_PDL_ENV = "TIDEPOOL_PDL_FP8"
 
 # Tokens per program: a [16, 128] tile is 8 KB of fp32, 16 bytes per thread of 4 warps.
 BLOCK_ROWS = 16
@@ -79,8 +84,9 @@ def _per_token_group_quant_kernel(
     M, K, M_pad,
     stride_xm, stride_xk, stride_qm, stride_sm,
     eps, fp32_max, fp8_max,
-    BLOCK_ROWS: tl.constexpr, GROUP: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr, GROUP: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)  # kernels/pdl: before any read or write
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     group = tl.program_id(1)
     cols = group * GROUP + tl.arange(0, GROUP)
@@ -110,6 +116,6 @@ def per_token_group_quant(x: torch.Tensor, *, row_multiple: int = 1) -> tuple[to
         m, k, m_pad,
         x.stride(0), x.stride(1), q.stride(0), s.stride(0),
         SCALE_EPS, FP32_MAX, E4M3_MAX,
-        BLOCK_ROWS=BLOCK_ROWS, GROUP=BLOCK, num_warps=4,
+        BLOCK_ROWS=BLOCK_ROWS, GROUP=BLOCK, num_warps=4, **pdl_launch(x.device, opt_in=FP8_PDL_ENV),
     )
     return q, s

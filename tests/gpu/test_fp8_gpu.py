@@ -210,19 +210,66 @@ def test_cublas_block_gemm_matches_reference_and_serves_large_m(m, nk):
     assert torch.equal(static_y, cublas_gemm.fp8_linear(static_x, w_q, w_s, n=n, out_dtype=torch.bfloat16))
 
 
-def test_engine_with_fp8_weights_decodes_with_cuda_graphs():
-    """Random SmolLM2-shaped weights (the GGUF does not travel to GPU machines), FP8 at load:
-    decode through CUDA graphs gives the eager engine's tokens."""
+def fp8_smollm2_shape():
+    """Random SmolLM2-shaped weights (the GGUF does not travel to GPU machines), FP8 at load."""
     from bench.common import hf_llama, ours_from_hf
-    from libs.engine import LLM, EngineConfig, SamplingParams
     from libs.model.fp8 import Fp8Linear, quantize_projections
 
     loaded = ours_from_hf(hf_llama(torch.device("cuda"), torch.float32), torch.device("cuda"), torch.bfloat16)
     quantize_projections(loaded.model, torch.device("cuda"))
     assert sum(isinstance(m, Fp8Linear) for m in loaded.model.modules()) == 120
+    return loaded
+
+
+def fp8_generate(loaded, **cfg) -> list[list[int]]:
+    from libs.engine import LLM, EngineConfig, SamplingParams
+
     prompts = [list(range(100 + i, 140 + 3 * i)) for i in range(4)]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    cfg = dict(device="cuda", dtype="bfloat16", num_blocks=512, max_num_seqs=8)
-    graphs = LLM(EngineConfig(**cfg), loaded=loaded).generate(prompts, params)
-    eager = LLM(EngineConfig(**cfg, cuda_graphs=False), loaded=loaded).generate(prompts, params)
-    assert [r.token_ids for r in graphs] == [r.token_ids for r in eager]
+    llm = LLM(EngineConfig(device="cuda", dtype="bfloat16", num_blocks=512, max_num_seqs=8, **cfg), loaded=loaded)
+    try:
+        return [r.token_ids for r in llm.generate(prompts, params)]
+    finally:
+        llm.close()
+
+
+def test_engine_with_fp8_weights_decodes_with_cuda_graphs():
+    """Decode through CUDA graphs gives the eager engine's tokens."""
+    loaded = fp8_smollm2_shape()
+    assert fp8_generate(loaded) == fp8_generate(loaded, cuda_graphs=False)
+
+
+def test_fp8_kernels_with_pdl_give_the_same_tokens(monkeypatch):
+    """``TIDEPOOL_PDL_FP8=1`` (kernels/fp8's quantizer and GEMM take part in programmatic
+    dependent launch) through the engine's CUDA graphs, the skinny GEMM off so that every
+    FP8 projection runs them: the same tokens as without, and the same bits for a chain
+    of dependent FP8 layers replayed in a graph."""
+    from kernels.fp8 import triton_gemm
+    from kernels.fp8.triton_quant import FP8_PDL_ENV
+    from kernels.gemv.threshold import FP8_ENV
+
+    monkeypatch.setenv(FP8_ENV, "0")
+    loaded = fp8_smollm2_shape()
+    runs, chains = {}, {}
+    x0 = rand(4, 576, seed=3)
+    weights = [ref.quantize_weight(rand(576, 576, seed=10 + i) * 0.05) for i in range(6)]
+    unfused = GemmPlan(True, token_tile=16, weight_tile=64, num_warps=4, num_stages=4, split_k=2)
+    for value in ("0", "1"):
+        monkeypatch.setenv(FP8_PDL_ENV, value)
+        runs[value] = fp8_generate(loaded)
+
+        def chain() -> torch.Tensor:
+            x = x0
+            for w_q, w_s in weights:  # each layer reads what the previous one wrote
+                x = triton_gemm.fp8_linear(x, w_q, w_s, n=576, plan=unfused)  # the quantizer, then the split-K GEMM
+            return x
+
+        chain()  # compile outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = chain()
+        graph.replay()
+        torch.cuda.synchronize()
+        chains[value] = out.clone()
+    assert runs["1"] == runs["0"]
+    assert torch.equal(chains["1"], chains["0"])

@@ -39,10 +39,24 @@ def test_pdl_follows_the_capability_and_the_switch(monkeypatch):
     assert not pdl.pdl_enabled("cuda:0")
 
 
+def test_a_kernel_not_yet_measured_with_pdl_opts_in(monkeypatch):
+    """kernels/fp8's GEMM and quantizer: PDL only with ``TIDEPOOL_PDL_FP8=1`` as well."""
+    from kernels.fp8.triton_quant import FP8_PDL_ENV
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(pdl, "_capable", lambda index: True)
+    monkeypatch.delenv(FP8_PDL_ENV, raising=False)
+    assert pdl.pdl_launch("cuda:0", opt_in=FP8_PDL_ENV) == {"PDL": False}
+    monkeypatch.setenv(FP8_PDL_ENV, "1")
+    assert pdl.pdl_launch("cuda:0", opt_in=FP8_PDL_ENV) == {"PDL": True, "launch_pdl": True}
+    monkeypatch.setenv(pdl.ENV, "0")  # the global switch still turns it off
+    assert pdl.pdl_launch("cuda:0", opt_in=FP8_PDL_ENV) == {"PDL": False}
+
+
 @pytest.mark.skipif(not tools_available(), reason="this Triton has no NVIDIA backend / ptxas")
 def test_kernels_wait_for_the_previous_grid_before_reading_what_it_wrote():
     got = json.loads(run_without_interpreter("tests.pdl_sm90_compile", ROOT, timeout=300).strip().splitlines()[-1])
-    assert "skinny fp8 pdl=True" in got
+    assert "skinny fp8 pdl=True" in got and "fp8 gemm pdl=True" in got and "fp8 quant pdl=True" in got
     for name, s in got.items():
         if name.endswith("pdl=False"):
             assert s["wait"] == 0 and s["launch_dependents"] == 0, (name, s)
