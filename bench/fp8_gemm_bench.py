@@ -66,6 +66,7 @@ import torch
 from bench.common import kernel_bench_parser, table
 from bench.gpu_timing import copies_for, kernel_timer
 from bench.common import git_commit
+from bench.gemv_bench import SHAPE_MARGIN
 from kernels.fp8 import layout, plan
 from kernels.fp8 import reference as ref
 from kernels.gemv import threshold as gemv_threshold
@@ -105,7 +106,7 @@ def scaled_mm_rowwise(x: torch.Tensor, w: torch.Tensor, n_copies: int) -> list[C
     return calls
 
 
-def skinny(x: torch.Tensor, wqs: list, n: int, expected: torch.Tensor, out_dtype: torch.dtype, time_of, tune: bool) -> tuple[float, list[int], float]:
+def skinny(x: torch.Tensor, wqs: list, n: int, expected: torch.Tensor, time_of, tune: bool) -> tuple[float, list[int], float]:
     """The skinny GEMM at this shape and M: ``(ms, config, heuristic ms)``, its tiles those a
     layer runs (this GPU's stored ones, else the heuristic's) or, with ``tune``, the
     fastest of those and ``candidates`` (each checked against the reference first)."""
@@ -156,7 +157,7 @@ def run(device: torch.device, shapes: list[tuple[int, int]], ms: list[int], tune
                 row[f"plan_{name}"] = p.label
             row["skinny"] = row["skinny_config"] = row["skinny_heuristic"] = None
             if m <= gemv_threshold.FP8_MAX_M:
-                row["skinny"], row["skinny_config"], row["skinny_heuristic"] = skinny(x, wqs, n, expected, out_dtype, time_of, tune)
+                row["skinny"], row["skinny_config"], row["skinny_heuristic"] = skinny(x, wqs, n, expected, time_of, tune)
                 row["plan_skinny"] = f"skinny {tuple(row['skinny_config'])}"
             row["quant"] = time_of([lambda: triton_quant.per_token_group_quant(x, row_multiple=16)])
             row["cublas_block"] = None
@@ -204,13 +205,10 @@ def choose_skinny_threshold(rows: list[dict]) -> int:
     return threshold
 
 
-# A single projection's timing is noisy: per shape, the skinny GEMM must win by this much.
-SHAPE_MARGIN = 1.02
-
-
 def skinny_shape_thresholds(rows: list[dict]) -> dict[str, int]:
     """Per padded weight shape ``NxK:fp8``: the largest M up to which the skinny GEMM beat
-    both block-scaled variants by ``SHAPE_MARGIN`` at every measured M (0: not at M = 1)."""
+    both block-scaled variants by ``SHAPE_MARGIN`` (bench/gemv_bench.py's: a single
+    projection's timing is noisy) at every measured M (0: not at M = 1)."""
     out: dict[str, int] = {}
     for n, k in dict.fromkeys((r["n"], r["k"]) for r in rows if r["skinny"] is not None):
         best = 0
@@ -281,8 +279,7 @@ def write_skinny_threshold(rows: list[dict], device_name: str) -> int:
 
 
 def write_threshold(rows: list[dict], device: torch.device) -> int:
-    """The swap-AB and cuBLAS thresholds from the Llama-3-8B rows (the issue's shapes)."""
-    rows = [r for r in rows if (r["n"], r["k"]) in SHAPES or (r["n"], r["k"]) in TOY_SHAPES]
+    """The swap-AB and cuBLAS thresholds from ``rows``: the issue's shapes (Llama-3-8B's)."""
     value = choose_threshold(rows)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     data = {
@@ -310,7 +307,7 @@ def write_threshold(rows: list[dict], device: torch.device) -> int:
 
 def main() -> None:
     ap = kernel_bench_parser(__doc__, "store the measured swap-AB, cuBLAS and skinny-GEMM thresholds (GPU only)")
-    ap.add_argument("--tune", action="store_true", help="sweep the skinny GEMM's tiles per shape and M (else its heuristic's)")
+    ap.add_argument("--tune", action="store_true", help="sweep the skinny GEMM's tiles per shape and M (else the stored ones, or the heuristic's)")
     args = ap.parse_args()
     device = torch.device("cpu" if args.toy else "cuda")
     if args.write_threshold and device.type != "cuda":
@@ -324,7 +321,7 @@ def main() -> None:
     print(f"cuBLAS block-scaled faster from M = {choose_cublas_threshold(issue_rows)} (stored: {plan.cublas_min_m()})")
     print(f"skinny GEMM faster up to M = {choose_skinny_threshold(rows)} on every shape, per shape {skinny_shape_thresholds(rows)}")
     if args.write_threshold:
-        print(f"wrote swap_ab_max_m = {write_threshold(rows, device)} to {plan.THRESHOLD_FILE}")
+        print(f"wrote swap_ab_max_m = {write_threshold(issue_rows, device)} to {plan.THRESHOLD_FILE}")
         name = torch.cuda.get_device_name(device)
         print(f"wrote fp8_max_m = {write_skinny_threshold(rows, name)} for {name} to {gemv_threshold.THRESHOLD_FILE}")
     if args.out:

@@ -134,5 +134,5 @@ def _max_m(device: torch.device, n: int | None, k: int | None, fp8: bool) -> int
     if entry is None:
         return 0
     overall, by_shape = (entry.fp8_max_m, entry.fp8_max_m_by_shape) if fp8 else (entry.max_m, entry.max_m_by_shape)
-    limit = by_shape.get(shape_key(n, k, fp8), overall) if n and k else overall
+    limit = by_shape.get(shape_key(n, k, fp8), overall) if n is not None and k is not None else overall
     return min(limit, cap)
