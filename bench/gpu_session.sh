@@ -11,7 +11,7 @@
 #   bench/gpu_session.sh tests pd pool          # issue 8 and the GPU test suite
 #   bench/gpu_session.sh digest                 # issue 8: GPU-computed pool checksums, tests + off/on A/B (~8 min: alone in a call)
 #   bench/gpu_session.sh fp8 moe                # FP8 tuning/GEMM/decode (~5 min), MoE executors
-#   bench/gpu_session.sh fp8_pdl                # issue 13: FP8 GEMM + quantizer with PDL (opt-in): tests, decode A/B (~4 min)
+#   bench/gpu_session.sh fp8_pdl                # issue 13: FP8 GEMM + quantizer with PDL off/by M/on: tests, decode A/B (~6 min)
 #   bench/gpu_session.sh moe_fp8                # issue 13's FP8 experts: tests/gpu/test_moe_fp8_gpu.py, bench.moe_fp8_bench (~5-7 min)
 #   bench/gpu_session.sh engine                 # issue 10: the engine's GPU tests and benchmarks
 #   bench/gpu_session.sh decode_fusions         # issue 10: skinny GEMM + fused decode attention: tests, tuned sweep (~8 min)
@@ -61,14 +61,15 @@ for s in "$@"; do
              step fp8_tune $((${FP8_TUNE_S:-125} + 25)) python3 -m bench.fp8_tune --budget-s ${FP8_TUNE_S:-125}
              step fp8_gemm 75 python3 -m bench.fp8_gemm_bench --write-threshold --out bench/results/fp8_gemm_h100.json
              step fp8_decode 60 python3 -m bench.fp8_decode_bench --out bench/results/fp8_decode_h100.json ;;
-        fp8_pdl) # issue 13: kernels/fp8's quantizer and GEMM in programmatic dependent launch (opt-in,
-             # TIDEPOOL_PDL_FP8=1): the GPU tests, then FP8 decode with it off and on, alternated twice
+        fp8_pdl) # issue 13: kernels/fp8's quantizer and GEMM in programmatic dependent launch: the GPU
+             # tests, then FP8 decode with it off (0), by M (the default, "auto") and on at every M (1),
+             # alternated twice
              step fp8_pdl_tests 240 python3 -m pytest -v -p no:cacheprovider --timeout 150 tests/gpu/test_fp8_gpu.py \
                  -k "pdl or engine or graph or quant"
              for r in 1 2; do
-                 for p in 0 1; do
-                     TIDEPOOL_PDL_FP8=$p step "fp8_decode_pdl${p}_$r" 60 python3 -m bench.fp8_decode_bench \
-                         --out "bench/results/fp8_decode_pdl${p}_$r.json"
+                 for p in 0 auto 1; do
+                     TIDEPOOL_PDL_FP8=${p#auto} step "fp8_decode_pdl${p}_$r" 90 python3 -m bench.fp8_decode_bench \
+                         --batches 1,4,16,64 --out "bench/results/fp8_decode_pdl${p}_$r.json"
                  done
              done ;;
         handoff) # the pool's rate on one Redis and 1/4-node clusters, one prompt's transfers, then the PD path

@@ -71,9 +71,6 @@ def pdl_enabled(device: torch.device | str | None) -> bool:
     return _capable(dev.index if dev.index is not None else torch.cuda.current_device())
 
 
-def pdl_launch(device: torch.device | str | None, *, opt_in: str | None = None) -> dict:
-    """Keyword arguments for a launch of a kernel that calls ``pdl_wait(PDL)``. ``opt_in``:
-    an environment variable that must be ``1`` too, for kernels whose PDL has not been
-    measured on a GPU yet (off by default until a benchmark turns it on)."""
-    on = pdl_enabled(device) and (opt_in is None or os.environ.get(opt_in) == "1")
-    return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
+def pdl_launch(device: torch.device | str | None) -> dict:
+    """Keyword arguments for a launch of a kernel that calls ``pdl_wait(PDL)``."""
+    return {"PDL": True, "launch_pdl": True} if pdl_enabled(device) else {"PDL": False}

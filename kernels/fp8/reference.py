@@ -73,10 +73,11 @@ def dequantize_weight(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return blocks.view(n_pad, k_pad)
 
 
-def per_token_group_quant(x: torch.Tensor, *, row_multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+def per_token_group_quant(x: torch.Tensor, *, row_multiple: int = 1, swap_ab: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``X [M, K]`` -> ``(q [M_pad, K_pad] e4m3, scale [M_pad, K_pad/128] fp32)``: one scale
     per token per group of 128, ``M_pad`` a multiple of ``row_multiple`` (the GEMM's token
-    tile), ``K_pad`` of 128. Padding is zeros with the smallest scale."""
+    tile), ``K_pad`` of 128. Padding is zeros with the smallest scale. ``swap_ab`` only
+    chooses the kernel's launch (PDL); here it changes nothing."""
     check_activation(x, row_multiple)
     m_pad, k_pad = padded(x.shape[0], row_multiple), padded(x.shape[1])
     groups = _zero_padded(x, m_pad, k_pad).view(m_pad, k_pad // BLOCK, BLOCK)

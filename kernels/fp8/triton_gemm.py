@@ -25,10 +25,12 @@ One kernel; a ``GemmPlan`` (kernels/fp8/plan.py) picks its tiles and which of th
 - TMA (``tma``): the e4m3 operands are read through host-built tensor descriptors (Hopper's
   bulk copies, which Triton pipelines with mbarriers) instead of pointer loads.
 
-With ``TIDEPOOL_PDL_FP8=1`` the GEMM and the quantization kernel take part in programmatic
-dependent launch (kernels/pdl: every program waits for the previous kernel before it reads
-or writes anything; no early reads), as the bf16 decode path's kernels do. It is opt-in
-until a GPU has measured it (``bash bench/gpu_session.sh fp8_pdl``).
+With the swap-AB plan (small M) the GEMM and the quantization kernel before it take part in
+programmatic dependent launch (kernels/pdl: every program waits for the previous kernel
+before it reads or writes anything; no early reads), as the bf16 decode path's kernels do.
+Measured in decode, it buys 5-8% where swap-AB runs and costs the normal plan 3%
+(``triton_quant.fp8_pdl_launch``; ``TIDEPOOL_PDL_FP8`` forces it on or off;
+``bash bench/gpu_session.sh fp8_pdl`` measures it).
 
 The K loop steps by 128, the block edge, so each step's scales are one value per row of
 each operand: the MMA's fp32 partial sum of one block is scaled and added to an fp32
@@ -50,8 +52,8 @@ import triton.language as tl
 
 from kernels.fp8.layout import BLOCK, E4M3_MAX, FP32_MAX, SCALE_EPS, check_fused_operands, check_gemm_operands
 from kernels.fp8.plan import GemmPlan, plan_gemm
-from kernels.fp8.triton_quant import FP8_PDL_ENV, per_token_group_quant, quantize_groups
-from kernels.pdl import pdl_launch, pdl_wait
+from kernels.fp8.triton_quant import fp8_pdl_launch, per_token_group_quant, quantize_groups
+from kernels.pdl import pdl_wait
 from kernels.split_counters import split_counters
 
 
@@ -77,7 +79,7 @@ def _fp8_gemm_kernel(
     SWAP_AB: tl.constexpr, X_RAW: tl.constexpr, USE_TMA: tl.constexpr, SPLIT_K: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr, GROUP: tl.constexpr, PDL: tl.constexpr,
 ):
-    pdl_wait(PDL)  # kernels/pdl: before any read or write (opt-in: FP8_PDL_ENV)
+    pdl_wait(PDL)  # kernels/pdl: before any read or write (triton_quant.fp8_pdl_launch: swap-AB)
     BLOCK_K: tl.constexpr = 128
     tiles_t = tl.cdiv(T_ROWS, BLOCK_T)
     tiles_w = W_ROWS // BLOCK_W
@@ -211,7 +213,7 @@ def _launch(
         SCALE_EPS, FP32_MAX, E4M3_MAX,
         SWAP_AB=plan.swap_ab, X_RAW=x_s is None, USE_TMA=plan.tma, SPLIT_K=plan.split_k,
         BLOCK_T=plan.token_tile, BLOCK_W=plan.weight_tile, GROUP=plan.group,
-        num_warps=plan.num_warps, num_stages=plan.num_stages, **pdl_launch(device, opt_in=FP8_PDL_ENV),
+        num_warps=plan.num_warps, num_stages=plan.num_stages, **fp8_pdl_launch(device, plan.swap_ab),
     )
     return y
 
@@ -256,5 +258,5 @@ def fp8_linear(
     if plan.fuse_quant:
         check_fused_operands(x, w_q, w_s, n, plan)
         return _launch(x, None, w_q, w_s, m, n, x.shape[1], m, out_dtype, plan)
-    x_q, x_s = per_token_group_quant(x, row_multiple=plan.row_multiple)
+    x_q, x_s = per_token_group_quant(x, row_multiple=plan.row_multiple, swap_ab=plan.swap_ab)
     return block_scaled_mm(x_q, x_s, w_q, w_s, m=m, n=n, out_dtype=out_dtype, plan=plan)

@@ -34,8 +34,12 @@ import triton.language as tl
 from kernels.fp8.layout import BLOCK, E4M3_MAX, FP32_MAX, FP8_DTYPE, SCALE_EPS, check_activation, padded
 from kernels.pdl import pdl_launch, pdl_wait
 
-# Programmatic dependent launch for this kernel and kernels/fp8's GEMM: opt-in (``1``) until
-# a GPU has measured it (kernels/pdl).
+# Programmatic dependent launch (kernels/pdl) for this kernel and kernels/fp8's GEMM, where
+# the GEMM runs its swap-AB plan (small M): measured on the H200 (bench/RESULTS.md,
+# "kernels/fp8's kernels in programmatic dependent launch"), FP8 decode of Llama-3.2-1B's
+# shape went from 0.95 to 0.90 ms per step at batch 1 with it and from 1.14-1.17 to 1.08 at
+# batch 4 and 16 (swap-AB), and from 1.555 to 1.60 at batch 64 (the normal plan). So it
+# follows the plan; ``TIDEPOOL_PDL_FP8=1`` turns it on for every plan, ``0`` off.
 FP8_PDL_ENV = "TIDEPOOL_PDL_FP8"
 
 # Tokens per program: a [16, 128] tile is 8 KB of fp32, 16 bytes per thread of 4 warps.
@@ -99,10 +103,22 @@ def _per_token_group_quant_kernel(
     tl.store(s_ptr + rows64 * stride_sm + group, scale, mask=written)
 
 
-def per_token_group_quant(x: torch.Tensor, *, row_multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+def fp8_pdl_launch(device: torch.device | str | None, swap_ab: bool) -> dict:
+    """``pdl_launch``'s keyword arguments for an FP8 kernel of a GEMM with the swap-AB plan
+    (``swap_ab``) or the normal one: PDL where the GPU has it and the plan is swap-AB, or
+    as ``TIDEPOOL_PDL_FP8`` forces it."""
+    mode = os.environ.get(FP8_PDL_ENV, "")
+    if mode not in ("", "0", "1"):
+        raise ValueError(f"{FP8_PDL_ENV} must be 0, 1 or unset, got {mode!r}")
+    wanted = mode == "1" or (mode == "" and swap_ab)
+    return pdl_launch(device) if wanted else {"PDL": False}
+
+
+def per_token_group_quant(x: torch.Tensor, *, row_multiple: int = 1, swap_ab: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``X [M, K]`` -> ``(q [M_pad, K_pad] e4m3, scale [M_pad, K_pad/128] fp32)``: one scale
     per token per group of 128, ``M_pad`` a multiple of ``row_multiple`` (the GEMM's token
-    tile), ``K_pad`` of 128. Padding is zeros with the smallest scale."""
+    tile), ``K_pad`` of 128. Padding is zeros with the smallest scale. ``swap_ab``: the GEMM
+    it feeds runs the swap-AB plan, so both launch in PDL (``fp8_pdl_launch``)."""
     check_activation(x, row_multiple)
     m, k = x.shape
     m_pad, k_pad = padded(m, row_multiple), padded(k)
@@ -116,6 +132,6 @@ def per_token_group_quant(x: torch.Tensor, *, row_multiple: int = 1) -> tuple[to
         m, k, m_pad,
         x.stride(0), x.stride(1), q.stride(0), s.stride(0),
         SCALE_EPS, FP32_MAX, E4M3_MAX,
-        BLOCK_ROWS=BLOCK_ROWS, GROUP=BLOCK, num_warps=4, **pdl_launch(x.device, opt_in=FP8_PDL_ENV),
+        BLOCK_ROWS=BLOCK_ROWS, GROUP=BLOCK, num_warps=4, **fp8_pdl_launch(x.device, swap_ab),
     )
     return q, s

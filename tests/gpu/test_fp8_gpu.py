@@ -240,10 +240,10 @@ def test_engine_with_fp8_weights_decodes_with_cuda_graphs():
 
 
 def test_fp8_kernels_with_pdl_give_the_same_tokens(monkeypatch):
-    """``TIDEPOOL_PDL_FP8=1`` (kernels/fp8's quantizer and GEMM take part in programmatic
-    dependent launch) through the engine's CUDA graphs, the skinny GEMM off so that every
-    FP8 projection runs them: the same tokens as without, and the same bits for a chain
-    of dependent FP8 layers replayed in a graph."""
+    """kernels/fp8's quantizer and GEMM in programmatic dependent launch (by default with
+    the swap-AB plan, ``TIDEPOOL_PDL_FP8=1`` with every plan) through the engine's CUDA graphs, the
+    skinny GEMM off so that every FP8 projection runs them: the same tokens as without
+    (``0``), and the same bits for a chain of dependent FP8 layers replayed in a graph."""
     from kernels.fp8 import triton_gemm
     from kernels.fp8.triton_quant import FP8_PDL_ENV
     from kernels.gemv.threshold import FP8_ENV
@@ -254,7 +254,7 @@ def test_fp8_kernels_with_pdl_give_the_same_tokens(monkeypatch):
     x0 = rand(4, 576, seed=3)
     weights = [ref.quantize_weight(rand(576, 576, seed=10 + i) * 0.05) for i in range(6)]
     unfused = GemmPlan(True, token_tile=16, weight_tile=64, num_warps=4, num_stages=4, split_k=2)
-    for value in ("0", "1"):
+    for value in ("0", "", "1"):
         monkeypatch.setenv(FP8_PDL_ENV, value)
         runs[value] = fp8_generate(loaded)
 
@@ -271,5 +271,5 @@ def test_fp8_kernels_with_pdl_give_the_same_tokens(monkeypatch):
         graph.replay()
         torch.cuda.synchronize()
         chains[value] = out.clone()
-    assert runs["1"] == runs["0"]
-    assert torch.equal(chains["1"], chains["0"])
+    assert runs["1"] == runs[""] == runs["0"]
+    assert torch.equal(chains["1"], chains["0"]) and torch.equal(chains[""], chains["0"])

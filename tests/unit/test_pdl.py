@@ -39,18 +39,34 @@ def test_pdl_follows_the_capability_and_the_switch(monkeypatch):
     assert not pdl.pdl_enabled("cuda:0")
 
 
-def test_a_kernel_not_yet_measured_with_pdl_opts_in(monkeypatch):
-    """kernels/fp8's GEMM and quantizer: PDL only with ``TIDEPOOL_PDL_FP8=1`` as well."""
-    from kernels.fp8.triton_quant import FP8_PDL_ENV
+@pytest.mark.parametrize(("mode", "swap_ab", "normal"), [("", True, False), ("1", True, True), ("0", False, False)])
+def test_fp8_kernels_take_pdl_with_the_swap_ab_plan_unless_forced(monkeypatch, mode, swap_ab, normal):
+    """kernels/fp8's GEMM and quantizer: PDL with the swap-AB plan by default (measured
+    faster in decode at batch 1-16, slower with the normal plan at batch 64);
+    ``TIDEPOOL_PDL_FP8`` forces it on or off; the global switch and a GPU without PDL
+    still win."""
+    from kernels.fp8.triton_quant import FP8_PDL_ENV, fp8_pdl_launch
 
+    on, off = {"PDL": True, "launch_pdl": True}, {"PDL": False}
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.delenv(pdl.ENV, raising=False)
     monkeypatch.setattr(pdl, "_capable", lambda index: True)
-    monkeypatch.delenv(FP8_PDL_ENV, raising=False)
-    assert pdl.pdl_launch("cuda:0", opt_in=FP8_PDL_ENV) == {"PDL": False}
-    monkeypatch.setenv(FP8_PDL_ENV, "1")
-    assert pdl.pdl_launch("cuda:0", opt_in=FP8_PDL_ENV) == {"PDL": True, "launch_pdl": True}
-    monkeypatch.setenv(pdl.ENV, "0")  # the global switch still turns it off
-    assert pdl.pdl_launch("cuda:0", opt_in=FP8_PDL_ENV) == {"PDL": False}
+    monkeypatch.setenv(FP8_PDL_ENV, mode)
+    assert fp8_pdl_launch("cuda:0", True) == (on if swap_ab else off)
+    assert fp8_pdl_launch("cuda:0", False) == (on if normal else off)
+    monkeypatch.setenv(pdl.ENV, "0")
+    assert fp8_pdl_launch("cuda:0", True) == off
+    monkeypatch.delenv(pdl.ENV)
+    monkeypatch.setattr(pdl, "_capable", lambda index: False)
+    assert fp8_pdl_launch("cuda:0", True) == off
+
+
+def test_fp8_pdl_rejects_an_unknown_mode(monkeypatch):
+    from kernels.fp8.triton_quant import FP8_PDL_ENV, fp8_pdl_launch
+
+    monkeypatch.setenv(FP8_PDL_ENV, "yes")
+    with pytest.raises(ValueError, match=FP8_PDL_ENV):
+        fp8_pdl_launch("cuda:0", True)
 
 
 @pytest.mark.skipif(not tools_available(), reason="this Triton has no NVIDIA backend / ptxas")
