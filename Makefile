@@ -7,7 +7,7 @@ STAMP := $(VENV)/.tidepool-installed
 PYTEST_FLAGS ?= -q
 export PYTHON VENV
 
-.PHONY: install system run test unit integration fuzz test-gpu bench chaos clean
+.PHONY: install system run test test-slow test-all unit integration fuzz test-gpu bench chaos clean
 
 install: $(STAMP) system
 
@@ -21,7 +21,16 @@ system:
 run: install
 	$(PY) -m services.launch
 
+# `make test` (what CI runs) leaves out the tests marked slow, to stay under 20 minutes on
+# 2 cores: two-rank TP, the reduced chaos matrix, the launcher's restart test and whole
+# models through the Triton interpreter. `make test-slow` runs those; `make test-all` both.
 test: install
+	$(PY) -m pytest $(PYTEST_FLAGS) -m "not slow" tests/unit tests/integration
+
+test-slow: install
+	$(PY) -m pytest $(PYTEST_FLAGS) -m slow tests/unit tests/integration
+
+test-all: install
 	$(PY) -m pytest $(PYTEST_FLAGS) tests/unit tests/integration
 
 unit: install
@@ -41,7 +50,7 @@ test-gpu: install
 # The fault matrix under steady load on the real stack (tests/chaos/): SIGKILL of every
 # process kind, a paused decode, Redis restarted or 50 ms away, corrupt and evicted blocks,
 # 200 clients leaving mid-stream, 5x overload. Writes bench/results/chaos.md; fails if a row
-# misses the pass bar. `make test` runs the reduced matrix (tests/integration/test_chaos.py).
+# misses the pass bar. `make test-slow` runs the reduced matrix (tests/integration/test_chaos.py).
 # Then `make fuzz`: 10,000 schemathesis requests against the router.
 chaos: install
 	$(PY) -m tests.chaos --out bench/results/chaos.md

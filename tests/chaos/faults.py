@@ -180,5 +180,5 @@ FAULTS: dict[str, Fault] = {f.name: f for f in [
 ]}
 
 FULL = list(FAULTS)
-# One row per process kind: what `make test` runs (tests/integration/test_chaos.py).
+# One row per process kind: what `make test-slow` runs (tests/integration/test_chaos.py).
 REDUCED = ["SIGKILL redis", "SIGKILL cache_store", "SIGKILL router", "SIGKILL prefill", "SIGKILL decode"]

@@ -13,6 +13,7 @@ from tests.chaos.matrix import HEADER, row_cells, run_matrix
 pytestmark = pytest.mark.integration
 
 
+@pytest.mark.slow  # ~100 s: make test-slow (and make chaos's whole matrix) run it
 def test_reduced_chaos_matrix(tmp_path):
     results = run_matrix(REDUCED, tmp_path, concurrency=3, warm_s=3, fault_s=5, after_s=3)
     table = "\n".join(" | ".join(cells) for cells in [HEADER, *map(row_cells, results)])

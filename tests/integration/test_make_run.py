@@ -52,6 +52,7 @@ def child_running(parent: int, module: str) -> int | None:
     return None
 
 
+@pytest.mark.slow  # ~40 s of real launches: make test-slow
 def test_launcher_waits_for_ready_restarts_a_killed_worker_and_ctrl_c_leaves_no_orphans(tmp_path):
     from openai import OpenAI
 

@@ -23,7 +23,7 @@ import pytest
 from libs.engine import SamplingParams
 from tests.integration.pd_helpers import TRACE, engine_tokens, metric, metrics, prefill_then_decode, trace_of, wait_until
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]  # two-rank TP on the CPU: make test-slow runs it, make test not
 
 N = 12
 

@@ -201,6 +201,7 @@ def test_variants_compile_for_hopper_without_spills():
         assert res["local"] == 0 and res["regs"] <= 255, (job["constexprs"], job["num_warps"], res)
 
 
+@pytest.mark.slow  # a whole model through the interpreter: make test-slow
 @pytest.mark.skipif(DEVICE != "cpu", reason="a CPU run: CPU tensors through the interpreter (tests/gpu checks the GPU)")
 def test_fp8_model_through_the_skinny_gemm_equals_its_fp8_gemm_path(monkeypatch):
     """libs/model/linear.py's wiring of FP8 layers into the skinny GEMM (qkv and gate/up

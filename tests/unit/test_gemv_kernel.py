@@ -220,6 +220,7 @@ def test_variants_compile_for_hopper_without_spills():
         assert res["local"] == 0 and res["regs"] <= 255, (job["constexprs"], job["num_warps"], res)
 
 
+@pytest.mark.slow  # a whole model through the interpreter: make test-slow
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="a CPU run: CPU tensors through the interpreter (tests/gpu checks the GPU)")
 def test_model_through_the_skinny_gemm_equals_the_plain_path(monkeypatch):
     """The model's wiring of the skinny GEMM (libs/model/linear.py: qkv and gate/up with

@@ -24,6 +24,8 @@ from libs.kvpool.codec import BlockCodec
 from tests.models import CHAT_PROMPTS, RAW_PROMPTS
 from tests.unit.test_tp_engine import GREEDY, N, SEEDED, assert_same_tokens, import_and_continue, prompts, tp_config
 
+pytestmark = pytest.mark.slow  # two-rank TP on the CPU: make test-slow runs it, make test not
+
 if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
     pytest.skip("torch.distributed with gloo is needed", allow_module_level=True)
 

@@ -25,6 +25,8 @@ from libs.engine import LLM, EngineConfig, KVImport, SamplingParams
 from libs.kvpool.codec import BlockCodec
 from tests.models import CHAT_PROMPTS, RAW_PROMPTS
 
+pytestmark = pytest.mark.slow  # two-rank TP on the CPU: make test-slow runs it, make test not
+
 if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
     pytest.skip("torch.distributed with gloo is needed", allow_module_level=True)
 

@@ -24,6 +24,8 @@ from libs.engine.tp.group import TensorParallelError
 from tests.models import RAW_PROMPTS
 from tests.unit.test_tp_engine import GREEDY, tp_config
 
+pytestmark = pytest.mark.slow  # two-rank TP on the CPU: make test-slow runs it, make test not
+
 if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
     pytest.skip("torch.distributed with gloo is needed", allow_module_level=True)
 

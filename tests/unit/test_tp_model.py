@@ -28,6 +28,8 @@ from services.launch.processes import free_port
 from tests import tp_worker
 from tests.models import CHAT_PROMPTS, RAW_PROMPTS
 
+pytestmark = pytest.mark.slow  # two-rank TP on the CPU: make test-slow runs it, make test not
+
 if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
     pytest.skip("torch.distributed with gloo is needed", allow_module_level=True)
 
