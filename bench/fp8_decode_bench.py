@@ -1,8 +1,9 @@
 """End-to-end decode with FP8 weights against bf16 weights: ms per decode step for
-Llama-3.2-1B's shape at batch 1 and 64, both in one run on one GPU.
+Llama-3.2-1B's shape at batch 1 and 64 (``--batches``), both in one run on one GPU.
 
 Random weights of the exact shape (hidden 2048, 16 layers, 32/8 heads, intermediate 8192,
-vocab 128256, tied embeddings): speed does not depend on the values. The FP8 engine
+vocab 128256, tied embeddings; ``--shape llama-3-8b``: hidden 4096, 32 layers, 32/8 heads of
+128, intermediate 14336, untied): speed does not depend on the values. The FP8 engine
 quantizes its projections at load (libs/model/fp8.py), so on an FP8 GPU every projection
 runs what an FP8 layer runs at that batch: the skinny GEMM with its e4m3 weight (norm or
 activation folded in, as bf16's; kernels/gemv) up to the stored ``fp8_max_m``, else the
@@ -14,7 +15,7 @@ stay bf16 in all. CUDA graphs are on for all (the engine's default on CUDA).
 ``--toy`` runs a two-layer model on the CPU through the same code (the FP8 layers then take
 the dequantize-then-matmul path): it checks the script; its timings say nothing about GPUs.
 
-    python -m bench.fp8_decode_bench [--out bench/results/fp8_decode.json]
+    python -m bench.fp8_decode_bench [--shape llama-3-8b] [--batches 1,16] [--skip-no-skinny] [--out FILE]
     python -m bench.fp8_decode_bench --toy
 """
 
@@ -45,6 +46,12 @@ LLAMA_3_2_1B = ModelConfig(
     rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
     name="llama-3.2-1b-shape",
 )
+LLAMA_3_8B = ModelConfig(
+    architecture="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
+    num_kv_heads=8, head_dim=128, max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5,
+    tie_word_embeddings=False, name="llama-3-8b-shape",
+)
+SHAPES = {"llama-3.2-1b": LLAMA_3_2_1B, "llama-3-8b": LLAMA_3_8B}
 TOY = ModelConfig(
     architecture="llama", vocab_size=1024, hidden_size=256, intermediate_size=512, num_layers=2, num_heads=4,
     num_kv_heads=2, head_dim=64, max_position_embeddings=1024, tie_word_embeddings=True, name="toy",
@@ -112,16 +119,19 @@ def main() -> None:
     ap.add_argument("--toy", action="store_true", help="a two-layer model on the CPU: checks the script, times nothing real")
     ap.add_argument("--steps", type=int, default=None, help="decode steps timed (default 256; toy 8)")
     ap.add_argument("--batches", default=None, help="comma-separated batch sizes (default 1,64; toy 1,4)")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="llama-3.2-1b", help="the model shape (random weights)")
+    ap.add_argument("--skip-no-skinny", action="store_true", help="leave out the FP8 engine with the skinny GEMM off")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     device = torch.device("cpu" if args.toy else "cuda")
-    cfg, dtype = (TOY, torch.float32) if args.toy else (LLAMA_3_2_1B, torch.bfloat16)
+    cfg, dtype = (TOY, torch.float32) if args.toy else (SHAPES[args.shape], torch.bfloat16)
     steps = args.steps or (8 if args.toy else 256)
     batches = tuple(int(b) for b in args.batches.split(",")) if args.batches else (1, 4) if args.toy else (1, 64)
     engine_cfg = dict(device=device.type, dtype=str(dtype).removeprefix("torch."), max_num_seqs=64, num_blocks=64 if args.toy else 4096, max_model_len=1024)
     results: dict = {"model": cfg.name, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "steps": steps}
     dense = str(dtype).removeprefix("torch.")
-    for name, fp8, skinny_off in ((dense, False, False), ("fp8", True, False), ("fp8_no_skinny", True, True)):
+    engines = [(dense, False, False), ("fp8", True, False)] + [("fp8_no_skinny", True, True)] * (not args.skip_no_skinny)
+    for name, fp8, skinny_off in engines:
         if skinny_off:
             os.environ[FP8_ENV] = "0"
         try:
@@ -142,10 +152,10 @@ def main() -> None:
     def ms(name: str, b: int) -> float:
         return results[name][f"batch_{b}_ms_per_step"]
 
-    rows = [[b, f"{ms(dense, b):.3f}", f"{ms('fp8', b):.3f}", f"{ms('fp8_no_skinny', b):.3f}",
-             f"{ms(dense, b) / ms('fp8', b):.2f}x", f"{ms(dense, b) / ms('fp8_no_skinny', b):.2f}x"] for b in batches]
+    names = [name for name, _, _ in engines]
+    rows = [[b] + [f"{ms(name, b):.3f}" for name in names] + [f"{ms(dense, b) / ms(name, b):.2f}x" for name in names[1:]] for b in batches]
     print(json.dumps(results, indent=2))
-    print(table(["batch", f"{dense} ms/step", "fp8 ms/step", "fp8 without skinny ms/step", f"{dense}/fp8", f"{dense}/fp8 without skinny"], rows))
+    print(table(["batch"] + [f"{name} ms/step" for name in names] + [f"{dense}/{name}" for name in names[1:]], rows))
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2))
 

@@ -199,7 +199,10 @@ def tuned_plan(m: int, n_pad: int, k_pad: int, swap_ab: bool, device_name: str) 
 
 
 def heuristic_plan(m: int, swap_ab: bool, n_pad: int | None = None, k_pad: int | None = None, num_sms: int | None = None) -> GemmPlan:
-    """The untuned plan. Split-K only where the SM count and the shape are known."""
+    """The untuned plan. Split-K only where the SM count and the shape are known. The
+    quantization stays a kernel of its own: the fused form measured 2-7x slower at
+    M <= 16 on the H200 (113 against 17 us on 6144 x 4096 at M = 1; bench/RESULTS.md), and
+    no tune on the H100 or H200 picked it."""
     if swap_ab:
         # The tokens become the MMA's N: 16 is the smallest tile every FP8 MMA takes.
         tile = min(max(16, 1 << (m - 1).bit_length()), 64)
@@ -210,7 +213,7 @@ def heuristic_plan(m: int, swap_ab: bool, n_pad: int | None = None, k_pad: int |
             # Enough programs to keep every SM streaming, each still with 8+ K blocks.
             while split < 8 and tiles * split * 2 <= num_sms and k_blocks >= 16 * split:
                 split *= 2
-        return GemmPlan(True, token_tile=tile, weight_tile=64, num_warps=4, num_stages=4, split_k=split, fuse_quant=m <= 16)
+        return GemmPlan(True, token_tile=tile, weight_tile=64, num_warps=4, num_stages=4, split_k=split)
     if m <= 64:
         return GemmPlan(False, token_tile=64, weight_tile=128, num_warps=4, num_stages=4)
     return GemmPlan(False, token_tile=128, weight_tile=128, num_warps=8, num_stages=3)
