@@ -22,8 +22,9 @@ run: install
 	$(PY) -m services.launch
 
 # `make test` (what CI runs) leaves out the tests marked slow, to stay under 20 minutes on
-# 2 cores: two-rank TP, the reduced chaos matrix, the launcher's restart test and whole
-# models through the Triton interpreter. `make test-slow` runs those; `make test-all` both.
+# 2 cores (DEVELOPERS.md lists them: two-rank TP, the reduced chaos matrix, the launcher's
+# restart test, whole models through the Triton interpreter, ...). `make test-slow` runs
+# those; `make test-all` both.
 test: install
 	$(PY) -m pytest $(PYTEST_FLAGS) -m "not slow" tests/unit tests/integration
 

@@ -297,6 +297,7 @@ def test_the_first_token_is_sent_before_the_last_writes_end(cluster, reference_e
     assert progress[-1].durable_blocks == len(result.block_keys) and result.blocks_failed == 0
 
 
+@pytest.mark.slow  # ~19 s: make test-slow; the mid-stream SIGKILL test stays in make test
 def test_decode_continues_from_a_first_token_whose_prefill_then_failed(cluster, reference_engine):
     """The client may hold prefill's first token before prefill fails (it is sent before the
     last writes end). Decode, told so in the last update (the token and the error), loads

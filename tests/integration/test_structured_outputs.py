@@ -96,6 +96,7 @@ def test_json_schema_decode_alone(client, model):
         jsonschema.validate(json.loads(text), SCHEMA)
 
 
+@pytest.mark.slow  # ~20 s: make test-slow
 def test_a_resumed_constrained_stream_rebuilds_its_grammar(cluster, client, model):
     """SIGKILL the decode serving a JSON-schema stream mid-way: the router resumes it on
     another decode, which replays the tokens so far into a fresh grammar state; the client

@@ -33,6 +33,18 @@ def engine_like(base: LLM, **overrides) -> LLM:
 
 
 def test_batch_of_16_equals_alone(engine, mixed_prompts):
+    """All 16 in one batch; alone, the first and last rows of the batch and its shortest and
+    longest prompts (make test-slow's twin checks every row)."""
+    batched = engine.generate(mixed_prompts, GREEDY)
+    lengths = [len(ids) for ids in mixed_prompts]
+    rows = sorted({0, len(mixed_prompts) - 1, lengths.index(min(lengths)), lengths.index(max(lengths))})
+    assert len(rows) >= 3
+    for i in rows:
+        assert batched[i].token_ids == engine.generate([mixed_prompts[i]], GREEDY)[0].token_ids
+
+
+@pytest.mark.slow  # ~45 s: every row alone
+def test_every_row_of_a_batch_of_16_equals_alone(engine, mixed_prompts):
     batched = engine.generate(mixed_prompts, GREEDY)
     for ids, b in zip(mixed_prompts, batched):
         alone = engine.generate([ids], GREEDY)[0]

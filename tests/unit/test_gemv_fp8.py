@@ -172,6 +172,7 @@ def test_fp8_threshold_and_tiles_are_data(monkeypatch, tmp_path):
         threshold.reload()
 
 
+@pytest.mark.slow  # ~40 s on a cold Triton cache (CI's): make test-slow; test_kernels_build_for_hopper builds the served forms
 def test_variants_compile_for_hopper_without_spills():
     """The FP8 launches the decode step makes, compiled for an H100 (sm_90) without a GPU:
     every folded form at Llama-3.2-1B's shapes, with the heuristic's tiles and the sweep's

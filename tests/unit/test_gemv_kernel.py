@@ -191,6 +191,7 @@ def test_norm_refusals():
         tri.norm_skinny_linear(x, None, _rand(64, seed=3)[::2], 1e-5, w)
 
 
+@pytest.mark.slow  # ~17 s on a cold Triton cache (CI's): make test-slow; test_kernels_build_for_hopper builds the served forms
 def test_variants_compile_for_hopper_without_spills():
     """The interpreter checks the arithmetic; this checks the kernel builds for an H100
     (sm_90, compiled here without a GPU) and keeps its tiles in registers: the launches the

@@ -62,7 +62,11 @@ PROPOSERS = {
 }
 
 
-@pytest.mark.parametrize("name", list(PROPOSERS))
+@pytest.mark.parametrize(
+    "name",
+    # make test runs the n-gram proposer; the two model proposers (~14 s each) run in make test-slow
+    [pytest.param(name, marks=() if name == "ngram" else pytest.mark.slow) for name in PROPOSERS],
+)
 def test_greedy_equals_no_speculation_alone_and_in_a_mixed_batch(engine, prompts, reference, draft_dir, vocab_file, name):
     eng = spec_llm(engine, PROPOSERS[name](draft_dir, vocab_file))
     try:
