@@ -78,6 +78,7 @@ def test_streamed_completion_through_pd_equals_the_engine(moe_client, moe_folder
     assert "".join(c.choices[0].text for c in chunks if c.choices) == tok.decode(ref)
 
 
+@pytest.mark.slow  # a second MoE stack, ~11 s: make test-slow
 def test_fp8_experts_through_pd_equal_the_fp8_engine(moe_folder, moe_engine, tmp_path_factory):
     from openai import OpenAI
 

@@ -85,6 +85,7 @@ def test_decode_loads_blocks_before_prefill_finishes(cluster, client, reference_
     assert d(p, "tidepool_handoff_seconds_count", phase="store") == 1
 
 
+@pytest.mark.slow  # ~10 s: make test-slow; the other PD tests compare the streamed handoff with the engine
 def test_stream_handoff_on_and_off_give_identical_output(cluster, client, reference_engine):
     model = client.models.list().data[0].id
     tok = reference_engine.tokenizer

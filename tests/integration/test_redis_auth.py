@@ -70,6 +70,7 @@ async def test_the_pool_client_takes_credentials_and_tls_from_the_url(secured_re
                 await pool.ping()
 
 
+@pytest.mark.slow  # a whole stack, ~15 s: make test-slow; the pool client's credentials test stays in make test
 def test_the_stack_hands_off_through_a_secured_redis(tmp_path: Path) -> None:
     """cache_store, prefill and decode all reach Redis with the URL's password and over TLS
     (AUTH alone where the server has no TLS): prefill writes the prompt's blocks, decode
