@@ -57,6 +57,7 @@ def test_fp8_prefill_and_decode_serve_like_the_fp8_engine(fp8_cluster, fp8_engin
     assert totals["blocks_written"] > 0 and totals["blocks_hit"] >= totals["blocks_written"]  # through the pool
 
 
+@pytest.mark.slow  # a second stack, ~12 s: make test-slow; tests/unit/test_fp8_serving.py checks the refusal in the registry and the router
 def test_a_dense_decode_is_refused_by_an_fp8_deployment(fp8_cluster, tmp_path):
     from services.launch.processes import Child, child_env, python_argv
 
