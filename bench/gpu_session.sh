@@ -11,7 +11,7 @@
 #   bench/gpu_session.sh tests pd pool          # issue 8 and the GPU test suite
 #   bench/gpu_session.sh digest                 # issue 8: GPU-computed pool checksums, tests + off/on A/B (~8 min: alone in a call)
 #   bench/gpu_session.sh fp8 moe                # FP8 tuning/GEMM/decode, 1B and 8B shapes (~7 min), MoE executors
-#   bench/gpu_session.sh fp8_pdl                # issue 13: FP8 GEMM + quantizer with PDL off/by M/on: tests, decode A/B (~6 min)
+#   bench/gpu_session.sh fp8_pdl                # issue 13: FP8 GEMM + quantizer with PDL off/by plan/on: tests, decode A/B (~6 min)
 #   bench/gpu_session.sh moe_fp8                # issue 13's FP8 experts: tests/gpu/test_moe_fp8_gpu.py, bench.moe_fp8_bench (~5-7 min)
 #   bench/gpu_session.sh engine                 # issue 10: the engine's GPU tests and benchmarks
 #   bench/gpu_session.sh decode_fusions         # issue 10: skinny GEMM + fused decode attention: tests, tuned sweep (~8 min)
@@ -64,8 +64,8 @@ for s in "$@"; do
              step fp8_decode_8b 150 python3 -m bench.fp8_decode_bench --shape llama-3-8b --batches 1,16,64 --skip-no-skinny \
                  --out bench/results/fp8_decode_8b.json ;;
         fp8_pdl) # issue 13: kernels/fp8's quantizer and GEMM in programmatic dependent launch: the GPU
-             # tests, then FP8 decode with it off (0), by M (the default, "auto") and on at every M (1),
-             # alternated twice
+             # tests, then FP8 decode with it off (0), with the swap-AB plan (the default, "auto") and
+             # with every plan (1), alternated twice
              step fp8_pdl_tests 240 python3 -m pytest -v -p no:cacheprovider --timeout 150 tests/gpu/test_fp8_gpu.py \
                  -k "pdl or engine or graph or quant"
              for r in 1 2; do

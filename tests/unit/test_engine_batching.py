@@ -32,23 +32,19 @@ def engine_like(base: LLM, **overrides) -> LLM:
     return LLM(cfg, loaded=base.loaded)
 
 
-def test_batch_of_16_equals_alone(engine, mixed_prompts):
-    """All 16 in one batch; alone, the first and last rows of the batch and its shortest and
-    longest prompts (make test-slow's twin checks every row)."""
+@pytest.mark.parametrize("rows", ["edges", pytest.param("every", marks=pytest.mark.slow)])  # every row: ~45 s
+def test_batch_of_16_equals_alone(engine, mixed_prompts, rows):
+    """All 16 in one batch; then alone the first and last rows of the batch and its shortest
+    and longest prompts (``edges``), or every row (``every``: make test-slow)."""
     batched = engine.generate(mixed_prompts, GREEDY)
     lengths = [len(ids) for ids in mixed_prompts]
-    rows = sorted({0, len(mixed_prompts) - 1, lengths.index(min(lengths)), lengths.index(max(lengths))})
-    assert len(rows) >= 3
-    for i in rows:
+    if rows == "every":
+        picked = list(range(len(mixed_prompts)))
+    else:
+        picked = sorted({0, len(mixed_prompts) - 1, lengths.index(min(lengths)), lengths.index(max(lengths))})
+        assert len(picked) >= 3
+    for i in picked:
         assert batched[i].token_ids == engine.generate([mixed_prompts[i]], GREEDY)[0].token_ids
-
-
-@pytest.mark.slow  # ~45 s: every row alone
-def test_every_row_of_a_batch_of_16_equals_alone(engine, mixed_prompts):
-    batched = engine.generate(mixed_prompts, GREEDY)
-    for ids, b in zip(mixed_prompts, batched):
-        alone = engine.generate([ids], GREEDY)[0]
-        assert b.token_ids == alone.token_ids
 
 
 def test_chunked_prefill_on_and_off(engine, mixed_prompts):
