@@ -179,13 +179,16 @@ def write_threshold(rows: list[dict], sums: list[dict], device_name: str, commit
     configs: dict[str, dict[str, list[int]]] = {}
     for r in rows:
         configs.setdefault(thr.shape_key(r["n"], r["k"]), {})[str(r["m"])] = r["config"]
-    data.setdefault("devices", {})[device_name] = {
+    previous = data.setdefault("devices", {}).get(device_name, {})
+    data["devices"][device_name] = {
         "max_m": max_m,
         "max_m_by_shape": shape_thresholds(rows),
         "configs": configs,
         "date": date or datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "commit": commit or git_commit(),
         "step_sums_ms": {f"{s['model']}@{s['m']}": {"ours": s["ours_ms"], "cublas": s["cublas_ms"]} for s in sums},
+        # bench/fp8_gemm_bench.py's part of the entry (the FP8 skinny limits) is its own to rewrite
+        **{key: value for key, value in previous.items() if key.startswith("fp8_")},
     }
     thr.THRESHOLD_FILE.write_text(json.dumps(data, indent=2) + "\n")
     thr.reload()

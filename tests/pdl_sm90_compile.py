@@ -25,7 +25,7 @@ BF16 = {"dtype": "bfloat16"}
 # K: the weight's width the launch is for (the wrapper prefetches where BLOCK_K covers it).
 SKINNY = dict(module="kernels.gemv.triton_gemv", kernel="_skinny_kernel", ptr="*bf16", floats=("eps", "q_eps", "fp32_max", "fp8_max"),
               K=2048, constexprs=dict(HAS_BIAS=False, SILU_MUL=False, NORM=False, HAS_RESIDUAL=False, USE_DOT=False, W_FP8=False,
-                                      BLOCK_M=1, BLOCK_N=4, BLOCK_K=2048))
+                                      BLOCK_M=1, BLOCK_N=4, BLOCK_K=2048, EVEN=False))
 KERNELS = {
     "skinny": SKINNY,
     "skinny fp8": {**SKINNY, "ptr_types": {"w_ptr": "*fp8e4nv", "ws_ptr": "*fp32"}, "constexprs": {**SKINNY["constexprs"], "W_FP8": True}},

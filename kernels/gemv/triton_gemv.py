@@ -11,6 +11,12 @@ spreads over the GPU; the weight tile per step stays around 8k elements. Where
 ``bench/gemv_bench.py --tune`` measured this GPU, its fastest configuration per shape and
 M (kernels/gemv/threshold.json) replaces that heuristic.
 
+Where M, N and K are multiples of the blocks (the decode shapes with their tiles), the
+loads go without masks, and one row without tensor cores accumulates in 1-D rather than
+through a ``[1, BLOCK_N, BLOCK_K]`` broadcast: both measured on an H200 at Llama-3.2-1B's
+down at M = 1, 13.6 us masked and 14.2 in the 3-D form against 11.0 with neither
+(bench/RESULTS.md, issue 10, round 7).
+
 ``silu_mul``: ``x`` is ``[M, 2K]`` (gate, then up) and each loaded slice becomes
 ``silu(gate) * up`` with kernels/activation's rounding (each factor rounded to the
 output dtype), so the result equals ``skinny_linear(silu_and_mul(x), w)``.
@@ -62,12 +68,24 @@ _DOT_MIN_M = 16
 
 
 @triton.jit
-def _stream_tile(x_ptr, r_ptr, rm, ks, x_mask, stride_xm, stride_xk, stride_rm, stride_rk, dtype: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+def _masked_load(ptrs, mask, EVEN: tl.constexpr):
+    """``tl.load`` of a tile, masked (0 outside) unless the launch is ``EVEN``: every tile
+    whole, where the masks only cost (bench/RESULTS.md, issue 10: 13.6 against 11.0 us on
+    Llama-3.2-1B's down at M = 1)."""
+    if EVEN:
+        return tl.load(ptrs)
+    else:
+        return tl.load(ptrs, mask=mask, other=0.0)
+
+
+@triton.jit
+def _stream_tile(x_ptr, r_ptr, rm, ks, x_mask, stride_xm, stride_xk, stride_rm, stride_rk, dtype: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                 EVEN: tl.constexpr):
     """A tile of the residual stream ``x + residual`` (rounded once to the stream's dtype,
     as torch's add), in fp32; masked lanes are 0."""
-    s = tl.load(x_ptr + rm[:, None] * stride_xm + ks[None, :] * stride_xk, mask=x_mask, other=0.0).to(tl.float32)
+    s = _masked_load(x_ptr + rm[:, None] * stride_xm + ks[None, :] * stride_xk, x_mask, EVEN).to(tl.float32)
     if HAS_RESIDUAL:
-        r = tl.load(r_ptr + rm[:, None] * stride_rm + ks[None, :] * stride_rk, mask=x_mask, other=0.0).to(tl.float32)
+        r = _masked_load(r_ptr + rm[:, None] * stride_rm + ks[None, :] * stride_rk, x_mask, EVEN).to(tl.float32)
         s = (s + r).to(dtype).to(tl.float32)
     return s
 
@@ -93,7 +111,7 @@ def _skinny_kernel(
     stride_xm, stride_xk, stride_wn, stride_wk, stride_om, stride_rm, stride_rk, stride_ws,
     HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, USE_DOT: tl.constexpr,
     W_FP8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
-    PREFETCH: tl.constexpr,
+    PREFETCH: tl.constexpr, EVEN: tl.constexpr,
 ):
     pid = tl.program_id(0)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -112,9 +130,9 @@ def _skinny_kernel(
         # One step covers K and the caller declared the weight static (``_prefetch``): the
         # program's whole weight slice is requested before waiting for the previous kernel
         # (kernels/pdl), so its latency overlaps that kernel.
-        w = tl.load(w_rows + rk[None, :] * stride_wk, mask=n_ok[:, None] & (rk < K)[None, :], other=0.0)
+        w = _masked_load(w_rows + rk[None, :] * stride_wk, n_ok[:, None] & (rk < K)[None, :], EVEN)
         if W_FP8:
-            sw = tl.load(ws_row + rk // 128, mask=rk < K, other=0.0)
+            sw = _masked_load(ws_row + rk // 128, rk < K, EVEN)
     pdl_wait(PDL)
     if NORM:
         # RMSNorm of the stream first: every program sums its rows' squares (M x K values,
@@ -123,40 +141,48 @@ def _skinny_kernel(
         for k0 in range(0, K, BLOCK_K):
             ks = k0 + rk
             x_mask = m_ok[:, None] & (ks < K)[None, :]
-            s = _stream_tile(x_ptr, r_ptr, rm, ks, x_mask, stride_xm, stride_xk, stride_rm, stride_rk, dtype, HAS_RESIDUAL)
+            s = _stream_tile(x_ptr, r_ptr, rm, ks, x_mask, stride_xm, stride_xk, stride_rm, stride_rk, dtype, HAS_RESIDUAL, EVEN)
             if HAS_RESIDUAL:
                 if pid == 0:
                     tl.store(res_out_ptr + rm[:, None] * K + ks[None, :], s.to(dtype), mask=x_mask)
             sum_sq += tl.sum(s * s, axis=1)
         rstd = tl.rsqrt(sum_sq / K + eps)
+    # One row without tensor cores accumulates in 1-D: the [1, N, K] broadcast's layout
+    # measured 14.2 against 11.0 us on Llama-3.2-1B's down (bench/RESULTS.md, issue 10).
+    ONE_ROW: tl.constexpr = BLOCK_M == 1 and not USE_DOT and not W_FP8
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_row = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + rk
         k_ok = ks < K
         if not PREFETCH:
-            w = tl.load(w_rows + ks[None, :] * stride_wk, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            w = _masked_load(w_rows + ks[None, :] * stride_wk, n_ok[:, None] & k_ok[None, :], EVEN)
             if W_FP8:
-                sw = tl.load(ws_row + ks // 128, mask=k_ok, other=0.0)
+                sw = _masked_load(ws_row + ks // 128, k_ok, EVEN)
         x_mask = m_ok[:, None] & k_ok[None, :]
         if NORM:
             # kernels/norm's rounding: the normalised row to the dtype, then times the weight.
-            s = _stream_tile(x_ptr, r_ptr, rm, ks, x_mask, stride_xm, stride_xk, stride_rm, stride_rk, dtype, HAS_RESIDUAL)
+            s = _stream_tile(x_ptr, r_ptr, rm, ks, x_mask, stride_xm, stride_xk, stride_rm, stride_rk, dtype, HAS_RESIDUAL, EVEN)
             normed = (s * rstd[:, None]).to(dtype).to(tl.float32)
-            x = (normed * tl.load(nw_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)[None, :]).to(dtype)
+            x = (normed * _masked_load(nw_ptr + ks, k_ok, EVEN).to(tl.float32)[None, :]).to(dtype)
         elif SILU_MUL:
-            gate = tl.load(x_rows + ks[None, :] * stride_xk, mask=x_mask, other=0.0).to(tl.float32)
-            up = tl.load(x_rows + (ks + K)[None, :] * stride_xk, mask=x_mask, other=0.0).to(tl.float32)
+            gate = _masked_load(x_rows + ks[None, :] * stride_xk, x_mask, EVEN).to(tl.float32)
+            up = _masked_load(x_rows + (ks + K)[None, :] * stride_xk, x_mask, EVEN).to(tl.float32)
             act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
             x = (act * up).to(dtype)
         else:
-            x = tl.load(x_rows + ks[None, :] * stride_xk, mask=x_mask, other=0.0)
+            x = _masked_load(x_rows + ks[None, :] * stride_xk, x_mask, EVEN)
         if W_FP8:
             x_dq, w_dq = _fp8_dequantized(x, w, sw, BLOCK_M, BLOCK_K, q_eps, fp32_max, fp8_max)
             acc += tl.sum(x_dq[:, None, :] * w_dq[None, :, :], axis=2)
         elif USE_DOT:
             acc = tl.dot(x.to(w.dtype), tl.trans(w), acc)
+        elif ONE_ROW:
+            acc_row += tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=1)  # x is [1, BLOCK_K]
         else:
             acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+    if ONE_ROW:
+        acc = acc_row[None, :]
     if HAS_BIAS:
         acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], acc.to(dtype), mask=m_ok[:, None] & n_ok[None, :])
@@ -238,6 +264,13 @@ def _prefetch(pdl: bool, static_weight: bool, block_k: int, k: int) -> bool:
     return pdl and static_weight and block_k >= k
 
 
+def _even(m: int, n: int, k: int, tiles: tuple[int, int, int]) -> bool:
+    """Whether every tile of an ``[m, k] x [n, k]^T`` launch is whole (M, N and K multiples
+    of the blocks), so the kernel loads without masks."""
+    block_m, block_n, block_k = tiles
+    return m == block_m and n % block_n == 0 and k % block_k == 0
+
+
 def _launch(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
     config_override: tuple[int, int, int, int] | None, *, silu_mul: bool = False,
@@ -256,6 +289,7 @@ def _launch(
     scales = weight_scale if fp8 else out
     launch = pdl_launch(x.device)
     launch["PREFETCH"] = _prefetch(launch["PDL"], static_weight, block_k, k)
+    launch["EVEN"] = _even(m, n, k, (block_m, block_n, block_k))
     _skinny_kernel[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else weight, out, r, norm_weight, res_out, scales,
         m, n, k, eps, SCALE_EPS, FP32_MAX, E4M3_MAX, *x.stride(), *weight.stride(), out.stride(0), *r.stride(), scales.stride(0),

@@ -166,6 +166,26 @@ def test_bench_threshold_is_the_largest_m_won_on_every_model_up_to_it():
     assert choose_threshold(step_sums(rows, models)) == 0
 
 
+def test_the_bf16_sweep_rewrites_its_part_of_a_device_entry_and_keeps_the_fp8_limits(monkeypatch, tmp_path):
+    """bench/gemv_bench.py --write-threshold replaces the device's bf16 limits and tiles;
+    the FP8 skinny limits in the same entry are bench/fp8_gemm_bench.py's and stay."""
+    from bench import gemv_bench
+
+    path = tmp_path / "threshold.json"
+    fp8 = {"fp8_max_m": 1, "fp8_max_m_by_shape": {"2048x2048:fp8": 4}, "fp8_source": "an FP8 sweep"}
+    path.write_text(json.dumps({"format": 1, "devices": {"GPU X": {"max_m": 0, "configs": {"8x8": {"1": [1, 4, 8, 4]}}, **fp8},
+                                                         "GPU Y": {"max_m": 2}}}))
+    monkeypatch.setattr(threshold, "THRESHOLD_FILE", path)
+    monkeypatch.setattr(threshold, "reload", lambda: None)
+    models = {"a": (1, [("qkv", 16, 8)])}
+    rows = [dict(model="a", proj="qkv", n=16, k=8, m=m, ours_ms=1.0, cublas_ms=2.0, ratio=2.0, config=[m, 8, 8, 4]) for m in (1, 2)]
+    assert gemv_bench.write_threshold(rows, gemv_bench.step_sums(rows, models), "GPU X", commit="abc", date="today") == 2
+    written = json.loads(path.read_text())["devices"]
+    assert written["GPU X"]["configs"] == {"16x8": {"1": [1, 8, 8, 4], "2": [2, 8, 8, 4]}}  # the old tiles are gone
+    assert {k: written["GPU X"][k] for k in fp8} == fp8 and written["GPU Y"] == {"max_m": 2}
+    assert threshold.parse_thresholds(json.loads(path.read_text()))["GPU X"].fp8_max_m_by_shape == {"2048x2048:fp8": 4}
+
+
 @pytest.mark.parametrize("m", [1, 3, 16])
 @pytest.mark.parametrize("with_residual", [True, False])
 def test_norm_folded_in_matches_reference(m, with_residual):
@@ -271,4 +291,28 @@ def test_the_weight_slice_requested_before_the_wait_computes_the_same(kind, monk
         x = _rand(m, 2 * k if silu else k, seed=seed + 1)
         got = tri.skinny_linear(x, w, silu_mul=silu, config_override=cfg, static_weight=True)
         want = ref.skinny_linear(x, w, silu_mul=silu)
+    torch.testing.assert_close(got, want, **TOL)
+
+
+@pytest.mark.parametrize("m", [1, 2, 4])
+@pytest.mark.parametrize("kind", ["plain", "silu_mul", "norm"])
+def test_whole_tiles_load_without_masks_and_compute_the_same(m, kind):
+    """Where M, N and K are multiples of the blocks (the decode shapes with their tuned
+    tiles), the kernel loads without masks, and at one row accumulates in 1-D: the
+    reference's result either way, with a bias too."""
+    cfg = (m, 8, 64, 4)
+    n, k = 48, 192
+    assert tri._even(m, n, k, cfg[:3])
+    assert not tri._even(m, n + 1, k, cfg[:3]) and not tri._even(m, n, k + 16, cfg[:3]) and not tri._even(m - 1 or 3, n, k, cfg[:3])
+    seed = torch.randint(0, 2**31, ()).item()
+    w, b = _rand(n, k, seed=seed) / k**0.5, _rand(n, seed=seed + 1)
+    if kind == "norm":
+        x, r, nw = _rand(m, k, seed=seed + 2), _rand(m, k, seed=seed + 3), 1 + 0.1 * _rand(k, seed=seed + 4)
+        got, stream = tri.norm_skinny_linear(x, r, nw, 1e-5, w, b, config_override=cfg)
+        want, want_stream = ref.norm_skinny_linear(x, r, nw, 1e-5, w, b)
+        assert torch.equal(stream, want_stream)
+    else:
+        silu = kind == "silu_mul"
+        x = _rand(m, 2 * k if silu else k, seed=seed + 2)
+        got, want = tri.skinny_linear(x, w, b, silu_mul=silu, config_override=cfg), ref.skinny_linear(x, w, b, silu_mul=silu)
     torch.testing.assert_close(got, want, **TOL)
