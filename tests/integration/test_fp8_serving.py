@@ -41,6 +41,7 @@ def fp8_engine():
     return LLM(EngineConfig(device="cpu", dtype="float32", num_blocks=256, quantization="fp8"))
 
 
+@pytest.mark.slow  # its stack ~25 s: make test-slow; tests/unit/test_fp8_model.py checks the FP8 engine and CLI, test_pd_serving the PD path
 def test_fp8_prefill_and_decode_serve_like_the_fp8_engine(fp8_cluster, fp8_engine):
     from openai import OpenAI
 

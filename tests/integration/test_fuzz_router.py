@@ -7,7 +7,7 @@ its instances healthy afterwards. The router is the real app behind real sockets
 prefill and decode instances are the protocol-speaking fakes of tests/fake_workers.py
 (generation on the real model would take hours for thousands of requests on a CPU).
 
-``make test`` sends at least ``TIDEPOOL_FUZZ_REQUESTS`` = 150 requests to the two
+``make test`` sends at least ``TIDEPOOL_FUZZ_REQUESTS`` = 100 requests to the two
 generation endpoints (about 15 s; it sent 1,000 until the suite passed 20 minutes);
 ``make fuzz`` sends 10,000. Each schemathesis run
 draws a new seed and adds to the count until the target is reached; the seeds are
@@ -29,7 +29,7 @@ from tests.router_harness import MODEL, Cluster, script_text, start_cluster
 
 pytestmark = pytest.mark.integration
 
-TARGET = int(os.environ.get("TIDEPOOL_FUZZ_REQUESTS", "150"))
+TARGET = int(os.environ.get("TIDEPOOL_FUZZ_REQUESTS", "100"))
 API_KEY = "fuzz-api-key"
 ST = str(Path(sys.executable).with_name("st"))
 # positive_data_acceptance is left out: a request can match the schema and still be a

@@ -14,7 +14,9 @@ from tests.integration.pd_helpers import TRACE, metric, metrics, trace_of
 from tests.integration.test_pd_serving import assert_went_through_pd
 from tests.spec_expectations import expected_ngram
 
-pytestmark = pytest.mark.integration
+# Its own stack, ~30 s: make test-slow. make test keeps speculation in the engine (tests/unit/test_spec_*.py)
+# and the CLI (tests/unit/test_cli.py), and PD without it (test_pd_serving.py).
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 K, LO, HI = 4, 1, 3
 SPEC = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": LO, "prompt_lookup_max": HI, "min_acceptance_length": 0}

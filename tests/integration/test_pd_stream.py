@@ -189,6 +189,7 @@ def by_hand(cluster, prompt: list[int], *, lease_ttl_s: float, between=None, on_
     return asyncio.run(go())
 
 
+@pytest.mark.slow  # ~18 s: make test-slow; tests/integration/test_kvpool_bulk_faults.py checks the expired lease on the pool in make test
 def test_progress_is_monotonic_and_leases_expiring_cost_only_a_recompute(cluster, reference_engine):
     tok = reference_engine.tokenizer
     pool_cfg = PoolConfig(url=cluster.redis_url, key_prefix="tidepool")

@@ -86,7 +86,7 @@ async def handoff(rt, i: int, kill_url: str | None) -> bool:
     return True
 
 
-@pytest.mark.parametrize("where, model", [("single", "threads"), ("cluster", "asyncio")])
+@pytest.mark.parametrize("where, model", [("single", "threads"), pytest.param("cluster", "asyncio", marks=pytest.mark.slow)])  # ~16 s: make test-slow
 async def test_a_thousand_handoffs_leak_no_staging_socket_or_fd(request: pytest.FixtureRequest, where: str, model: str) -> None:
     url = request.getfixturevalue("redis_server" if where == "single" else "redis_cluster").url
     swapper = BlockSwapper(LAYOUT.allocate(8), max_blocks=4, num_buffers=4)

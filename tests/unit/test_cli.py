@@ -1,6 +1,6 @@
 """`tidepool generate` as a user runs it: a subprocess of the installed console script.
 
-Each run that gets past argument checking loads the model (seconds), so the four such
+Each run that gets past argument checking loads the model (seconds), so those
 runs are started together once per module, and the in-process session engine computes
 what each must print.
 """
@@ -30,7 +30,6 @@ SPEC_CONFIG = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_mi
 RUNS = {
     "json_greedy": ["--prompt", PROMPT, "--max-tokens", str(MAX_TOKENS), "--temperature", "0", "--json"],
     "json_chat_seeded": ["--chat", CHAT, "--max-tokens", str(MAX_TOKENS), "--temperature", "0.8", "--top-p", "0.9", "--seed", str(SEED), "--json"],
-    "stream_greedy": ["--prompt", PROMPT, "--max-tokens", str(MAX_TOKENS), "--temperature", "0"],
     "stream_seeded_async": ["--prompt", PROMPT, "--max-tokens", str(MAX_TOKENS), "--seed", str(SEED), "--async-scheduling", "on"],
     "too_long": ["--prompt", PROMPT, "--max-tokens", "100000"],
     "json_spec": ["--chat", SPEC_CHAT, "--max-tokens", str(SPEC_MAX), "--temperature", "0", "--json", "--speculative-config", json.dumps(SPEC_CONFIG)],
@@ -105,13 +104,6 @@ def test_json_chat_seeded_sampling_equals_engine_generate(runs, engine):
     assert other.token_ids != got["token_ids"]
 
 
-def test_streaming_prints_the_same_text(runs, engine):
-    out = ok(runs, "stream_greedy")
-    ref = engine.generate(PROMPT, SamplingParams(temperature=0, max_tokens=MAX_TOKENS))[0]
-    assert out == ref.text + "\n"
-    assert runs["stream_greedy"][2] == ""  # nothing on stderr
-
-
 def test_json_with_speculation_equals_no_speculation_and_reports_its_counts(runs, engine):
     got = json.loads(ok(runs, "json_spec"))
     ref = engine.generate(messages=[{"role": "user", "content": SPEC_CHAT}], params=SamplingParams(temperature=0, max_tokens=SPEC_MAX))[0]
@@ -123,10 +115,13 @@ def test_json_with_speculation_equals_no_speculation_and_reports_its_counts(runs
     assert "spec_decode" not in json.loads(ok(runs, "json_greedy"))  # off by default
 
 
-def test_async_scheduling_flag_streams_the_same_sample(runs, engine):
+def test_streaming_with_async_scheduling_prints_the_same_sample(runs, engine):
+    """Without ``--json`` the text streams to stdout, nothing to stderr; ``--async-scheduling
+    on`` and a seed give the engine's sample."""
     out = ok(runs, "stream_seeded_async")
     ref = engine.generate(PROMPT, SamplingParams(seed=SEED, max_tokens=MAX_TOKENS))[0]
     assert out == ref.text + "\n"
+    assert runs["stream_seeded_async"][2] == ""
 
 
 @pytest.mark.parametrize("name", ["too_long", *BAD_ARGS])

@@ -25,18 +25,22 @@ def test_prompt_set_is_big_enough(prompts):
     assert len(prompts) == len(RAW_PROMPTS) + len(CHAT_PROMPTS)
 
 
-def test_greedy_matches_transformers(engine, hf_model, prompts):
+@pytest.fixture(scope="module")
+def hf_runs(hf_model, prompts) -> list[tuple[list[int], torch.Tensor]]:
+    """transformers' greedy tokens and first-step logits per prompt, run once for both tests."""
+    return [hf_greedy(hf_model, ids, N_TOKENS) for ids in prompts]
+
+
+def test_greedy_matches_transformers(engine, hf_runs, prompts):
     params = SamplingParams(temperature=0, max_tokens=N_TOKENS, ignore_eos=True)
     ours = engine.generate(prompts, params)  # all prompts in one batch
-    for ids, result in zip(prompts, ours):
-        ref, _ = hf_greedy(hf_model, ids, N_TOKENS)
+    for ids, result, (ref, _) in zip(prompts, ours, hf_runs):
         assert len(result.token_ids) == N_TOKENS
         assert result.token_ids == ref, engine.tokenizer.decode(ids)
 
 
-def test_first_step_logits_match_transformers(engine, hf_model, prompts):
-    for ids in prompts:
-        _, ref = hf_greedy(hf_model, ids, 1)
+def test_first_step_logits_match_transformers(engine, hf_runs, prompts):
+    for ids, (_, ref) in zip(prompts, hf_runs):
         ours = engine.first_step_logits(ids)
         assert ours.shape == ref.shape
         assert torch.allclose(ours, ref, atol=1e-3, rtol=0), (ours - ref).abs().max()
