@@ -11,8 +11,8 @@ spreads over the GPU; the weight tile per step stays around 8k elements. Where
 ``bench/gemv_bench.py --tune`` measured this GPU, its fastest configuration per shape and
 M (kernels/gemv/threshold.json) replaces that heuristic.
 
-Where M, N and K are multiples of the blocks (the decode shapes with their tiles), the
-loads go without masks, and one row without tensor cores accumulates in 1-D rather than
+Where M, N and K are multiples of the blocks (the decode shapes with their tiles) and
+the weight is not FP8, the loads go without masks, and one row without tensor cores accumulates in 1-D rather than
 through a ``[1, BLOCK_N, BLOCK_K]`` broadcast: both measured on an H200 at Llama-3.2-1B's
 down at M = 1, 13.6 us masked and 14.2 in the 3-D form against 11.0 with neither
 (bench/RESULTS.md, issue 10, round 7).
@@ -289,7 +289,9 @@ def _launch(
     scales = weight_scale if fp8 else out
     launch = pdl_launch(x.device)
     launch["PREFETCH"] = _prefetch(launch["PDL"], static_weight, block_k, k)
-    launch["EVEN"] = _even(m, n, k, (block_m, block_n, block_k))
+    # An FP8 weight keeps the masks: Llama-3.2-1B's FP8 decode measured 0.975 ms a step at
+    # batch 1 without them against 0.905 with them (bench/RESULTS.md, issue 10, round 7).
+    launch["EVEN"] = not fp8 and _even(m, n, k, (block_m, block_n, block_k))
     _skinny_kernel[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else weight, out, r, norm_weight, res_out, scales,
         m, n, k, eps, SCALE_EPS, FP32_MAX, E4M3_MAX, *x.stride(), *weight.stride(), out.stride(0), *r.stride(), scales.stride(0),

@@ -178,12 +178,19 @@ def test_the_bf16_sweep_rewrites_its_part_of_a_device_entry_and_keeps_the_fp8_li
     monkeypatch.setattr(threshold, "THRESHOLD_FILE", path)
     monkeypatch.setattr(threshold, "reload", lambda: None)
     models = {"a": (1, [("qkv", 16, 8)])}
-    rows = [dict(model="a", proj="qkv", n=16, k=8, m=m, ours_ms=1.0, cublas_ms=2.0, ratio=2.0, config=[m, 8, 8, 4]) for m in (1, 2)]
-    assert gemv_bench.write_threshold(rows, gemv_bench.step_sums(rows, models), "GPU X", commit="abc", date="today") == 2
+    rows = [dict(model="a", proj="qkv", n=16, k=8, m=m, ours_ms=1.0, untuned_ms=1.5, cublas_ms=2.0, ratio=2.0, config=[m, 8, 8, 4])
+            for m in (1, 2)]
+    assert gemv_bench.write_threshold(rows, models, "GPU X", commit="abc", date="today") == 2
     written = json.loads(path.read_text())["devices"]
     assert written["GPU X"]["configs"] == {"16x8": {"1": [1, 8, 8, 4], "2": [2, 8, 8, 4]}}  # the old tiles are gone
     assert {k: written["GPU X"][k] for k in fp8} == fp8 and written["GPU Y"] == {"max_m": 2}
     assert threshold.parse_thresholds(json.loads(path.read_text()))["GPU X"].fp8_max_m_by_shape == {"2048x2048:fp8": 4}
+    # The device-wide limit (for shapes the sweep did not measure) is the heuristic tiles':
+    # where only the tuned ones win, it is 0, while the measured shape keeps its own limit.
+    rows[0]["untuned_ms"] = 2.5
+    assert gemv_bench.write_threshold(rows, models, "GPU X") == 0
+    written = json.loads(path.read_text())["devices"]["GPU X"]
+    assert written["max_m"] == 0 and written["max_m_by_shape"] == {"16x8": 2}
 
 
 @pytest.mark.parametrize("m", [1, 3, 16])
@@ -316,3 +323,22 @@ def test_whole_tiles_load_without_masks_and_compute_the_same(m, kind):
         x = _rand(m, 2 * k if silu else k, seed=seed + 2)
         got, want = tri.skinny_linear(x, w, b, silu_mul=silu, config_override=cfg), ref.skinny_linear(x, w, b, silu_mul=silu)
     torch.testing.assert_close(got, want, **TOL)
+
+
+def test_whole_tiles_drop_the_masks_for_a_dense_weight_only():
+    """The launches at Llama-3.2-1B's decode shapes: a bf16 weight with whole tiles loads
+    without masks (``EVEN``), a ragged one and an FP8 weight keep them (without them FP8
+    decode measured slower on an H200: bench/RESULTS.md, issue 10, round 7)."""
+    from kernels.fp8 import reference as fp8_ref
+    from tests import triton_launches
+
+    if not triton_launches.recording():
+        pytest.skip("records launches in the interpreter (a CPU run)")
+    bf16 = dict(dtype=torch.bfloat16)
+    with triton_launches.capture() as jobs:  # nothing runs: only the launches are recorded
+        tri.skinny_linear(torch.empty(1, 2048, **bf16), torch.empty(2048, 2048, **bf16), config_override=(1, 4, 2048, 4))
+        tri.skinny_linear(torch.empty(1, 2000, **bf16), torch.empty(2048, 2000, **bf16), config_override=(1, 4, 2048, 4))
+        tri.skinny_linear(torch.empty(3, 2048, **bf16), torch.empty(2048, 2048, **bf16), config_override=(4, 4, 2048, 4))
+        w_q, w_s = torch.empty(2048, 2048, dtype=fp8_ref.FP8_DTYPE), torch.empty(16, 16)
+        tri.skinny_linear(torch.empty(1, 2048, **bf16), w_q, weight_scale=w_s, config_override=(1, 4, 2048, 4))
+    assert [j["constexprs"]["EVEN"] for j in jobs] == [True, False, False, False]
