@@ -108,7 +108,7 @@ for s in "$@"; do
                     --out bench/results/async_scheduling_h100.json ;;
         decode_fusions) # issue 10: the skinny GEMM and the fused decode attention: their kernels' tests on the GPU,
               # the skinny GEMM's sweep against cuBLAS (tiles tuned for ~150 s; writes kernels/gemv/threshold.json)
-              step fusion_tests 200 python3 -m pytest -v -p no:cacheprovider --timeout 120 tests/unit/test_gemv_kernel.py \
+              step fusion_tests 280 python3 -m pytest -v -p no:cacheprovider --timeout 120 tests/unit/test_gemv_kernel.py \
                   tests/unit/test_attention_kernels.py tests/gpu/test_decode_fusions_gpu.py tests/gpu/test_attention_gpu.py
               step gemv_bench 280 python3 -m bench.gemv_bench --tune --tune-budget-s ${GEMV_TUNE_S:-150} --write-threshold \
                   --out bench/results/gemv_h100.json ;;
