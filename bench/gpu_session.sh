@@ -11,6 +11,7 @@
 #   bench/gpu_session.sh tests pd pool          # issue 8 and the GPU test suite
 #   bench/gpu_session.sh digest                 # issue 8: GPU-computed pool checksums, tests + off/on A/B (~8 min: alone in a call)
 #   bench/gpu_session.sh fp8 moe                # FP8 tuning/GEMM/decode, 1B and 8B shapes (~7 min), MoE executors
+#   bench/gpu_session.sh fp8_decode             # FP8 vs bf16 decode, 1B and 8B shapes, as stored (~2 min)
 #   bench/gpu_session.sh fp8_pdl                # issue 13: FP8 GEMM + quantizer with PDL off/by plan/on: tests, decode A/B (~6 min)
 #   bench/gpu_session.sh moe_fp8                # issue 13's FP8 experts: tests/gpu/test_moe_fp8_gpu.py, bench.moe_fp8_bench (~5-7 min)
 #   bench/gpu_session.sh engine                 # issue 10: the engine's GPU tests and benchmarks
@@ -57,10 +58,12 @@ for s in "$@"; do
         pool) step pool 150 python3 bench/pool_throughput.py --redis-bin /tmp/redis-root/usr/bin \
                 --redis-args "--io-threads 4" --reps 3 --markdown bench/results/pool_h100.md \
                 --json bench/results/pool_h100.json ;;
-        fp8) # tune the GEMM's tiles (kernels/fp8/gemm_configs.json), then the threshold and figures with them
+        fp8) # tune the GEMM's tiles (kernels/fp8/gemm_configs.json), the threshold and figures with them, then (falling
+             # through) fp8_decode
              step fp8_tune $((${FP8_TUNE_S:-125} + 25)) python3 -m bench.fp8_tune --budget-s ${FP8_TUNE_S:-125}
-             step fp8_gemm 75 python3 -m bench.fp8_gemm_bench --write-threshold --out bench/results/fp8_gemm_h100.json
-             step fp8_decode 60 python3 -m bench.fp8_decode_bench --out bench/results/fp8_decode_h100.json
+             step fp8_gemm 75 python3 -m bench.fp8_gemm_bench --write-threshold --out bench/results/fp8_gemm_h100.json ;&
+        fp8_decode) # FP8 decode against bf16, Llama-3.2-1B's and Llama-3-8B's shapes, with the stored tiles (~2 min)
+             step fp8_decode_1b 90 python3 -m bench.fp8_decode_bench --batches 1,4,16,64 --out bench/results/fp8_decode_1b.json
              step fp8_decode_8b 150 python3 -m bench.fp8_decode_bench --shape llama-3-8b --batches 1,16,64 --skip-no-skinny \
                  --out bench/results/fp8_decode_8b.json ;;
         fp8_pdl) # issue 13: kernels/fp8's quantizer and GEMM in programmatic dependent launch: the GPU
