@@ -12,10 +12,10 @@ spreads over the GPU; the weight tile per step stays around 8k elements. Where
 M (kernels/gemv/threshold.json) replaces that heuristic.
 
 Where M, N and K are multiples of the blocks (the decode shapes with their tiles) and
-the weight is not FP8, the loads go without masks, and one row without tensor cores accumulates in 1-D rather than
-through a ``[1, BLOCK_N, BLOCK_K]`` broadcast: both measured on an H200 at Llama-3.2-1B's
-down at M = 1, 13.6 us masked and 14.2 in the 3-D form against 11.0 with neither
-(bench/RESULTS.md, issue 10, round 7).
+the weight is not FP8, the loads go without masks (``EVEN``); one row without tensor
+cores accumulates in 1-D rather than through a ``[1, BLOCK_N, BLOCK_K]`` broadcast. Both
+measured on an H200 at Llama-3.2-1B's down at M = 1: 13.6 us masked and 14.2 in the 3-D
+form against 11.0 with neither (bench/RESULTS.md, issue 10, round 7).
 
 ``silu_mul``: ``x`` is ``[M, 2K]`` (gate, then up) and each loaded slice becomes
 ``silu(gate) * up`` with kernels/activation's rounding (each factor rounded to the
