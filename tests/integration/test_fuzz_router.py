@@ -8,10 +8,10 @@ prefill and decode instances are the protocol-speaking fakes of tests/fake_worke
 (generation on the real model would take hours for thousands of requests on a CPU).
 
 ``make test`` sends at least ``TIDEPOOL_FUZZ_REQUESTS`` = 100 requests to the two
-generation endpoints (about 15 s; it sent 1,000 until the suite passed 20 minutes);
-``make fuzz`` sends 10,000. Each schemathesis run
-draws a new seed and adds to the count until the target is reached; the seeds are
-printed, so a failure can be replayed with ``st run --seed``.
+generation endpoints (about 20 s on 2 cores; it sent 1,000 until the suite passed 20
+minutes); ``make fuzz`` sends 10,000. Each schemathesis run draws a new seed and adds to
+the count until the target is reached; the seeds are printed, so a failure can be
+replayed with ``st run --seed``.
 """
 
 from __future__ import annotations
