@@ -18,6 +18,13 @@ The contract every kernel here follows, which makes the overlap safe:
   static (the skinny GEMM's ``static_weight``: a loaded model's). Nothing the previous
   kernel wrote is guaranteed visible before the wait, so a weight some kernel may just
   have written (a test's ``torch.randn``, a conversion at load) waits like any input;
+- the one exception: what kernels at least two launches back on the stream wrote. Kernel
+  N+1 starts only once every program of N has passed its own wait, i.e. once N-1 and
+  everything before it has completed, so their writes are visible. Decode attention
+  (kernels/attention) reads its step's lengths, positions, slots and block tables, and the
+  keys and values earlier steps cached, before its wait; its caller guarantees the launch
+  right before it (the qkv projection, or the KV store) writes none of them except the new
+  token's K and V, which it reads after;
 - every program calls ``pdl_wait`` (``gdc_wait``, then ``gdc_launch_dependents``) before
   any other read and before any write. So kernel N+1 can run its prologue while kernel N
   computes, but nothing of N+1 that depends on N, and nothing that N or N-1 could still

@@ -5,8 +5,8 @@ JSON: run by tests/unit/test_pdl.py in a process of its own (without
 
 Per variant: how many ``griddepcontrol.wait`` and ``griddepcontrol.launch_dependents``
 the PTX has, and how many global loads come before the first wait (the skinny GEMM's
-weight prefetch where one step covers K, with an FP8 weight its block scales too;
-otherwise nothing may be read before it).
+weight prefetch where one step covers K, with an FP8 weight its block scales too; decode
+attention's step metadata and cached keys; otherwise nothing may be read before it).
 
     python -m tests.pdl_sm90_compile
 """
@@ -42,6 +42,11 @@ KERNELS = {
                      constexprs=dict(ADD_RESIDUAL=True, BLOCK=2048)),
     "silu_and_mul": dict(module="kernels.activation.triton_activation", kernel="_silu_and_mul_kernel", ptr="*bf16",
                          constexprs=dict(BLOCK=1024)),
+    "decode": dict(module="kernels.attention.triton_attention", kernel="_decode_kernel", ptr="*bf16", floats=("qk_scale",),
+                   ptr_types={"block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32",
+                              "positions_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "slot_ptr": "*i64"},
+                   constexprs=dict(HEAD_DIM=64, GROUP=4, SPLIT=True, NATIVE_DOT=True, BLOCK_G=16, BLOCK_N=128, BLOCK_D=64,
+                                   BLOCK_SIZE=16, ROPE=True, HALF=32)),
     "decode_reduce": dict(module="kernels.attention.triton_attention", kernel="_decode_reduce_kernel", ptr="*fp32",
                           constexprs=dict(HEAD_DIM=64, BLOCK_S=16, BLOCK_D=64)),
 }

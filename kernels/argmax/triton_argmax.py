@@ -25,7 +25,7 @@ _NO_INDEX = 2**31 - 1
 def _argmax_kernel(
     x_ptr, out_ptr, val_ptr, idx_ptr, nan_ptr, count_ptr,
     n_cols, stride_row,
-    NO_INDEX: tl.constexpr, BLOCK: tl.constexpr,
+    NO_INDEX: tl.constexpr, BLOCK: tl.constexpr, BLOCK_CHUNKS: tl.constexpr,
 ):
     row = tl.program_id(0)
     chunk = tl.program_id(1)
@@ -48,18 +48,18 @@ def _argmax_kernel(
         tl.debug_barrier()
         arrived = tl.atomic_add(count_ptr + row, 1, sem="acq_rel", scope="gpu")
         if arrived == chunks - 1:
-            # Chunks in column order: a strictly larger value moves the answer, a tie keeps
-            # the earlier index; the first chunk with a NaN answers its first NaN.
-            m = tl.load(val_ptr + row * chunks, cache_modifier=".cg")
-            m_idx = tl.load(idx_ptr + row * chunks, cache_modifier=".cg")
-            nan_idx = tl.load(nan_ptr + row * chunks, cache_modifier=".cg")
-            for c in range(1, chunks):
-                v = tl.load(val_ptr + row * chunks + c, cache_modifier=".cg")
-                i = tl.load(idx_ptr + row * chunks + c, cache_modifier=".cg")
-                n = tl.load(nan_ptr + row * chunks + c, cache_modifier=".cg")
-                m_idx = tl.where(v > m, i, m_idx)
-                m = tl.maximum(m, v)
-                nan_idx = tl.minimum(nan_idx, n)
+            # All chunks at once (one round of loads, not one per chunk): the largest value
+            # wins, and of its chunks the first, i.e. the smallest index (chunks cover columns
+            # in order); the smallest first-NaN index answers a row with a NaN.
+            c = tl.arange(0, BLOCK_CHUNKS)
+            live = c < chunks
+            part = row * chunks + c
+            v = tl.load(val_ptr + part, mask=live, other=float("-inf"), cache_modifier=".cg")
+            i = tl.load(idx_ptr + part, mask=live, other=NO_INDEX, cache_modifier=".cg")
+            n = tl.load(nan_ptr + part, mask=live, other=NO_INDEX, cache_modifier=".cg")
+            m = tl.max(v, axis=0)
+            m_idx = tl.min(tl.where(live & (v == m), i, NO_INDEX), axis=0)
+            nan_idx = tl.min(n, axis=0)
             tl.store(out_ptr + row, tl.where(nan_idx < NO_INDEX, nan_idx, m_idx).to(tl.int64))
             tl.atomic_xchg(count_ptr + row, 0)
 
@@ -85,6 +85,6 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
         vals = idx = nans = counts = out
     _argmax_kernel[(rows, chunks)](
         x, out, vals, idx, nans, counts, cols, x.stride(0),
-        NO_INDEX=_NO_INDEX, BLOCK=block, num_warps=4 if block >= 1024 else 1,
+        NO_INDEX=_NO_INDEX, BLOCK=block, BLOCK_CHUNKS=triton.next_power_of_2(chunks), num_warps=4 if block >= 1024 else 1,
     )
     return out

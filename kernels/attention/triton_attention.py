@@ -180,30 +180,41 @@ def _rotary_store_kv_kernel(
 
 
 @triton.jit
-def _attend_tile(
-    q, m_i, l_i, acc,
-    k_cache_ptr, v_cache_ptr, table_row_ptr, stride_bt_n, kv_head,
-    tile_start, key_end, q_pos, qk_scale,
+def _tile_rows(table_row_ptr, stride_bt_n, tile_start, key_end, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """Keys ``[tile_start, tile_start + BLOCK_N)``: their positions, and for those below
+    ``key_end`` their cache block (from the block table) and row inside it."""
+    pos = tile_start + tl.arange(0, BLOCK_N)
+    block = tl.load(table_row_ptr + (pos // BLOCK_SIZE) * stride_bt_n, mask=pos < key_end, other=0)
+    block = block.to(tl.int64)  # block * block stride overflows int32 on large caches
+    return pos, block, pos % BLOCK_SIZE
+
+
+@triton.jit
+def _gather_kv(
+    k_cache_ptr, v_cache_ptr, block, row, rows_valid, kv_head,
     stride_kb, stride_kt, stride_kh, stride_kd,
     stride_vb, stride_vt, stride_vh, stride_vd,
-    HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, NATIVE_DOT: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """One online-softmax step: fold keys ``[tile_start, tile_start + BLOCK_N) ∩ [0, key_end)``
-    into the running max ``m_i``, denominator ``l_i`` and output ``acc`` of every query row.
-    With ``CAUSAL``, row ``r`` only sees keys at positions ``<= q_pos[r]``."""
-    pos = tile_start + tl.arange(0, BLOCK_N)
-    key_valid = pos < key_end
-    # Gather: each key's block id from the block table, then its row inside the block.
-    block = tl.load(table_row_ptr + (pos // BLOCK_SIZE) * stride_bt_n, mask=key_valid, other=0)
-    block = block.to(tl.int64)  # block * block stride overflows int32 on large caches
-    row = pos % BLOCK_SIZE
+    """The K and V rows of ``kv_head`` at cache ``(block, row)`` where ``rows_valid``, zeros elsewhere."""
     d = tl.arange(0, BLOCK_D)
-    kv_mask = key_valid[:, None] & (d[None, :] < HEAD_DIM)
+    kv_mask = rows_valid[:, None] & (d[None, :] < HEAD_DIM)
     k = tl.load(k_cache_ptr + block[:, None] * stride_kb + row[:, None] * stride_kt
                 + kv_head * stride_kh + d[None, :] * stride_kd, mask=kv_mask, other=0.0)
     v = tl.load(v_cache_ptr + block[:, None] * stride_vb + row[:, None] * stride_vt
                 + kv_head * stride_vh + d[None, :] * stride_vd, mask=kv_mask, other=0.0)
+    return k, v
+
+
+@triton.jit
+def _fold_tile(
+    q, m_i, l_i, acc, pos, k, v, key_end, q_pos, qk_scale,
+    CAUSAL: tl.constexpr, NATIVE_DOT: tl.constexpr,
+):
+    """One online-softmax step: fold the loaded keys at ``pos`` below ``key_end`` into the
+    running max ``m_i``, denominator ``l_i`` and output ``acc`` of every query row. With
+    ``CAUSAL``, row ``r`` only sees keys at positions ``<= q_pos[r]``."""
+    key_valid = pos < key_end
     if NATIVE_DOT:
         s = tl.dot(q, tl.trans(k))
     else:
@@ -228,6 +239,26 @@ def _attend_tile(
 
 
 @triton.jit
+def _attend_tile(
+    q, m_i, l_i, acc,
+    k_cache_ptr, v_cache_ptr, table_row_ptr, stride_bt_n, kv_head,
+    tile_start, key_end, q_pos, qk_scale,
+    stride_kb, stride_kt, stride_kh, stride_kd,
+    stride_vb, stride_vt, stride_vh, stride_vd,
+    HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, NATIVE_DOT: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+):
+    """``_tile_rows``, ``_gather_kv``, ``_fold_tile``: keys ``[tile_start, tile_start + BLOCK_N) ∩ [0,
+    key_end)`` folded into every query row's running softmax."""
+    pos, block, row = _tile_rows(table_row_ptr, stride_bt_n, tile_start, key_end, BLOCK_N, BLOCK_SIZE)
+    k, v = _gather_kv(
+        k_cache_ptr, v_cache_ptr, block, row, pos < key_end, kv_head,
+        stride_kb, stride_kt, stride_kh, stride_kd, stride_vb, stride_vt, stride_vh, stride_vd, HEAD_DIM, BLOCK_D,
+    )
+    return _fold_tile(q, m_i, l_i, acc, pos, k, v, key_end, q_pos, qk_scale, CAUSAL, NATIVE_DOT)
+
+
+@triton.jit
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
     out_ptr, part_out_ptr, part_lse_ptr,
@@ -245,38 +276,51 @@ def _decode_kernel(
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, ROPE: tl.constexpr, HALF: tl.constexpr, PDL: tl.constexpr,
 ):
-    pdl_wait(PDL)  # kernels/pdl: q, k, v and seq_lens come from the kernels before
     # num_splits is a runtime int (one compiled kernel serves every split count); SPLIT says
     # whether it is above 1, i.e. whether to write partials for the reduce kernel.
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    # Before the wait (kernels/pdl), what kernels at least two launches back wrote: the
+    # step's lengths, positions, slots and block tables, and the keys and values earlier
+    # steps cached. So this split's first tile of cached keys is in flight while the qkv
+    # projection before it finishes. Only the new token's K and V (stored by this launch or
+    # the one just before) and q wait.
     seq_len = tl.load(seq_lens_ptr + seq)
     # This split's share of the sequence, in whole tiles, sized from the actual length.
     chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     start = split * chunk
     end = tl.minimum(start + chunk, seq_len)
+    last = seq_len - 1  # the new token's position
+    table_row_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt_b
+    pos, block, row = _tile_rows(table_row_ptr, stride_bt_n, start, end, BLOCK_N, BLOCK_SIZE)
+    k, v = _gather_kv(
+        k_cache_ptr, v_cache_ptr, block, row, (pos < end) & (pos != last), kv_head,
+        stride_kb, stride_kt, stride_kh, stride_kd, stride_vb, stride_vt, stride_vh, stride_vd, HEAD_DIM, BLOCK_D,
+    )
 
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
     head = kv_head * GROUP + g
     q_mask = (g[:, None] < GROUP) & (d[None, :] < HEAD_DIM)
     if ROPE:
-        # rotary_store_kv folded in: every program rotates its query heads in registers (q
-        # is not written: the other splits read it too); the program whose split holds the
-        # new token's position rotates that token's K and stores it and V into the cache
-        # slot, then meets its threads at a barrier before it reads the slot back.
         cos_lo, cos_hi, sin_lo, sin_hi = table_rows(
             positions_ptr, cos_ptr, sin_ptr, q_ptr, seq, stride_pos, stride_cos_p, stride_cos_d, stride_sin_p, stride_sin_d,
             HALF, HALF,
         )
+        slot = tl.load(slot_ptr + seq).to(tl.int64)
+    pdl_wait(PDL)
+    if ROPE:
+        # rotary_store_kv folded in: every program rotates its query heads in registers (q
+        # is not written: the other splits read it too); the program whose split holds the
+        # new token's position rotates that token's K and stores it and V into the cache
+        # slot, then meets its threads at a barrier before it reads the slot back.
         q_lo, q_hi = rotated_halves(q_ptr + seq * stride_qb + kv_head * GROUP * stride_qh, stride_qh, stride_qd,
                                     cos_lo, cos_hi, sin_lo, sin_hi, GROUP, HALF, BLOCK_G, HALF)
         q = tl.reshape(tl.permute(tl.join(q_lo, q_hi), (0, 2, 1)), (BLOCK_G, BLOCK_D))  # [lo | hi]
-        slot = tl.load(slot_ptr + seq).to(tl.int64)
         if seq_len > 0:
             if slot >= 0:
-                if (seq_len - 1) // chunk == split:
+                if last // chunk == split:
                     k_lo, k_hi = rotated_halves(k_new_ptr + seq * stride_knt + kv_head * stride_knh, stride_knh, stride_knd,
                                                 cos_lo, cos_hi, sin_lo, sin_hi, 1, HALF, 2, HALF)
                     r = tl.arange(0, 2)[:, None]
@@ -296,8 +340,16 @@ def _decode_kernel(
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    table_row_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt_b
-    for tile_start in range(start, end, BLOCK_N):
+    if start < end:
+        if last < start + BLOCK_N:  # the first tile holds the new token: its row, stored now
+            k_new, v_new = _gather_kv(
+                k_cache_ptr, v_cache_ptr, block, row, pos == last, kv_head,
+                stride_kb, stride_kt, stride_kh, stride_kd, stride_vb, stride_vt, stride_vh, stride_vd, HEAD_DIM, BLOCK_D,
+            )
+            k = tl.where((pos == last)[:, None], k_new, k)
+            v = tl.where((pos == last)[:, None], v_new, v)
+        m_i, l_i, acc = _fold_tile(q, m_i, l_i, acc, pos, k, v, end, g, qk_scale, False, NATIVE_DOT)
+    for tile_start in range(start + BLOCK_N, end, BLOCK_N):
         m_i, l_i, acc = _attend_tile(
             q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row_ptr, stride_bt_n, kv_head,
             tile_start, end, g, qk_scale,
