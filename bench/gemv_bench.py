@@ -186,10 +186,11 @@ def write_threshold(rows: list[dict], models: dict, device_name: str, commit: st
     sums = step_sums(rows, models)
     data = json.loads(thr.THRESHOLD_FILE.read_text())
     thr.parse_thresholds(data)
-    configs: dict[str, dict[str, list[int]]] = {}
+    previous = data.setdefault("devices", {}).get(device_name, {})
+    # The FP8 weights' tiles (``NxK:fp8``) are bench/fp8_gemm_bench.py's sweep's, and stay.
+    configs = {key: tiles for key, tiles in previous.get("configs", {}).items() if key.endswith(":fp8")}
     for r in rows:
         configs.setdefault(thr.shape_key(r["n"], r["k"]), {})[str(r["m"])] = r["config"]
-    previous = data.setdefault("devices", {}).get(device_name, {})
     data["devices"][device_name] = {
         "max_m": max_m,
         "max_m_by_shape": shape_thresholds(rows),

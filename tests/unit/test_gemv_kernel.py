@@ -168,12 +168,13 @@ def test_bench_threshold_is_the_largest_m_won_on_every_model_up_to_it():
 
 def test_the_bf16_sweep_rewrites_its_part_of_a_device_entry_and_keeps_the_fp8_limits(monkeypatch, tmp_path):
     """bench/gemv_bench.py --write-threshold replaces the device's bf16 limits and tiles;
-    the FP8 skinny limits in the same entry are bench/fp8_gemm_bench.py's and stay."""
+    the FP8 skinny limits and tiles in the same entry are bench/fp8_gemm_bench.py's and stay
+    (dropping the tiles once sent Llama-3.2-1B's FP8 decode to the heuristic's, 0.905 -> 0.970 ms)."""
     from bench import gemv_bench
 
     path = tmp_path / "threshold.json"
     fp8 = {"fp8_max_m": 1, "fp8_max_m_by_shape": {"2048x2048:fp8": 4}, "fp8_source": "an FP8 sweep"}
-    path.write_text(json.dumps({"format": 1, "devices": {"GPU X": {"max_m": 0, "configs": {"8x8": {"1": [1, 4, 8, 4]}}, **fp8},
+    path.write_text(json.dumps({"format": 1, "devices": {"GPU X": {"max_m": 0, "configs": {"8x8": {"1": [1, 4, 8, 4]}, "8x8:fp8": {"1": [1, 2, 8, 4]}}, **fp8},
                                                          "GPU Y": {"max_m": 2}}}))
     monkeypatch.setattr(threshold, "THRESHOLD_FILE", path)
     monkeypatch.setattr(threshold, "reload", lambda: None)
@@ -182,7 +183,7 @@ def test_the_bf16_sweep_rewrites_its_part_of_a_device_entry_and_keeps_the_fp8_li
             for m in (1, 2)]
     assert gemv_bench.write_threshold(rows, models, "GPU X", commit="abc", date="today") == 2
     written = json.loads(path.read_text())["devices"]
-    assert written["GPU X"]["configs"] == {"16x8": {"1": [1, 8, 8, 4], "2": [2, 8, 8, 4]}}  # the old tiles are gone
+    assert written["GPU X"]["configs"] == {"8x8:fp8": {"1": [1, 2, 8, 4]}, "16x8": {"1": [1, 8, 8, 4], "2": [2, 8, 8, 4]}}  # the old bf16 tiles are gone
     assert {k: written["GPU X"][k] for k in fp8} == fp8 and written["GPU Y"] == {"max_m": 2}
     assert threshold.parse_thresholds(json.loads(path.read_text()))["GPU X"].fp8_max_m_by_shape == {"2048x2048:fp8": 4}
     # The device-wide limit (for shapes the sweep did not measure) is the heuristic tiles':
