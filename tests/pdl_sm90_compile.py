@@ -46,7 +46,7 @@ KERNELS = {
                    ptr_types={"block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32",
                               "positions_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "slot_ptr": "*i64"},
                    constexprs=dict(HEAD_DIM=64, GROUP=4, SPLIT=True, NATIVE_DOT=True, BLOCK_G=16, BLOCK_N=128, BLOCK_D=64,
-                                   BLOCK_SIZE=16, ROPE=True, HALF=32)),
+                                   BLOCK_SIZE=16, ROPE=True, HALF=32, PREFETCH_KV=True)),
     "decode_reduce": dict(module="kernels.attention.triton_attention", kernel="_decode_reduce_kernel", ptr="*fp32",
                           constexprs=dict(HEAD_DIM=64, BLOCK_S=16, BLOCK_D=64)),
 }

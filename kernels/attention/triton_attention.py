@@ -274,7 +274,8 @@ def _decode_kernel(
     num_heads, num_splits,
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, SPLIT: tl.constexpr, NATIVE_DOT: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, ROPE: tl.constexpr, HALF: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, ROPE: tl.constexpr, HALF: tl.constexpr, PREFETCH_KV: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # num_splits is a runtime int (one compiled kernel serves every split count); SPLIT says
     # whether it is above 1, i.e. whether to write partials for the reduce kernel.
@@ -282,8 +283,8 @@ def _decode_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     # Before the wait (kernels/pdl), what kernels at least two launches back wrote: the
-    # step's lengths, positions, slots and block tables, and the keys and values earlier
-    # steps cached. So this split's first tile of cached keys is in flight while the qkv
+    # step's lengths, positions, slots and block tables, and (PREFETCH_KV) the keys and
+    # values earlier steps cached, so this split's first tile is in flight while the qkv
     # projection before it finishes. Only the new token's K and V (stored by this launch or
     # the one just before) and q wait.
     seq_len = tl.load(seq_lens_ptr + seq)
@@ -293,11 +294,12 @@ def _decode_kernel(
     end = tl.minimum(start + chunk, seq_len)
     last = seq_len - 1  # the new token's position
     table_row_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt_b
-    pos, block, row = _tile_rows(table_row_ptr, stride_bt_n, start, end, BLOCK_N, BLOCK_SIZE)
-    k, v = _gather_kv(
-        k_cache_ptr, v_cache_ptr, block, row, (pos < end) & (pos != last), kv_head,
-        stride_kb, stride_kt, stride_kh, stride_kd, stride_vb, stride_vt, stride_vh, stride_vd, HEAD_DIM, BLOCK_D,
-    )
+    if PREFETCH_KV:
+        pos, block, row = _tile_rows(table_row_ptr, stride_bt_n, start, end, BLOCK_N, BLOCK_SIZE)
+        k, v = _gather_kv(
+            k_cache_ptr, v_cache_ptr, block, row, (pos < end) & (pos != last), kv_head,
+            stride_kb, stride_kt, stride_kh, stride_kd, stride_vb, stride_vt, stride_vh, stride_vd, HEAD_DIM, BLOCK_D,
+        )
 
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
@@ -340,16 +342,19 @@ def _decode_kernel(
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    if start < end:
-        if last < start + BLOCK_N:  # the first tile holds the new token: its row, stored now
-            k_new, v_new = _gather_kv(
-                k_cache_ptr, v_cache_ptr, block, row, pos == last, kv_head,
-                stride_kb, stride_kt, stride_kh, stride_kd, stride_vb, stride_vt, stride_vh, stride_vd, HEAD_DIM, BLOCK_D,
-            )
-            k = tl.where((pos == last)[:, None], k_new, k)
-            v = tl.where((pos == last)[:, None], v_new, v)
-        m_i, l_i, acc = _fold_tile(q, m_i, l_i, acc, pos, k, v, end, g, qk_scale, False, NATIVE_DOT)
-    for tile_start in range(start + BLOCK_N, end, BLOCK_N):
+    loop_start = start
+    if PREFETCH_KV:
+        if start < end:
+            if last < start + BLOCK_N:  # the first tile holds the new token: its row, stored now
+                k_new, v_new = _gather_kv(
+                    k_cache_ptr, v_cache_ptr, block, row, pos == last, kv_head,
+                    stride_kb, stride_kt, stride_kh, stride_kd, stride_vb, stride_vt, stride_vh, stride_vd, HEAD_DIM, BLOCK_D,
+                )
+                k = tl.where((pos == last)[:, None], k_new, k)
+                v = tl.where((pos == last)[:, None], v_new, v)
+            m_i, l_i, acc = _fold_tile(q, m_i, l_i, acc, pos, k, v, end, g, qk_scale, False, NATIVE_DOT)
+        loop_start = start + BLOCK_N
+    for tile_start in range(loop_start, end, BLOCK_N):
         m_i, l_i, acc = _attend_tile(
             q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row_ptr, stride_bt_n, kv_head,
             tile_start, end, g, qk_scale,
@@ -517,6 +522,17 @@ def decode_num_splits(batch: int, num_kv_heads: int, max_context: int, device: t
     return max(1, min(wanted, most, _MAX_SPLITS))
 
 
+def decode_prefetch_kv(batch: int, num_kv_heads: int, device: torch.device) -> bool:
+    """Whether each decode program loads its first tile of cached keys before the PDL wait:
+    where ``batch * num_kv_heads`` programs leave SMs idle. There the step is a chain of
+    latency-bound kernels and the early load takes a memory round trip off it (Llama-3.2-1B
+    b1 on an H200: 0.900 -> 0.865 ms a step); once the programs fill the SMs, the tile held
+    in registers across the wait costs occupancy and the loop's pipelining (SmolLM2 b64:
+    63k -> 56k tokens/s; bench/RESULTS.md, issue 10, round 8)."""
+    facts = device_facts(device)
+    return batch * num_kv_heads < (facts[1] if facts is not None else _CPU_SM_COUNT)
+
+
 def store_kv(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -630,9 +646,11 @@ def paged_decode_attention_splits(
     *,
     num_splits: int,
     rope: tuple | None = None,
+    prefetch_kv: bool | None = None,
 ) -> torch.Tensor:
     """``paged_decode_attention`` with an explicit split count (tests and benchmarks);
-    ``rope``: ``(k, v, positions, cos, sin, slot_mapping)``, as ``rotary_decode_attention``."""
+    ``rope``: ``(k, v, positions, cos, sin, slot_mapping)``, as ``rotary_decode_attention``;
+    ``prefetch_kv``: force ``decode_prefetch_kv``'s choice (tests)."""
     batch, num_heads, head_dim = q.shape
     group = _check_gqa(q, k_cache)
     num_kv_heads = k_cache.shape[2]
@@ -660,6 +678,7 @@ def paged_decode_attention_splits(
         HEAD_DIM=head_dim, GROUP=group, SPLIT=num_splits > 1, NATIVE_DOT=_native_dot(q, k_cache),
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=_DECODE_BLOCK_N,
         BLOCK_D=block_d, BLOCK_SIZE=k_cache.shape[1], ROPE=rope is not None, HALF=head_dim // 2,
+        PREFETCH_KV=decode_prefetch_kv(batch, num_kv_heads, q.device) if prefetch_kv is None else prefetch_kv,
         num_warps=_DECODE_NUM_WARPS, num_stages=_DECODE_NUM_STAGES,
         enable_fp_fusion=rope is None,  # the rotation bit-identical to rotary_store_kv's
         **pdl,

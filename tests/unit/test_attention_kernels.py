@@ -47,15 +47,16 @@ def test_decode_matches_reference(shape, dtype):
     torch.testing.assert_close(got, expected, **TOLERANCE[dtype])
 
 
+@pytest.mark.parametrize("prefetch_kv", [False, True], ids=["kv-after-wait", "kv-before-wait"])
 @pytest.mark.parametrize("num_splits", [2, 5])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_decode_split_k_matches_reference(num_splits, dtype):
+def test_decode_split_k_matches_reference(num_splits, dtype, prefetch_kv):
     # A 1-token sequence leaves all but its first split empty; 300 tokens fill several.
     p = _problem([1] * 3, [1, 70, 300], SHAPES[0], dtype)
     expected = ref.paged_decode_attention(*p.decode_args())
-    got = tri.paged_decode_attention_splits(*p.decode_args(), num_splits=num_splits)
+    got = tri.paged_decode_attention_splits(*p.decode_args(), num_splits=num_splits, prefetch_kv=prefetch_kv)
     torch.testing.assert_close(got, expected, **TOLERANCE[dtype])
-    assert torch.equal(tri.paged_decode_attention_splits(*p.decode_args(), num_splits=num_splits), got)  # deterministic
+    assert torch.equal(tri.paged_decode_attention_splits(*p.decode_args(), num_splits=num_splits, prefetch_kv=prefetch_kv), got)  # deterministic
 
 
 def test_decode_picks_split_k_for_one_long_sequence():
@@ -206,13 +207,15 @@ def _rope_tables(head_dim: int, max_pos: int = 512) -> tuple[torch.Tensor, torch
     return emb.cos().to(DEVICE), emb.sin().to(DEVICE)
 
 
+@pytest.mark.parametrize("prefetch_kv", [False, True], ids=["kv-after-wait", "kv-before-wait"])
 @pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
-def test_rotary_decode_equals_rotary_store_then_decode(shape, num_splits):
+def test_rotary_decode_equals_rotary_store_then_decode(shape, num_splits, prefetch_kv):
     """The decode kernel with the rotation and the KV store folded in (the model's decode
     steps on CUDA): the cache gets exactly what rotary_store_kv writes, the output matches
     the reference, q and k are left as they were, a padding row (slot -1, length 0) writes
-    nothing and reads zeros."""
+    nothing and reads zeros. With the first tile of cached keys loaded before the store
+    (``prefetch_kv``), the new token's row must still be the one just stored."""
     num_heads, num_kv_heads, head_dim, bs = shape
     p = _problem([1] * 5, [1, bs, 3 * bs - 1, 150, 5], shape, torch.float32, seed=num_splits)
     seq_lens = p.seq_lens.clone()
@@ -234,7 +237,8 @@ def test_rotary_decode_equals_rotary_store_then_decode(shape, num_splits):
 
     rope = (k, v, positions, cos, sin, slots)
     if head_dim == tri._head_block(head_dim):
-        got = tri.paged_decode_attention_splits(p.q, p.k_cache, p.v_cache, p.block_tables, seq_lens, p.scale, num_splits=num_splits, rope=rope)
+        got = tri.paged_decode_attention_splits(p.q, p.k_cache, p.v_cache, p.block_tables, seq_lens, p.scale, num_splits=num_splits, rope=rope,
+                                                prefetch_kv=prefetch_kv)
     else:  # head sizes that are not a power of two take the two kernels
         got = tri.rotary_decode_attention(p.q, k, v, positions, cos, sin, p.k_cache, p.v_cache, slots, p.block_tables, seq_lens, p.scale)
     assert torch.equal(p.cache, unfused_cache)  # every slot, padding's included, as the unfused store left it
@@ -271,6 +275,7 @@ def test_rotary_decode_builds_for_hopper_as_the_gpu_runs_it():
                                                   torch.ones(batch, dtype=torch.int32), 0.125, num_splits=splits, rope=args)
     decode = [j for j in jobs if j["kernel"] == "_decode_kernel"]
     assert len(decode) == 4 and all(j["constexprs"]["ROPE"] for j in decode)
+    assert [j["constexprs"]["PREFETCH_KV"] for j in decode] == [True, True, False, False]  # batch 1's first tile before the wait
     for job in decode:
         job["constexprs"]["NATIVE_DOT"] = True  # bf16 on CUDA feeds the tensor cores (the interpreter cannot)
     results = sm90_compile.compile_in_subprocess(jobs, cwd=Path(__file__).resolve().parents[2])
