@@ -217,6 +217,8 @@ def test_rotary_decode_equals_rotary_store_then_decode(shape, num_splits, prefet
     nothing and reads zeros. With the first tile of cached keys loaded before the store
     (``prefetch_kv``), the new token's row must still be the one just stored."""
     num_heads, num_kv_heads, head_dim, bs = shape
+    if prefetch_kv and head_dim != tri._head_block(head_dim):
+        pytest.skip("head sizes that are not a power of two take the two kernels, whichever form")
     p = _problem([1] * 5, [1, bs, 3 * bs - 1, 150, 5], shape, torch.float32, seed=num_splits)
     seq_lens = p.seq_lens.clone()
     seq_lens[-1] = 0
