@@ -22,6 +22,9 @@ K and V caches are strided views, and for GQA models with few KV heads:
   batch 64; bench/RESULTS.md). The split count comes from host ints only (tensor shapes
   and the SM count); each program sizes its own split from its sequence's actual length, so a loose
   block-table width costs no extra work beyond empty programs.
+  Under PDL (kernels/pdl) a program reads its step's metadata (lengths, positions, slots,
+  block tables) and, while ``batch * kv_heads`` programs leave SMs idle, its first tile of
+  cached keys before it waits for the projection ahead (``decode_prefetch_kv``).
 - ``paged_prefill_attention``: flash-attention over the paged context. One program per
   (query tile, KV head); a query tile packs ``BLOCK_M // group`` consecutive query tokens
   times the ``group`` heads of one KV head, so again each K/V tile is loaded once for the
