@@ -289,8 +289,10 @@ def _launch(
     scales = weight_scale if fp8 else out
     launch = pdl_launch(x.device)
     launch["PREFETCH"] = _prefetch(launch["PDL"], static_weight, block_k, k)
-    # An FP8 weight keeps the masks: Llama-3.2-1B's FP8 decode measured 0.975 ms a step at
-    # batch 1 without them against 0.905 with them (bench/RESULTS.md, issue 10, round 7).
+    # An FP8 weight keeps the masks, the form its tiles were tuned and measured in. (Round 7
+    # blamed an FP8 decode regression on their loss; round 8 found the cause was lost tiles:
+    # 0.970 ms with the masks back, 0.886 with the tiles. The unmasked FP8 form was never
+    # measured on its own; bench/RESULTS.md, issue 10.)
     launch["EVEN"] = not fp8 and _even(m, n, k, (block_m, block_n, block_k))
     _skinny_kernel[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else weight, out, r, norm_weight, res_out, scales,

@@ -328,8 +328,8 @@ def test_whole_tiles_load_without_masks_and_compute_the_same(m, kind):
 
 def test_whole_tiles_drop_the_masks_for_a_dense_weight_only():
     """The launches at Llama-3.2-1B's decode shapes: a bf16 weight with whole tiles loads
-    without masks (``EVEN``), a ragged one and an FP8 weight keep them (without them FP8
-    decode measured slower on an H200: bench/RESULTS.md, issue 10, round 7)."""
+    without masks (``EVEN``), a ragged one and an FP8 weight keep them (the form the FP8
+    tiles were tuned and measured in: bench/RESULTS.md, issue 10, rounds 7 and 8)."""
     from kernels.fp8 import reference as fp8_ref
     from tests import triton_launches
 
