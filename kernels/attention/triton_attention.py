@@ -509,6 +509,11 @@ def _check_gqa(q: torch.Tensor, k_cache: torch.Tensor) -> int:
     return num_heads // num_kv_heads
 
 
+def _sm_count(device: torch.device) -> int:
+    facts = device_facts(device)
+    return facts[1] if facts is not None else _CPU_SM_COUNT
+
+
 def decode_num_splits(batch: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
     """How many programs share one sequence's context, from host ints only.
 
@@ -516,8 +521,7 @@ def decode_num_splits(batch: int, num_kv_heads: int, max_context: int, device: t
     than ``_MIN_SPLIT_TOKENS`` keys (``_MIN_SPLIT_TOKENS_BUSY`` once ``batch * num_kv_heads``
     programs fill the SMs) of the longest possible context (``max_context``: the block-table
     width in tokens): below that the reduction costs more than it saves."""
-    facts = device_facts(device)
-    sms = facts[1] if facts is not None else _CPU_SM_COUNT
+    sms = _sm_count(device)
     programs = batch * num_kv_heads
     wanted = triton.cdiv(_DECODE_PROGRAMS_PER_SM * sms, max(programs, 1))
     min_tokens = _MIN_SPLIT_TOKENS if programs < sms else _MIN_SPLIT_TOKENS_BUSY
@@ -532,8 +536,7 @@ def decode_prefetch_kv(batch: int, num_kv_heads: int, device: torch.device) -> b
     b1 on an H200: 0.900 -> 0.865 ms a step); once the programs fill the SMs, the tile held
     in registers across the wait costs occupancy and the loop's pipelining (SmolLM2 b64:
     63k -> 56k tokens/s; bench/RESULTS.md, issue 10, round 8)."""
-    facts = device_facts(device)
-    return batch * num_kv_heads < (facts[1] if facts is not None else _CPU_SM_COUNT)
+    return batch * num_kv_heads < _sm_count(device)
 
 
 def store_kv(
