@@ -21,6 +21,7 @@ names in ``floats``, i32 for the rest. It prints one ``{"regs": int, "local": in
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import subprocess
@@ -94,14 +95,82 @@ def compile_kernel(job: dict):
     return triton.compile(src, target=HOPPER, options=options)
 
 
-def run_without_interpreter(module: str, cwd: Path, stdin: str = "", timeout: float = 600) -> str:
-    """``python -m module`` in a fresh process without ``TRITON_INTERPRET`` (whose kernels
-    are compilable); its stdout. Raises with the end of its stderr if it fails."""
+def _compiler_env(cwd: Path) -> dict[str, str]:
     import os
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(PYTHONPATH=str(cwd), TRITON_DEFAULT_FP_FUSION=env.get("TRITON_DEFAULT_FP_FUSION", "1"), OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-m", module], input=stdin, capture_output=True, text=True, cwd=cwd, env=env, timeout=timeout)
+    return env
+
+
+_WORKERS_ENV = "TIDEPOOL_SM90_WORKERS"  # compile processes of one run (default: one per core)
+
+
+class BackgroundRun:
+    """``python -m module`` without ``TRITON_INTERPRET``, started now at the lowest CPU
+    priority (``nice 19``) and with one compile process, while the caller goes on: where
+    the running tests leave a core idle (CI's two cores, beside a single-threaded
+    interpreter test or the integration tests' services), a cold build costs little wall
+    time. (With a process per core, one cold run's first service stack took 30 s to start
+    against 17 without the build.)"""
+
+    def __init__(self, module: str, cwd: Path, stdin: str = ""):
+        import os
+
+        self.module, self.stdin = module, stdin
+        self._input = tempfile.TemporaryFile("w+")
+        self._input.write(stdin)
+        self._input.seek(0)
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", module], stdin=self._input, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            cwd=cwd, env={**_compiler_env(cwd), _WORKERS_ENV: "1"}, preexec_fn=lambda: os.nice(19), start_new_session=True,
+        )
+
+    def stdout(self, timeout: float = 600) -> str:
+        """Its stdout, once it has ended. Raises with the end of its stderr if it failed."""
+        try:
+            out, err = self._proc.communicate(timeout=timeout)
+        finally:
+            self._input.close()
+        if self._proc.returncode != 0:
+            raise RuntimeError(f"python -m {self.module} failed:\n{err[-3000:]}")
+        return out
+
+    def cancel(self) -> None:
+        """Stop it and its worker processes (a run that ends before the test reading it)."""
+        import os
+        import signal
+
+        if self._proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self._proc.pid, signal.SIGKILL)
+            self._proc.communicate()
+        self._input.close()
+
+
+_prestarted: dict[str, BackgroundRun] = {}
+
+
+def prestart(module: str, cwd: Path) -> None:
+    """Start ``python -m module`` in the background (:class:`BackgroundRun`) for a test that
+    will call ``run_without_interpreter(module)`` later in the session (the conftest starts
+    the ones marked ``sm90_prestart`` when the session starts)."""
+    if module not in _prestarted:
+        _prestarted[module] = BackgroundRun(module, cwd)
+
+
+def cancel_prestarted() -> None:
+    while _prestarted:
+        _prestarted.popitem()[1].cancel()
+
+
+def run_without_interpreter(module: str, cwd: Path, stdin: str = "", timeout: float = 600) -> str:
+    """``python -m module`` in a fresh process without ``TRITON_INTERPRET`` (whose kernels
+    are compilable), or the run :func:`prestart` began; its stdout. Raises with the end of
+    its stderr if it fails."""
+    if not stdin and module in _prestarted:
+        return _prestarted.pop(module).stdout(timeout)
+    proc = subprocess.run([sys.executable, "-m", module], input=stdin, capture_output=True, text=True, cwd=cwd, env=_compiler_env(cwd), timeout=timeout)
     if proc.returncode != 0:
         raise RuntimeError(f"python -m {module} failed:\n{proc.stderr[-3000:]}")
     return proc.stdout
@@ -112,10 +181,17 @@ def compile_in_subprocess(jobs: list[dict], cwd: Path, timeout: float = 600) -> 
     return json.loads(run_without_interpreter("tests.sm90_compile", cwd, json.dumps(jobs), timeout))
 
 
+def compile_in_background(jobs: list[dict], cwd: Path) -> BackgroundRun:
+    """:func:`compile_in_subprocess` started in the background; ``json.loads`` of its
+    ``stdout()`` is the results."""
+    return BackgroundRun("tests.sm90_compile", cwd, json.dumps(jobs))
+
+
 if __name__ == "__main__":
     import os
     from concurrent.futures import ProcessPoolExecutor
 
     jobs = json.load(sys.stdin)
-    with ProcessPoolExecutor(max_workers=max(1, min(len(jobs), os.cpu_count() or 1))) as pool:
+    workers = int(os.environ.get(_WORKERS_ENV) or os.cpu_count() or 1)
+    with ProcessPoolExecutor(max_workers=max(1, min(len(jobs), workers))) as pool:
         print(json.dumps(list(pool.map(compile_job, jobs))))

@@ -18,7 +18,10 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import json
+import math
 import os
+from pathlib import Path
 from typing import Any, Iterator
 
 LAUNCHES: dict[tuple, dict] = {}  # variant key -> job
@@ -113,3 +116,68 @@ def capture() -> Iterator[list[dict]]:
         yield jobs
     finally:
         _capturing.pop()
+
+
+# -- the Hopper build of what was launched (tests/unit/test_kernels_build_for_hopper.py) -------
+
+PER_KERNEL = 8
+_build = None  # (jobs, the tests.sm90_compile.BackgroundRun building them), once started
+
+
+def _tiles(job: dict) -> int:
+    blocks = [v for k, v in job["constexprs"].items() if k.startswith("BLOCK") and isinstance(v, int) and not isinstance(v, bool)]
+    return math.prod(blocks) if blocks else 0
+
+
+def _flags(job: dict) -> tuple:
+    return tuple(sorted((k, v) for k, v in job["constexprs"].items() if isinstance(v, bool)))
+
+
+def sample(jobs: list[dict]) -> list[dict]:
+    """Per kernel: the first variant of each combination of flags, the last variant and the
+    one with the largest tiles (at most ``PER_KERNEL``)."""
+    by_kernel: dict[tuple[str, str], list[dict]] = {}
+    for job in jobs:
+        by_kernel.setdefault((job["module"], job["kernel"]), []).append(job)
+    out = []
+    for variants in by_kernel.values():
+        first_of_flags: dict[tuple, dict] = {}
+        for job in variants:
+            first_of_flags.setdefault(_flags(job), job)
+        picked = [*first_of_flags.values(), variants[-1], max(variants, key=_tiles)]
+        out += list({id(j): j for j in picked}.values())[:PER_KERNEL]
+    return out
+
+
+def start_build(cwd: Path) -> None:
+    """Start building the sample of the launches so far for sm_90, in the background, once.
+    The conftest calls it when the first integration test starts: every unit test has
+    launched its kernels by then, and the integration tests leave CPU time idle."""
+    global _build
+    if _build is None and LAUNCHES:
+        from tests import sm90_compile
+
+        jobs = sample(list(LAUNCHES.values()))
+        _build = (jobs, sm90_compile.compile_in_background(jobs, cwd))
+
+
+def build(cwd: Path, timeout: float = 1200) -> list[tuple[dict, dict]]:
+    """(job, result) for the sample of every launch recorded: the background build's, plus
+    any variant it did not have (launched after it started), compiled now."""
+    from tests import sm90_compile
+
+    start_build(cwd)
+    picked = sample(list(LAUNCHES.values()))
+    done = {}
+    if _build is not None:
+        jobs, run = _build
+        done = dict(zip(map(_key, jobs), json.loads(run.stdout(timeout))))
+    missing = [j for j in picked if _key(j) not in done]
+    if missing:
+        done.update(zip((_key(j) for j in missing), sm90_compile.compile_in_subprocess(missing, cwd, timeout)))
+    return [(j, done[_key(j)]) for j in picked]
+
+
+def cancel_build() -> None:
+    if _build is not None:
+        _build[1].cancel()

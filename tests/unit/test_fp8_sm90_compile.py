@@ -23,6 +23,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.skipif(not tools_available(), reason="this Triton has no NVIDIA backend / ptxas")
+@pytest.mark.sm90_prestart("tests.fp8_sm90_compile")
 def test_fp8_kernels_compile_for_sm90():
     got = json.loads(run_without_interpreter("tests.fp8_sm90_compile", ROOT, timeout=300).strip().splitlines()[-1])
     fused, narrow, tma, quant = got["swap fused split-K"], got["swap 32-row split-K"], got["normal tma"], got["quant"]

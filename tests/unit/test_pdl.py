@@ -71,6 +71,7 @@ def test_fp8_pdl_rejects_an_unknown_mode(monkeypatch):
 
 
 @pytest.mark.skipif(not tools_available(), reason="this Triton has no NVIDIA backend / ptxas")
+@pytest.mark.sm90_prestart("tests.pdl_sm90_compile")
 def test_kernels_wait_for_the_previous_grid_before_reading_what_it_wrote():
     got = json.loads(run_without_interpreter("tests.pdl_sm90_compile", ROOT, timeout=300).strip().splitlines()[-1])
     assert "skinny fp8 pdl=True" in got and "fp8 gemm pdl=True" in got and "fp8 quant pdl=True" in got
