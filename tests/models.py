@@ -38,6 +38,8 @@ CHAT_PROMPTS = [
     ],
 ]
 
+CORE_TOKENS = 32  # greedy tokens per prompt in the engine-core checks (tests/unit/conftest.py)
+
 
 @functools.lru_cache(maxsize=1)
 def tiny_config() -> ModelConfig:
@@ -96,6 +98,30 @@ def hf_gguf_tokenizer():
             raise
         return transformers.PreTrainedTokenizerFast(tokenizer_file=str(Path(folder) / "tokenizer.json"))
     return transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+
+
+def hf_greedy_batch(model, prompts: list[list[int]], n: int) -> list[tuple[list[int], torch.Tensor]]:
+    """:func:`hf_greedy` for many prompts in one left-padded batch (an attention mask and
+    explicit positions, as transformers' own batched ``generate`` pads): on the CPU a step
+    costs a read of every weight, so one batch is about as fast as one prompt. A padded
+    row's tokens and logits are those of the prompt alone up to float32 rounding."""
+    width = max(len(ids) for ids in prompts)
+    x = torch.tensor([[0] * (width - len(ids)) + ids for ids in prompts])
+    mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in prompts])
+    out: list[list[int]] = [[] for _ in prompts]
+    past, first = None, None
+    with torch.no_grad():
+        for _ in range(n):
+            positions = (mask.cumsum(-1) - 1).clamp_min(0)[:, -x.shape[1]:]
+            o = model(input_ids=x, attention_mask=mask, position_ids=positions, past_key_values=past, use_cache=True)
+            logits = o.logits[:, -1].float()
+            first = logits if first is None else first
+            past = o.past_key_values
+            x = logits.argmax(-1, keepdim=True)
+            for row, t in zip(out, x[:, 0].tolist()):
+                row.append(t)
+            mask = torch.cat([mask, torch.ones_like(x)], dim=-1)
+    return [(row, first[i]) for i, row in enumerate(out)]
 
 
 def hf_greedy(model, prompt_ids: list[int], n: int) -> tuple[list[int], torch.Tensor]:

@@ -17,7 +17,7 @@ from libs.engine import EngineConfig, LLM, SamplingParams
 from libs.engine.spec.draft_model import load_draft, write_truncated_checkpoint
 from libs.engine.spec.vocab import DraftVocab, count_tokens
 from libs.model.attention import torch_backend
-from tests.models import CHAT_PROMPTS, RAW_PROMPTS
+from tests.models import RAW_PROMPTS
 from tests.spec_expectations import expected_ngram, metrics_match
 
 N = 12
@@ -40,9 +40,8 @@ def vocab_file(engine, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def prompts(engine) -> list[list[int]]:
-    tok = engine.tokenizer
-    return [tok.encode(p) for p in RAW_PROMPTS] + [tok.encode_chat(m) for m in CHAT_PROMPTS]
+def prompts(core_prompts) -> list[list[int]]:
+    return core_prompts
 
 
 @pytest.fixture(scope="module")
