@@ -147,18 +147,34 @@ def test_fake_balance_changes_routing_and_namespace(folders, prompts):
     assert fake.generate([ids], params)[0].token_ids == fake.generate([ids], params)[0].token_ids
 
 
-@pytest.mark.parametrize("quantization", ["none", "fp8"])
-def test_tidepool_generate_serves_a_moe_folder(folders, quantization):
+CLI_QUANTIZATIONS = ("none", "fp8")
+
+
+@pytest.fixture(scope="module")
+def cli_runs(folders) -> dict[str, tuple[int, str, str]]:
+    """``tidepool generate`` on the qwen2_moe folder, dense and FP8: both processes started
+    together (each is mostly single-threaded imports and loading)."""
+    folder, _ = folders["qwen2_moe"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
+    procs = {
+        q: subprocess.Popen(
+            [sys.executable, "-m", "libs.cli", "generate", "--device", "cpu", "--dtype", "float32", "--model", str(folder),
+             "--quantization", q, "--prompt", RAW_PROMPTS[0], "--max-tokens", "16", "--temperature", "0", "--json"],
+            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        for q in CLI_QUANTIZATIONS
+    }
+    out = {q: p.communicate(timeout=600) for q, p in procs.items()}
+    return {q: (procs[q].returncode, *out[q]) for q in procs}
+
+
+@pytest.mark.parametrize("quantization", CLI_QUANTIZATIONS)
+def test_tidepool_generate_serves_a_moe_folder(folders, cli_runs, quantization):
     folder, _ = folders["qwen2_moe"]
     prompt = RAW_PROMPTS[0]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
-    run = subprocess.run(
-        [sys.executable, "-m", "libs.cli", "generate", "--device", "cpu", "--dtype", "float32", "--model", str(folder),
-         "--quantization", quantization, "--prompt", prompt, "--max-tokens", "16", "--temperature", "0", "--json"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
-    )
-    assert run.returncode == 0, run.stderr
-    out = json.loads(run.stdout)
+    rc, stdout, stderr = cli_runs[quantization]
+    assert rc == 0, stderr
+    out = json.loads(stdout)
     engine = engine_for(folder, quantization=quantization)
     assert out["prompt_token_ids"] == engine.tokenizer.encode(prompt)
     assert out["token_ids"] == engine.generate([out["prompt_token_ids"]], SamplingParams(temperature=0, max_tokens=16))[0].token_ids
