@@ -131,6 +131,11 @@ def save_results(results: dict, out: str | None) -> None:
     the caller's), printed with the one before, and the JSON written to ``out`` if given."""
     results["load_after"] = os.getloadavg()[0]
     print(f"load average before/after: {results['load_before']:.2f} / {results['load_after']:.2f}")
+    write_json(results, out)
+
+
+def write_json(results: dict, out: str | None) -> None:
+    """The results as indented JSON to ``out``, if given."""
     if out:
         with open(out, "w") as f:
             json.dump(results, f, indent=1)

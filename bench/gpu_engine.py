@@ -31,7 +31,6 @@ graphs and without: where graphs pay, for ``EngineConfig.prefill_graph_max_token
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
@@ -39,7 +38,7 @@ from typing import Callable
 
 import torch
 
-from bench.common import SHAPES, cuda_time, hf_llama, ours_from_hf, random_loaded, synchronize, table
+from bench.common import SHAPES, cuda_time, hf_llama, ours_from_hf, random_loaded, synchronize, table, write_json
 from libs.engine import EngineConfig, LLM, SamplingParams
 from libs.engine.step_timer import PHASES
 
@@ -350,9 +349,7 @@ def main(argv: list[str] | None = None) -> dict:
     report_fusions(res)
     if args.prefill_sweep:
         prefill_sweep(res)
-    if args.out:
-        with open(args.out, "w") as fh:
-            json.dump(res, fh, indent=1)
+    write_json(res, args.out)
     return res
 
 
