@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -115,15 +116,16 @@ class BackgroundRun:
     against 17 without the build.)"""
 
     def __init__(self, module: str, cwd: Path, stdin: str = ""):
-        import os
-
         self.module, self.stdin = module, stdin
         self._input = tempfile.TemporaryFile("w+")
         self._input.write(stdin)
         self._input.seek(0)
+        # `nice` rather than a preexec_fn: the test process has threads by then (the session
+        # engine's), and Python code between fork and exec is not safe beside them.
+        nice = [tool, "-n", "19"] if (tool := shutil.which("nice")) else []
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", module], stdin=self._input, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            cwd=cwd, env={**_compiler_env(cwd), _WORKERS_ENV: "1"}, preexec_fn=lambda: os.nice(19), start_new_session=True,
+            [*nice, sys.executable, "-m", module], stdin=self._input, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            cwd=cwd, env={**_compiler_env(cwd), _WORKERS_ENV: "1"}, start_new_session=True,
         )
 
     def stdout(self, timeout: float = 600) -> str:
