@@ -7,6 +7,8 @@ here, before pytest imports a test module, on every machine without CUDA.
 import os
 from pathlib import Path
 
+import pytest
+
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
@@ -40,6 +42,7 @@ def pytest_configure(config):
     )
 
 
+@pytest.hookimpl(trylast=True)  # after ``-m``/``-k`` have deselected: only the tests that run
 def pytest_collection_modifyitems(config, items):
     """The Hopper build check compiles what the other tests launched: it runs last. The
     sm_90 builds of tests marked ``sm90_prestart`` start now, in the background at the
