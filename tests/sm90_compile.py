@@ -116,7 +116,7 @@ class BackgroundRun:
     against 17 without the build.)"""
 
     def __init__(self, module: str, cwd: Path, stdin: str = ""):
-        self.module, self.stdin = module, stdin
+        self.module = module
         self._input = tempfile.TemporaryFile("w+")
         self._input.write(stdin)
         self._input.seek(0)
