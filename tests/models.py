@@ -127,14 +127,4 @@ def hf_greedy_batch(model, prompts: list[list[int]], n: int) -> list[tuple[list[
 def hf_greedy(model, prompt_ids: list[int], n: int) -> tuple[list[int], torch.Tensor]:
     """Greedy tokens from a transformers model with its own KV cache (no EOS stop), plus
     the first step's fp32 logits: the reference our engine is compared with."""
-    out, past, x, first = [], None, torch.tensor([prompt_ids]), None
-    with torch.no_grad():
-        for _ in range(n):
-            o = model(input_ids=x, past_key_values=past, use_cache=True)
-            logits = o.logits[0, -1].float()
-            first = logits if first is None else first
-            past = o.past_key_values
-            t = int(logits.argmax())
-            out.append(t)
-            x = torch.tensor([[t]])
-    return out, first
+    return hf_greedy_batch(model, [prompt_ids], n)[0]

@@ -20,10 +20,9 @@ def engine() -> LLM:
 @pytest.fixture(scope="session")
 def core_prompts(engine) -> list[list[int]]:
     """The engine-core prompts (tests/models.py: raw and chat), as token ids."""
-    from tests.models import CHAT_PROMPTS, RAW_PROMPTS
+    from bench.fp8_quality import engine_prompts
 
-    tok = engine.tokenizer
-    return [tok.encode(p) for p in RAW_PROMPTS] + [tok.encode_chat(m) for m in CHAT_PROMPTS]
+    return engine_prompts(engine)
 
 
 @pytest.fixture(scope="session")

@@ -20,26 +20,21 @@ def test_prompt_set_is_big_enough(core_prompts):
 
 
 @pytest.fixture(scope="module")
-def prompts(core_prompts) -> list[list[int]]:
-    return core_prompts
-
-
-@pytest.fixture(scope="module")
-def hf_runs(hf_model, prompts) -> list[tuple[list[int], torch.Tensor]]:
+def hf_runs(hf_model, core_prompts) -> list[tuple[list[int], torch.Tensor]]:
     """transformers' greedy tokens and first-step logits per prompt, run once for both tests
     (all prompts in one padded batch: a third of the time of one run per prompt)."""
-    return hf_greedy_batch(hf_model, prompts, N_TOKENS)
+    return hf_greedy_batch(hf_model, core_prompts, N_TOKENS)
 
 
-def test_greedy_matches_transformers(engine, core_greedy, hf_runs, prompts):
+def test_greedy_matches_transformers(engine, core_greedy, hf_runs, core_prompts):
     # core_greedy: the engine's tokens with every prompt in one batch (tests/unit/conftest.py)
-    for ids, tokens, (ref, _) in zip(prompts, core_greedy, hf_runs):
+    for ids, tokens, (ref, _) in zip(core_prompts, core_greedy, hf_runs):
         assert len(tokens) == N_TOKENS
         assert tokens == ref, engine.tokenizer.decode(ids)
 
 
-def test_first_step_logits_match_transformers(engine, hf_runs, prompts):
-    for ids, (_, ref) in zip(prompts, hf_runs):
+def test_first_step_logits_match_transformers(engine, hf_runs, core_prompts):
+    for ids, (_, ref) in zip(core_prompts, hf_runs):
         ours = engine.first_step_logits(ids)
         assert ours.shape == ref.shape
         assert torch.allclose(ours, ref, atol=1e-3, rtol=0), (ours - ref).abs().max()
