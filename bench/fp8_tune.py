@@ -83,9 +83,14 @@ def candidates(swap_ab: bool, m: int, n_pad: int, k_pad: int, num_sms: int) -> l
     if swap_ab:
         tt = token_tile_for(m)
         if tt <= 16:
+            # Decode sizes stream the weight: deeper pipelines and TMA at every split (a
+            # probe found 8 stages and TMA with split-K 4 fastest on two of Llama-3-8B's
+            # shapes). The fused quantization is left out here: it measured 1.3-4x slower
+            # than its own kernel on every shape (bench/RESULTS.md, "The quantizer's zero
+            # dividends").
             for wt in (32, 64, 128):
-                add(tt, wt, 4, 5 if wt <= 64 else 4, splits=(1, 2, 4, 8), fuse=(False, True))
-                add(tt, wt, 4, 5 if wt <= 64 else 4, splits=(1, 2), tma=(True,))
+                for stages in (5 if wt <= 64 else 4, 8):
+                    add(tt, wt, 4, stages, splits=(1, 2, 4, 8), tma=(False, True))
         elif tt <= 64:
             for wt in (64, 128):
                 add(tt, wt, 4, 4, splits=(1, 2, 4), fuse=(False, True))
@@ -94,9 +99,10 @@ def candidates(swap_ab: bool, m: int, n_pad: int, k_pad: int, num_sms: int) -> l
             for wt in (64, 128):
                 add(tt, wt, 4, 4, splits=(1, 2), tma=(False, True))
     elif m <= 64:
+        # The same depths and TMA as swap-AB's grid: "ours without" is tuned as hard.
         for wt in (64, 128):
-            for stages in (3, 4):
-                add(64, wt, 4, stages, splits=(1, 2, 4))
+            for stages in (3, 4, 8):
+                add(64, wt, 4, stages, splits=(1, 2, 4), tma=(False, True))
     elif m <= 256:
         for tt, warps in ((64, 4), (128, 4), (128, 8)):
             for stages in (3, 4):

@@ -20,10 +20,12 @@ One kernel; a ``GemmPlan`` (kernels/fp8/plan.py) picks its tiles and which of th
 - fused quantization (``fuse_quant``): the kernel reads the unquantized activations and
   quantizes each ``[tokens, 128]`` group in registers with the quantization kernel's own
   arithmetic (``triton_quant.quantize_groups``): one launch per linear layer instead of
-  two, no padded copy. Every program re-quantizes the tokens it reads. Measured on the
-  H200 it is 2-7x slower than the quantization kernel plus the GEMM even at M = 1 (113
-  against 17 us on 6144 x 4096), so only a tuned plan that measured it faster uses it
-  (none so far);
+  two, no padded copy. Every program re-quantizes the tokens it reads, once per K block,
+  on the loop's critical path. Measured on the H200 it is 1.3-4x slower than the
+  quantization kernel plus the GEMM at M <= 16 (14.8 against 10.9 us on 4096 x 4096 at
+  M = 1; before the quantizer stopped dividing zeros, 34 against 12.8), so only a tuned
+  plan that measured it faster uses it (none so far), and bench/fp8_tune.py's decode grid
+  leaves it out;
 - TMA (``tma``): the e4m3 operands are read through host-built tensor descriptors (Hopper's
   bulk copies, which Triton pipelines with mbarriers) instead of pointer loads.
 
@@ -144,7 +146,7 @@ def _fp8_gemm_kernel(
             xv = x_next
             # Past the last K block the columns are >= k: masked, nothing is read.
             x_next = _raw_token_tile(x_ptr, offs_t, offs_t64, k0 + BLOCK_K + offs_k, m, k, stride_xm, stride_xk, SWAP_AB)
-            xq, x_s = quantize_groups(xv, 0 if SWAP_AB else 1, eps, fp32_max, fp8_max)
+            xq, x_s = quantize_groups(xv, 0 if SWAP_AB else 1, eps, fp32_max, fp8_max, True)
             xq = xq.to(tl.float8e4nv)
         else:
             if USE_TMA:
