@@ -21,9 +21,9 @@ One kernel; a ``GemmPlan`` (kernels/fp8/plan.py) picks its tiles and which of th
   quantizes each ``[tokens, 128]`` group in registers with the quantization kernel's own
   arithmetic (``triton_quant.quantize_groups``): one launch per linear layer instead of
   two, no padded copy. Every program re-quantizes the tokens it reads, once per K block,
-  on the loop's critical path. Measured on the H200 it is 1.3-4x slower than the
-  quantization kernel plus the GEMM at M <= 16 (14.8 against 10.9 us on 4096 x 4096 at
-  M = 1; before the quantizer stopped dividing zeros, 34 against 12.8), so only a tuned
+  on the loop's critical path. Measured on the H200 its best plan is 1.2-1.7x slower than
+  the quantization kernel plus the GEMM at M <= 16 (13.7 against 10.9 us on 4096 x 4096
+  at M = 1; before the quantizer stopped dividing zeros, 33.8 against 12.8), so only a tuned
   plan that measured it faster uses it (none so far), and bench/fp8_tune.py's decode grid
   leaves it out;
 - TMA (``tma``): the e4m3 operands are read through host-built tensor descriptors (Hopper's
