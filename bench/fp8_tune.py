@@ -86,8 +86,9 @@ def candidates(swap_ab: bool, m: int, n_pad: int, k_pad: int, num_sms: int) -> l
             # Decode sizes stream the weight: deeper pipelines and TMA at every split (a
             # probe found 8 stages and TMA with split-K 4 fastest on two of Llama-3-8B's
             # shapes). The fused quantization is left out here: its best plan measured
-            # 1.2-1.7x slower than its own kernel plus the GEMM on every shape
-            # (bench/RESULTS.md, "The quantizer's zero dividends").
+            # 1.2-1.7x slower than its own kernel plus the GEMM on every shape, and
+            # 1.14-2.2x after the quantizer's reciprocal (bench/RESULTS.md, "The quantizer
+            # multiplies by the reciprocal").
             for wt in (32, 64, 128):
                 for stages in (5 if wt <= 64 else 4, 8):
                     add(tt, wt, 4, stages, splits=(1, 2, 4, 8), tma=(False, True))

@@ -65,8 +65,8 @@ def quant() -> dict:
     fn = _per_token_group_quant_kernel
     sig = dict.fromkeys(fn.arg_names, "i32")
     sig.update(x_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32", eps="fp32", fp32_max="fp32", fp8_max="fp32", BLOCK_ROWS="constexpr",
-               GROUP="constexpr", PADDED="constexpr", PDL="constexpr")
-    consts = {"BLOCK_ROWS": 16, "GROUP": 128, "PADDED": True, "PDL": False}  # both forms of the division
+               GROUP="constexpr", PDL="constexpr")
+    consts = {"BLOCK_ROWS": 16, "GROUP": 128, "PDL": False}
     kernel = triton.compile(ASTSource(fn, sig, constexprs=consts), target=TARGET, options={"num_warps": 4})
     return stats(kernel)
 

@@ -18,8 +18,8 @@ multiple of 128), and if a one-time probe on the device fails or disagrees with 
 reference; it never probes inside a CUDA-graph capture.
 
 Layouts: the activation quantizer's output ``[M_pad, K_pad]`` (rows padded to 4) and its
-scales made outer-dim-major (a ``[M_pad, K_pad/128]`` view of a transposed copy: cuBLAS
-reads them per K block); the weight ``[N_pad, K_pad]`` as the column-major right operand
+scales outer-dim-major (a ``[M_pad, K_pad/128]`` view of a ``[K_pad/128, M_pad]`` tensor,
+which the quantizer writes directly: cuBLAS reads them per K block); the weight ``[N_pad, K_pad]`` as the column-major right operand
 (its transpose, a view) and its scales ``[N_pad/128, K_pad/128]`` transposed (a view).
 """
 
@@ -46,9 +46,8 @@ def fp8_linear(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, *, n: int,
     from kernels.fp8.triton_quant import per_token_group_quant
 
     m = x.shape[0]
-    x_q, x_s = per_token_group_quant(x, row_multiple=ROW_MULTIPLE)
-    a_s = x_s.t().contiguous().t()  # outer-dim-major
-    y = _scaled_mm(x_q, w_q.t(), a_s, w_s.t(), out_dtype or x.dtype)
+    x_q, x_s = per_token_group_quant(x, row_multiple=ROW_MULTIPLE, column_major_scales=True)  # outer-dim-major
+    y = _scaled_mm(x_q, w_q.t(), x_s, w_s.t(), out_dtype or x.dtype)
     return y[:m, :n]
 
 

@@ -61,6 +61,15 @@ def padded(n: int, multiple: int = BLOCK) -> int:
     return -(-n // multiple) * multiple
 
 
+def scales_tensor(m_pad: int, k_pad: int, device: torch.device | str, column_major: bool = False) -> torch.Tensor:
+    """An empty ``[m_pad, k_pad / 128]`` fp32 tensor for per-token-group activation scales:
+    row-major, or (``column_major``) a view of a ``[k_pad / 128, m_pad]`` tensor, the
+    layout cuBLAS's block-scaled GEMM reads."""
+    if column_major:
+        return torch.empty((k_pad // BLOCK, m_pad), dtype=torch.float32, device=device).t()
+    return torch.empty((m_pad, k_pad // BLOCK), dtype=torch.float32, device=device)
+
+
 def _fail(what: str) -> None:
     raise Fp8AlignmentError(what)
 

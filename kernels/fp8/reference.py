@@ -6,9 +6,10 @@ The GEMM reference dequantizes both operands to fp32 and multiplies: that is the
 definition the kernel is tested against, and (with the weight dequantized once and
 cached, libs/model/fp8.py) how FP8 weights run where there are no FP8 tensor cores.
 
-Quantization divides by the scale (IEEE division) and rounds to nearest-even with
-saturation at +-448 (torch's cast after a clamp); the Triton kernel does exactly the same
-arithmetic, so the two agree to the bit.
+Activation quantization multiplies by the reciprocal of the scale (both IEEE divisions)
+and rounds to nearest-even with saturation at +-448 (torch's cast after a clamp); the
+Triton kernel does exactly the same arithmetic, so the two agree to the bit. Weights are
+quantized once, at load, here only: they divide by the scale.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from kernels.fp8.layout import (
     check_gemm_operands,
     check_weight,
     padded,
+    scales_tensor,
 )
 from kernels.fp8.plan import GemmPlan, plan_gemm
 
@@ -73,16 +75,22 @@ def dequantize_weight(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return blocks.view(n_pad, k_pad)
 
 
-def per_token_group_quant(x: torch.Tensor, *, row_multiple: int = 1, swap_ab: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def per_token_group_quant(
+    x: torch.Tensor, *, row_multiple: int = 1, swap_ab: bool = False, column_major_scales: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``X [M, K]`` -> ``(q [M_pad, K_pad] e4m3, scale [M_pad, K_pad/128] fp32)``: one scale
     per token per group of 128, ``M_pad`` a multiple of ``row_multiple`` (the GEMM's token
     tile), ``K_pad`` of 128. Padding is zeros with the smallest scale. ``swap_ab`` only
-    chooses the kernel's launch (PDL); here it changes nothing."""
+    chooses the kernel's launch (PDL); here it changes nothing. ``column_major_scales``:
+    the scales are a view of a ``[K_pad/128, M_pad]`` tensor (cuBLAS's layout), same values."""
     check_activation(x, row_multiple)
     m_pad, k_pad = padded(x.shape[0], row_multiple), padded(x.shape[1])
     groups = _zero_padded(x, m_pad, k_pad).view(m_pad, k_pad // BLOCK, BLOCK)
     scale = scale_of(groups.abs().amax(dim=-1))
-    q = to_e4m3(groups / scale[..., None]).view(m_pad, k_pad)
+    inv = torch.ones_like(scale) / scale  # tensor by tensor: IEEE on CUDA too (scale_of)
+    q = to_e4m3(groups * inv[..., None]).view(m_pad, k_pad)
+    if column_major_scales:
+        scale = scales_tensor(m_pad, k_pad, scale.device, True).copy_(scale)
     return q, scale
 
 

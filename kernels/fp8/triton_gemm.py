@@ -21,11 +21,12 @@ One kernel; a ``GemmPlan`` (kernels/fp8/plan.py) picks its tiles and which of th
   quantizes each ``[tokens, 128]`` group in registers with the quantization kernel's own
   arithmetic (``triton_quant.quantize_groups``): one launch per linear layer instead of
   two, no padded copy. Every program re-quantizes the tokens it reads, once per K block,
-  on the loop's critical path. Measured on the H200 its best plan is 1.2-1.7x slower than
+  on the loop's critical path. Measured on the H200 its best plan was 1.2-1.7x slower than
   the quantization kernel plus the GEMM at M <= 16 (13.7 against 10.9 us on 4096 x 4096
-  at M = 1; before the quantizer stopped dividing zeros, 33.8 against 12.8), so only a tuned
-  plan that measured it faster uses it (none so far), and bench/fp8_tune.py's decode grid
-  leaves it out;
+  at M = 1), and after the quantizer's reciprocal (one multiplication a value) the tuned
+  unfused plans with the quantization fused in are still 1.14-2.2x slower (11.8 against
+  9.9 us there), so only a tuned plan that measured it faster uses it (none so far), and
+  bench/fp8_tune.py's decode grid leaves it out;
 - TMA (``tma``): the e4m3 operands are read through host-built tensor descriptors (Hopper's
   bulk copies, which Triton pipelines with mbarriers) instead of pointer loads.
 
@@ -146,7 +147,7 @@ def _fp8_gemm_kernel(
             xv = x_next
             # Past the last K block the columns are >= k: masked, nothing is read.
             x_next = _raw_token_tile(x_ptr, offs_t, offs_t64, k0 + BLOCK_K + offs_k, m, k, stride_xm, stride_xk, SWAP_AB)
-            xq, x_s = quantize_groups(xv, 0 if SWAP_AB else 1, eps, fp32_max, fp8_max, True)
+            xq, x_s = quantize_groups(xv, 0 if SWAP_AB else 1, eps, fp32_max, fp8_max)
             xq = xq.to(tl.float8e4nv)
         else:
             if USE_TMA:

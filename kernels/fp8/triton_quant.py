@@ -9,13 +9,15 @@ separate ``torch.zeros`` + copy, and the GEMM reads whole tiles without masks.
 
 Bit-exactness with the torch reference:
 
-- divisions are IEEE (``div_rn``): a plain ``/`` compiles to an approximate division on
-  NVIDIA GPUs, which would move a value across a rounding boundary now and then;
-- zeros are not divided: the quotient is the zero itself, and a zero dividend sends the
-  GPU's IEEE division (``div.rn.f32``) down its slow path. Padding rows are all zeros, so
-  at M = 1 that was half the kernel: 3.9 against 2.0 us on the H200 for K = 4096
-  (bench/RESULTS.md, "The quantizer's zero dividends"), and the fused GEMMs paid it in
-  every program. Only tiles that may hold padding test for zeros (``ZEROS``);
+- each group's scale and its reciprocal are IEEE divisions (``div_rn``: a plain ``/``
+  compiles to an approximate division on NVIDIA GPUs, which would move a value across a
+  rounding boundary now and then); the values are then multiplied by the reciprocal, as
+  the reference does. Dividing every value by its scale instead (``div.rn.f32``: a
+  reciprocal, Newton steps and a check, with a slow path that zero dividends took) made
+  616 SASS instructions of a [16, 128] program against 424 now; on the H200 the kernel
+  went from 17.3 to 15.3 us at M = 4096, K = 4096 (a copy of the same bytes: 13.9 us) and
+  from 2.0 to 1.5 us at M = 1 (bench/RESULTS.md, "The quantizer multiplies by the
+  reciprocal"). The two forms differ on about one bf16 activation in 2,000;
 - the value is rounded to the e4m3 grid nearest-even. On the GPU that is the hardware's
   cast (``cvt.rn.satfinite``, two instructions per pair of values). Triton's CPU
   interpreter truncates the mantissa instead, without carrying into the exponent (31.2
@@ -36,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp8.layout import BLOCK, E4M3_MAX, FP32_MAX, FP8_DTYPE, SCALE_EPS, check_activation, padded
+from kernels.fp8.layout import BLOCK, E4M3_MAX, FP32_MAX, FP8_DTYPE, SCALE_EPS, check_activation, padded, scales_tensor
 from kernels.pdl import pdl_launch, pdl_wait
 
 # Programmatic dependent launch (kernels/pdl) for this kernel and kernels/fp8's GEMM, where
@@ -73,22 +75,16 @@ def _round_to_e4m3(y):
 
 
 @triton.jit
-def quantize_groups(x, AXIS: tl.constexpr, eps, fp32_max, fp8_max, ZEROS: tl.constexpr):
+def quantize_groups(x, AXIS: tl.constexpr, eps, fp32_max, fp8_max):
     """A tile of fp32 values (zeros where padding) holding whole groups of 128 along
     ``AXIS`` -> (values rounded to the e4m3 grid, in fp32; one scale per group). The one
-    definition of the arithmetic: this kernel and the GEMM that fuses the quantization
-    (kernels/fp8/triton_gemm.py) both call it, so their bits are the same. ``ZEROS``: the
-    tile may hold padding (masked rows or columns), whose zeros then skip the division
-    (module docstring); without padding that test is three instructions a value for
-    nothing (the skinny GEMM measured 9.7 against 11.3 us on 4096 x 4096 at M = 1)."""
+    definition of the arithmetic: this kernel and the GEMMs that fuse the quantization
+    (kernels/fp8/triton_gemm.py, kernels/gemv, kernels/moe/gemm) all call it, so their
+    bits are the same. Two IEEE divisions per group, one multiplication per value."""
     amax = tl.minimum(tl.maximum(tl.max(tl.abs(x), axis=AXIS), eps), fp32_max)
     scale = tl.math.div_rn(amax, fp8_max)
-    scales = tl.expand_dims(scale, AXIS)
-    if ZEROS:
-        nonzero = x != 0.0
-        y = tl.where(nonzero, tl.math.div_rn(tl.where(nonzero, x, scales), scales), x)
-    else:
-        y = tl.math.div_rn(x, scales)
+    inv = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
+    y = x * tl.expand_dims(inv, AXIS)
     y = tl.minimum(tl.maximum(y, -fp8_max), fp8_max)
     if _HW_ROUND:
         return y.to(tl.float8e4nv).to(tl.float32), scale
@@ -99,9 +95,9 @@ def quantize_groups(x, AXIS: tl.constexpr, eps, fp32_max, fp8_max, ZEROS: tl.con
 def _per_token_group_quant_kernel(
     x_ptr, q_ptr, s_ptr,
     M, K, M_pad,
-    stride_xm, stride_xk, stride_qm, stride_sm,
+    stride_xm, stride_xk, stride_qm, stride_sm, stride_sg,
     eps, fp32_max, fp8_max,
-    BLOCK_ROWS: tl.constexpr, GROUP: tl.constexpr, PADDED: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr, GROUP: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl_wait(PDL)  # kernels/pdl: before any read or write
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
@@ -110,16 +106,10 @@ def _per_token_group_quant_kernel(
     rows64 = rows.to(tl.int64)  # rows * stride overflows int32 on long prefills
     inside = (rows[:, None] < M) & (cols[None, :] < K)
     x = tl.load(x_ptr + rows64[:, None] * stride_xm + cols[None, :] * stride_xk, mask=inside, other=0.0).to(tl.float32)
-    if PADDED:  # some program's tile runs past M or K: that one tests for zeros
-        if ((tl.program_id(0) + 1) * BLOCK_ROWS <= M) & ((group + 1) * GROUP <= K):
-            y, scale = quantize_groups(x, 1, eps, fp32_max, fp8_max, False)
-        else:
-            y, scale = quantize_groups(x, 1, eps, fp32_max, fp8_max, True)
-    else:
-        y, scale = quantize_groups(x, 1, eps, fp32_max, fp8_max, False)
+    y, scale = quantize_groups(x, 1, eps, fp32_max, fp8_max)
     written = rows < M_pad
     tl.store(q_ptr + rows64[:, None] * stride_qm + cols[None, :], y.to(q_ptr.dtype.element_ty), mask=written[:, None])
-    tl.store(s_ptr + rows64 * stride_sm + group, scale, mask=written)
+    tl.store(s_ptr + rows64 * stride_sm + group * stride_sg, scale, mask=written)
 
 
 def fp8_pdl_launch(device: torch.device | str | None, swap_ab: bool) -> dict:
@@ -133,24 +123,29 @@ def fp8_pdl_launch(device: torch.device | str | None, swap_ab: bool) -> dict:
     return pdl_launch(device) if wanted else {"PDL": False}
 
 
-def per_token_group_quant(x: torch.Tensor, *, row_multiple: int = 1, swap_ab: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def per_token_group_quant(
+    x: torch.Tensor, *, row_multiple: int = 1, swap_ab: bool = False, column_major_scales: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``X [M, K]`` -> ``(q [M_pad, K_pad] e4m3, scale [M_pad, K_pad/128] fp32)``: one scale
     per token per group of 128, ``M_pad`` a multiple of ``row_multiple`` (the GEMM's token
     tile), ``K_pad`` of 128. Padding is zeros with the smallest scale. ``swap_ab``: the GEMM
-    it feeds runs the swap-AB plan, so both launch in PDL (``fp8_pdl_launch``)."""
+    it feeds runs the swap-AB plan, so both launch in PDL (``fp8_pdl_launch``).
+    ``column_major_scales``: the scales are a view of a ``[K_pad/128, M_pad]`` tensor, the
+    layout cuBLAS's block-scaled GEMM reads (kernels/fp8/cublas_gemm.py), written so by this
+    launch instead of a transposing copy after it."""
     check_activation(x, row_multiple)
     m, k = x.shape
     m_pad, k_pad = padded(m, row_multiple), padded(k)
     q = torch.empty((m_pad, k_pad), dtype=FP8_DTYPE, device=x.device)
-    s = torch.empty((m_pad, k_pad // BLOCK), dtype=torch.float32, device=x.device)
+    s = scales_tensor(m_pad, k_pad, x.device, column_major_scales)
     if m_pad == 0 or k_pad == 0:
         return q, s
     grid = (triton.cdiv(m_pad, BLOCK_ROWS), k_pad // BLOCK)
     _per_token_group_quant_kernel[grid](
         x, q, s,
         m, k, m_pad,
-        x.stride(0), x.stride(1), q.stride(0), s.stride(0),
+        x.stride(0), x.stride(1), q.stride(0), *s.stride(),
         SCALE_EPS, FP32_MAX, E4M3_MAX,
-        BLOCK_ROWS=BLOCK_ROWS, GROUP=BLOCK, PADDED=m_pad != m or m % BLOCK_ROWS != 0 or k_pad != k, num_warps=4, **fp8_pdl_launch(x.device, swap_ab),
+        BLOCK_ROWS=BLOCK_ROWS, GROUP=BLOCK, num_warps=4, **fp8_pdl_launch(x.device, swap_ab),
     )
     return q, s

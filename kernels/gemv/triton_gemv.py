@@ -91,7 +91,7 @@ def _stream_tile(x_ptr, r_ptr, rm, ks, x_mask, stride_xm, stride_xk, stride_rm, 
 
 
 @triton.jit
-def _fp8_dequantized(x, w, sw, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, q_eps, fp32_max, fp8_max, ZEROS: tl.constexpr):
+def _fp8_dequantized(x, w, sw, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, q_eps, fp32_max, fp8_max):
     """``(x, w)`` of one K step as the block-scaled FP8 GEMM sees them, in fp32: ``x``
     quantized per token and group of 128 with kernels/fp8's own arithmetic
     (``quantize_groups``) and multiplied back by its scales, ``w`` (e4m3) times its
@@ -99,7 +99,7 @@ def _fp8_dequantized(x, w, sw, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, q_e
     values as the reference's ``dequantize_activation`` and ``dequantize_weight``. Only
     the few rows of ``x`` are regrouped; the weight tile keeps its layout."""
     GROUPS: tl.constexpr = BLOCK_K // 128
-    xq, xs = quantize_groups(tl.reshape(x.to(tl.float32), (BLOCK_M * GROUPS, 128)), 1, q_eps, fp32_max, fp8_max, ZEROS)
+    xq, xs = quantize_groups(tl.reshape(x.to(tl.float32), (BLOCK_M * GROUPS, 128)), 1, q_eps, fp32_max, fp8_max)
     x_dq = tl.reshape(xq * xs[:, None], (BLOCK_M, BLOCK_K))
     return x_dq, w.to(tl.float32) * sw[None, :]
 
@@ -111,7 +111,7 @@ def _skinny_kernel(
     stride_xm, stride_xk, stride_wn, stride_wk, stride_om, stride_rm, stride_rk, stride_ws,
     HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, USE_DOT: tl.constexpr,
     W_FP8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
-    PREFETCH: tl.constexpr, EVEN: tl.constexpr, X_PADDED: tl.constexpr,
+    PREFETCH: tl.constexpr, EVEN: tl.constexpr,
 ):
     pid = tl.program_id(0)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -173,7 +173,7 @@ def _skinny_kernel(
         else:
             x = _masked_load(x_rows + ks[None, :] * stride_xk, x_mask, EVEN)
         if W_FP8:
-            x_dq, w_dq = _fp8_dequantized(x, w, sw, BLOCK_M, BLOCK_K, q_eps, fp32_max, fp8_max, X_PADDED)
+            x_dq, w_dq = _fp8_dequantized(x, w, sw, BLOCK_M, BLOCK_K, q_eps, fp32_max, fp8_max)
             acc += tl.sum(x_dq[:, None, :] * w_dq[None, :, :], axis=2)
         elif USE_DOT:
             acc = tl.dot(x.to(w.dtype), tl.trans(w), acc)
@@ -294,8 +294,6 @@ def _launch(
     # 0.970 ms with the masks back, 0.886 with the tiles. The unmasked FP8 form was never
     # measured on its own; bench/RESULTS.md, issue 10.)
     launch["EVEN"] = not fp8 and _even(m, n, k, (block_m, block_n, block_k))
-    # Rows or columns of x past the tile's edge load as zeros: the quantizer then tests for them.
-    launch["X_PADDED"] = fp8 and (m < block_m or k % block_k != 0)
     _skinny_kernel[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else weight, out, r, norm_weight, res_out, scales,
         m, n, k, eps, SCALE_EPS, FP32_MAX, E4M3_MAX, *x.stride(), *weight.stride(), out.stride(0), *r.stride(), scales.stride(0),

@@ -91,6 +91,34 @@ def test_quant_kernel_is_bit_exact_and_pads_to_the_plans_tile(m, swap_ab):
     assert (s > 0).all() and torch.isfinite(s).all()
 
 
+@pytest.mark.parametrize("m", [1, 17])
+def test_quant_kernel_writes_column_major_scales_for_cublas(m):
+    """cuBLAS's block-scaled GEMM reads the scales outer-dim-major: the kernel writes them
+    so (a [K_pad/128, M_pad] tensor, transposed), the same values as row-major."""
+    x = rand(m, K, seed=40 + m)
+    q, s = triton_quant.per_token_group_quant(x, row_multiple=4, column_major_scales=True)
+    q_ref, s_ref = ref.per_token_group_quant(x, row_multiple=4, column_major_scales=True)
+    m_pad = q.shape[0]
+    assert s.shape == (m_pad, 3) and s.stride() == (1, m_pad) and s_ref.stride() == (1, m_pad)
+    assert same_bits(q, q_ref) and torch.equal(s, s_ref)
+    assert torch.equal(s, ref.per_token_group_quant(x, row_multiple=4)[1])
+
+
+def test_quant_multiplies_by_the_reciprocal_of_the_scale():
+    """The reference's arithmetic, pinned: each value times the IEEE reciprocal of its group's
+    scale (the kernel's, which must match it to the bit), not divided by the scale. On bf16
+    activations the two differ on about one value in 2,000 (a quotient within an ulp of an
+    e4m3 tie); this input has such values."""
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(64, 4 * BLOCK, generator=g) * 3).to(torch.bfloat16)
+    q, s = ref.per_token_group_quant(x)
+    groups = x.float().view(64, 4, BLOCK)
+    by_reciprocal = (groups * (torch.ones_like(s) / s)[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(FP8_DTYPE)
+    by_division = (groups / s[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(FP8_DTYPE)
+    assert same_bits(q, by_reciprocal.view(64, 4 * BLOCK))
+    assert not same_bits(q, by_division.view(64, 4 * BLOCK))
+
+
 def rounding_cases(device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
     """``(x, vals)``: every finite e4m3 value, every tie between two, tiny and saturating
     values and signed zeros, laid out as groups whose first column is 448 (so each

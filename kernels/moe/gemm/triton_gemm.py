@@ -128,8 +128,7 @@ def _grouped_gemm_kernel(
             kb = k0 // BLOCK_K
             if A_RAW:  # unquantized rows of a_k columns: quantized here, one group per step
                 a_raw = tl.load(a_ptrs, mask=row_ok[:, None] & (offs_k < a_k - k0)[None, :], other=0.0).to(tl.float32)
-                # ZEROS: a masked-mode slot's unused rows load as zeros
-                a_grid, a_s = quantize_groups(a_raw, 1, eps, fp32_max, fp8_max, True)
+                a_grid, a_s = quantize_groups(a_raw, 1, eps, fp32_max, fp8_max)
                 a = a_grid.to(tl.float8e4nv)  # exact: the values are on e4m3's grid
             else:
                 a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
