@@ -87,6 +87,8 @@ _PREFILL_BLOCK_N = 64
 _PREFILL_NUM_WARPS = 4
 _PREFILL_NUM_WARPS_WIDE = 8
 _PREFILL_NUM_STAGES = 3
+# The tiles below the causal diagonal fold in without masks (``_fold_tile``'s ``WHOLE``).
+_PREFILL_WHOLE_TILES = True
 # SM count assumed off CUDA (the interpreter), so the split heuristic stays exercised.
 _CPU_SM_COUNT = 4
 
@@ -183,11 +185,16 @@ def _rotary_store_kv_kernel(
 
 
 @triton.jit
-def _tile_rows(table_row_ptr, stride_bt_n, tile_start, key_end, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+def _tile_rows(table_row_ptr, stride_bt_n, tile_start, key_end, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+               WHOLE: tl.constexpr):
     """Keys ``[tile_start, tile_start + BLOCK_N)``: their positions, and for those below
-    ``key_end`` their cache block (from the block table) and row inside it."""
+    ``key_end`` their cache block (from the block table) and row inside it. ``WHOLE``: the
+    caller knows every key of the tile is below ``key_end`` (no mask)."""
     pos = tile_start + tl.arange(0, BLOCK_N)
-    block = tl.load(table_row_ptr + (pos // BLOCK_SIZE) * stride_bt_n, mask=pos < key_end, other=0)
+    if WHOLE:
+        block = tl.load(table_row_ptr + (pos // BLOCK_SIZE) * stride_bt_n)
+    else:
+        block = tl.load(table_row_ptr + (pos // BLOCK_SIZE) * stride_bt_n, mask=pos < key_end, other=0)
     block = block.to(tl.int64)  # block * block stride overflows int32 on large caches
     return pos, block, pos % BLOCK_SIZE
 
@@ -197,42 +204,51 @@ def _gather_kv(
     k_cache_ptr, v_cache_ptr, block, row, rows_valid, kv_head,
     stride_kb, stride_kt, stride_kh, stride_kd,
     stride_vb, stride_vt, stride_vh, stride_vd,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, WHOLE: tl.constexpr,
 ):
-    """The K and V rows of ``kv_head`` at cache ``(block, row)`` where ``rows_valid``, zeros elsewhere."""
+    """The K and V rows of ``kv_head`` at cache ``(block, row)`` where ``rows_valid``, zeros
+    elsewhere. ``WHOLE``: every row is valid (and, with the head as wide as its tile,
+    nothing is masked)."""
     d = tl.arange(0, BLOCK_D)
+    k_ptrs = k_cache_ptr + block[:, None] * stride_kb + row[:, None] * stride_kt + kv_head * stride_kh + d[None, :] * stride_kd
+    v_ptrs = v_cache_ptr + block[:, None] * stride_vb + row[:, None] * stride_vt + kv_head * stride_vh + d[None, :] * stride_vd
+    if WHOLE and BLOCK_D == HEAD_DIM:
+        return tl.load(k_ptrs), tl.load(v_ptrs)
     kv_mask = rows_valid[:, None] & (d[None, :] < HEAD_DIM)
-    k = tl.load(k_cache_ptr + block[:, None] * stride_kb + row[:, None] * stride_kt
-                + kv_head * stride_kh + d[None, :] * stride_kd, mask=kv_mask, other=0.0)
-    v = tl.load(v_cache_ptr + block[:, None] * stride_vb + row[:, None] * stride_vt
-                + kv_head * stride_vh + d[None, :] * stride_vd, mask=kv_mask, other=0.0)
-    return k, v
+    return tl.load(k_ptrs, mask=kv_mask, other=0.0), tl.load(v_ptrs, mask=kv_mask, other=0.0)
 
 
 @triton.jit
 def _fold_tile(
     q, m_i, l_i, acc, pos, k, v, key_end, q_pos, qk_scale,
-    CAUSAL: tl.constexpr, NATIVE_DOT: tl.constexpr,
+    CAUSAL: tl.constexpr, NATIVE_DOT: tl.constexpr, WHOLE: tl.constexpr,
 ):
     """One online-softmax step: fold the loaded keys at ``pos`` below ``key_end`` into the
     running max ``m_i``, denominator ``l_i`` and output ``acc`` of every query row. With
-    ``CAUSAL``, row ``r`` only sees keys at positions ``<= q_pos[r]``."""
-    key_valid = pos < key_end
+    ``CAUSAL``, row ``r`` only sees keys at positions ``<= q_pos[r]``. ``WHOLE`` (not with
+    ``CAUSAL``): every key is below ``key_end``, so nothing is masked and the scale folds
+    into the exponent's argument (one FMA a score instead of a multiply, two compares and a
+    select before it)."""
     if NATIVE_DOT:
         s = tl.dot(q, tl.trans(k))
     else:
         s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
-    s = s * qk_scale
-    if CAUSAL:
-        visible = key_valid[None, :] & (pos[None, :] <= q_pos[:, None])
-    else:
-        visible = key_valid[None, :]
-    s = tl.where(visible, s, float("-inf"))
     # Callers guarantee every row sees at least one key of the first tile it folds in, so
     # m_new is finite and exp2(-inf - m_new) = 0 handles both masked keys and the first step.
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    if WHOLE:
+        m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)  # qk_scale > 0: the same max
+        p = tl.exp2(s * qk_scale - m_new[:, None])
+    else:
+        key_valid = pos < key_end
+        s = s * qk_scale
+        if CAUSAL:
+            visible = key_valid[None, :] & (pos[None, :] <= q_pos[:, None])
+        else:
+            visible = key_valid[None, :]
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        p = tl.exp2(s - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
     if NATIVE_DOT:
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
@@ -249,16 +265,17 @@ def _attend_tile(
     stride_kb, stride_kt, stride_kh, stride_kd,
     stride_vb, stride_vt, stride_vh, stride_vd,
     HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, NATIVE_DOT: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, WHOLE: tl.constexpr,
 ):
     """``_tile_rows``, ``_gather_kv``, ``_fold_tile``: keys ``[tile_start, tile_start + BLOCK_N) ∩ [0,
-    key_end)`` folded into every query row's running softmax."""
-    pos, block, row = _tile_rows(table_row_ptr, stride_bt_n, tile_start, key_end, BLOCK_N, BLOCK_SIZE)
+    key_end)`` folded into every query row's running softmax (``WHOLE``: the tile lies
+    below ``key_end`` and is not causal-masked)."""
+    pos, block, row = _tile_rows(table_row_ptr, stride_bt_n, tile_start, key_end, BLOCK_N, BLOCK_SIZE, WHOLE)
     k, v = _gather_kv(
         k_cache_ptr, v_cache_ptr, block, row, pos < key_end, kv_head,
-        stride_kb, stride_kt, stride_kh, stride_kd, stride_vb, stride_vt, stride_vh, stride_vd, HEAD_DIM, BLOCK_D,
+        stride_kb, stride_kt, stride_kh, stride_kd, stride_vb, stride_vt, stride_vh, stride_vd, HEAD_DIM, BLOCK_D, WHOLE,
     )
-    return _fold_tile(q, m_i, l_i, acc, pos, k, v, key_end, q_pos, qk_scale, CAUSAL, NATIVE_DOT)
+    return _fold_tile(q, m_i, l_i, acc, pos, k, v, key_end, q_pos, qk_scale, CAUSAL, NATIVE_DOT, WHOLE)
 
 
 @triton.jit
@@ -298,10 +315,10 @@ def _decode_kernel(
     last = seq_len - 1  # the new token's position
     table_row_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt_b
     if PREFETCH_KV:
-        pos, block, row = _tile_rows(table_row_ptr, stride_bt_n, start, end, BLOCK_N, BLOCK_SIZE)
+        pos, block, row = _tile_rows(table_row_ptr, stride_bt_n, start, end, BLOCK_N, BLOCK_SIZE, False)
         k, v = _gather_kv(
             k_cache_ptr, v_cache_ptr, block, row, (pos < end) & (pos != last), kv_head,
-            stride_kb, stride_kt, stride_kh, stride_kd, stride_vb, stride_vt, stride_vh, stride_vd, HEAD_DIM, BLOCK_D,
+            stride_kb, stride_kt, stride_kh, stride_kd, stride_vb, stride_vt, stride_vh, stride_vd, HEAD_DIM, BLOCK_D, False,
         )
 
     g = tl.arange(0, BLOCK_G)
@@ -351,18 +368,18 @@ def _decode_kernel(
             if last < start + BLOCK_N:  # the first tile holds the new token: its row, stored now
                 k_new, v_new = _gather_kv(
                     k_cache_ptr, v_cache_ptr, block, row, pos == last, kv_head,
-                    stride_kb, stride_kt, stride_kh, stride_kd, stride_vb, stride_vt, stride_vh, stride_vd, HEAD_DIM, BLOCK_D,
+                    stride_kb, stride_kt, stride_kh, stride_kd, stride_vb, stride_vt, stride_vh, stride_vd, HEAD_DIM, BLOCK_D, False,
                 )
                 k = tl.where((pos == last)[:, None], k_new, k)
                 v = tl.where((pos == last)[:, None], v_new, v)
-            m_i, l_i, acc = _fold_tile(q, m_i, l_i, acc, pos, k, v, end, g, qk_scale, False, NATIVE_DOT)
+            m_i, l_i, acc = _fold_tile(q, m_i, l_i, acc, pos, k, v, end, g, qk_scale, False, NATIVE_DOT, False)
         loop_start = start + BLOCK_N
     for tile_start in range(loop_start, end, BLOCK_N):
         m_i, l_i, acc = _attend_tile(
             q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row_ptr, stride_bt_n, kv_head,
             tile_start, end, g, qk_scale,
             stride_kb, stride_kt, stride_kh, stride_kd, stride_vb, stride_vt, stride_vh, stride_vd,
-            HEAD_DIM, False, NATIVE_DOT, BLOCK_N, BLOCK_D, BLOCK_SIZE,
+            HEAD_DIM, False, NATIVE_DOT, BLOCK_N, BLOCK_D, BLOCK_SIZE, False,
         )
 
     # An empty range (seq_len 0, or a split past the end) leaves l_i = 0: output zeros.
@@ -433,7 +450,7 @@ def _prefill_kernel(
     stride_ot, stride_oh, stride_od,
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, NATIVE_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, WHOLE_TILES: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -471,7 +488,7 @@ def _prefill_kernel(
                 q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row_ptr, stride_bt_n, kv_head,
                 tile_start, causal_end, q_pos, qk_scale,
                 stride_kb, stride_kt, stride_kh, stride_kd, stride_vb, stride_vt, stride_vh,
-                stride_vd, HEAD_DIM, False, NATIVE_DOT, BLOCK_N, BLOCK_D, BLOCK_SIZE,
+                stride_vd, HEAD_DIM, False, NATIVE_DOT, BLOCK_N, BLOCK_D, BLOCK_SIZE, WHOLE_TILES,
             )
         # Padding rows (past q_len) have q_pos beyond causal_end; key 0 keeps them finite.
         for tile_start in range(unmasked_end, causal_end, BLOCK_N):
@@ -479,7 +496,7 @@ def _prefill_kernel(
                 q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row_ptr, stride_bt_n, kv_head,
                 tile_start, causal_end, q_pos, qk_scale,
                 stride_kb, stride_kt, stride_kh, stride_kd, stride_vb, stride_vt, stride_vh,
-                stride_vd, HEAD_DIM, True, NATIVE_DOT, BLOCK_N, BLOCK_D, BLOCK_SIZE,
+                stride_vd, HEAD_DIM, True, NATIVE_DOT, BLOCK_N, BLOCK_D, BLOCK_SIZE, False,
             )
         o = acc / l_i[:, None]
         tl.store(out_ptr + t64[:, None] * stride_ot + head[:, None] * stride_oh
@@ -724,7 +741,7 @@ def paged_prefill_attention(
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(), *out.stride(),
         HEAD_DIM=head_dim, GROUP=group, NATIVE_DOT=_native_dot(q, k_cache),
         BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=_PREFILL_BLOCK_N, BLOCK_D=block_d,
-        BLOCK_SIZE=k_cache.shape[1],
+        BLOCK_SIZE=k_cache.shape[1], WHOLE_TILES=_PREFILL_WHOLE_TILES,
         num_warps=_PREFILL_NUM_WARPS if block_d <= 64 else _PREFILL_NUM_WARPS_WIDE,
         num_stages=_PREFILL_NUM_STAGES,
     )
