@@ -87,8 +87,6 @@ _PREFILL_BLOCK_N = 64
 _PREFILL_NUM_WARPS = 4
 _PREFILL_NUM_WARPS_WIDE = 8
 _PREFILL_NUM_STAGES = 3
-# The tiles below the causal diagonal fold in without masks (``_fold_tile``'s ``WHOLE``).
-_PREFILL_WHOLE_TILES = True
 # SM count assumed off CUDA (the interpreter), so the split heuristic stays exercised.
 _CPU_SM_COUNT = 4
 
@@ -450,7 +448,7 @@ def _prefill_kernel(
     stride_ot, stride_oh, stride_od,
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, NATIVE_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, WHOLE_TILES: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -480,7 +478,8 @@ def _prefill_kernel(
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         table_row_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt_b
-        # Keys [0, prefix + first] are visible to every row: no causal mask needed there.
+        # Keys [0, prefix + first] are visible to every row: no causal mask needed there,
+        # and every tile below it is whole, folded without masks (``_fold_tile``'s WHOLE).
         unmasked_end = (prefix + first + 1) // BLOCK_N * BLOCK_N
         causal_end = prefix + tl.minimum(first + BLOCK_Q, q_len)  # past the tile's last query
         for tile_start in range(0, unmasked_end, BLOCK_N):
@@ -488,7 +487,7 @@ def _prefill_kernel(
                 q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row_ptr, stride_bt_n, kv_head,
                 tile_start, causal_end, q_pos, qk_scale,
                 stride_kb, stride_kt, stride_kh, stride_kd, stride_vb, stride_vt, stride_vh,
-                stride_vd, HEAD_DIM, False, NATIVE_DOT, BLOCK_N, BLOCK_D, BLOCK_SIZE, WHOLE_TILES,
+                stride_vd, HEAD_DIM, False, NATIVE_DOT, BLOCK_N, BLOCK_D, BLOCK_SIZE, True,
             )
         # Padding rows (past q_len) have q_pos beyond causal_end; key 0 keeps them finite.
         for tile_start in range(unmasked_end, causal_end, BLOCK_N):
@@ -741,7 +740,7 @@ def paged_prefill_attention(
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(), *out.stride(),
         HEAD_DIM=head_dim, GROUP=group, NATIVE_DOT=_native_dot(q, k_cache),
         BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=_PREFILL_BLOCK_N, BLOCK_D=block_d,
-        BLOCK_SIZE=k_cache.shape[1], WHOLE_TILES=_PREFILL_WHOLE_TILES,
+        BLOCK_SIZE=k_cache.shape[1],
         num_warps=_PREFILL_NUM_WARPS if block_d <= 64 else _PREFILL_NUM_WARPS_WIDE,
         num_stages=_PREFILL_NUM_STAGES,
     )

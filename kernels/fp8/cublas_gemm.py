@@ -19,8 +19,9 @@ reference; it never probes inside a CUDA-graph capture.
 
 Layouts: the activation quantizer's output ``[M_pad, K_pad]`` (rows padded to 4) and its
 scales outer-dim-major (a ``[M_pad, K_pad/128]`` view of a ``[K_pad/128, M_pad]`` tensor,
-which the quantizer writes directly: cuBLAS reads them per K block); the weight ``[N_pad, K_pad]`` as the column-major right operand
-(its transpose, a view) and its scales ``[N_pad/128, K_pad/128]`` transposed (a view).
+which the quantizer writes directly: cuBLAS reads them per K block); the weight
+``[N_pad, K_pad]`` as the column-major right operand (its transpose, a view) and its
+scales ``[N_pad/128, K_pad/128]`` transposed (a view).
 """
 
 from __future__ import annotations
