@@ -25,6 +25,9 @@ The contract every kernel here follows, which makes the overlap safe:
   keys and values earlier steps cached, before its wait; its caller guarantees the launch
   right before it (the qkv projection, or the KV store) writes none of them except the new
   token's K and V, which it reads after;
+- a prefetch into L2 (kernels/fp8's GEMM asks for its weight rows' first lines) is not a
+  read: nothing comes back to the program, and L2 is where every SM's writes meet, so it
+  may come before the wait whoever wrote the bytes;
 - every program calls ``pdl_wait`` (``gdc_wait``, then ``gdc_launch_dependents``) before
   any other read and before any write. So kernel N+1 can run its prologue while kernel N
   computes, but nothing of N+1 that depends on N, and nothing that N or N-1 could still

@@ -32,28 +32,33 @@ PLANS = {
     "swap fused split-K": GemmPlan(True, 16, 64, 4, 5, split_k=4, fuse_quant=True),
     "swap 32-row split-K": GemmPlan(True, 16, 32, 4, 5, split_k=8),
     "normal tma": GemmPlan(False, 128, 128, 8, 3, tma=True),
+    "swap tma split-K pdl": GemmPlan(True, 16, 64, 4, 5, split_k=4, tma=True),
 }
-DIV16 = ("x_ptr", "xs_ptr", "w_ptr", "ws_ptr", "y_ptr", "part_ptr", "count_ptr", "k", "K_BLOCKS", "W_ROWS",
+PDL_PLANS = ("swap tma split-K pdl",)
+DIV16 = ("x_ptr", "xs_ptr", "w_ptr", "w_bytes_ptr", "ws_ptr", "y_ptr", "part_ptr", "count_ptr", "k", "K_BLOCKS", "W_ROWS",
          "stride_xm", "stride_xs", "stride_w", "stride_ws", "stride_ym")
 
 
 def stats(kernel) -> dict:
     ptx = kernel.asm["ptx"]
     count = lambda pattern: len(re.findall(pattern, ptx))  # noqa: E731
+    first = lambda pattern: (found.start() if (found := re.search(pattern, ptx)) else -1)  # noqa: E731
     return {"wgmma": count(r"wgmma\.mma_async"), "mma_sync": count(r"mma\.sync"), "tma": count(r"cp\.async\.bulk\.tensor"),
-            "cp_async": count(r"cp\.async\.c[ag]"), "atomics": count(r"atom\."), "div_rn": count(r"div\.rn\.f32")}
+            "cp_async": count(r"cp\.async\.c[ag]"), "atomics": count(r"atom\."), "div_rn": count(r"div\.rn\.f32"),
+            "l2_prefetch": count(r"prefetch\.global\.L2"), "first_l2_prefetch": first(r"prefetch\.global\.L2"),
+            "first_pdl_wait": first(r"griddepcontrol\.wait"), "first_tma": first(r"cp\.async\.bulk\.tensor")}
 
 
-def gemm(plan: GemmPlan) -> dict:
+def gemm(plan: GemmPlan, pdl: bool = False) -> dict:
     fn = _fp8_gemm_kernel
     sig = dict.fromkeys(fn.arg_names, "i32")
     x_type = "bf16" if plan.fuse_quant else "fp8e4nv"
-    sig.update(x_ptr=f"*{x_type}", w_ptr="*fp8e4nv", xs_ptr="*fp32", ws_ptr="*fp32", y_ptr="*bf16",
+    sig.update(x_ptr=f"*{x_type}", w_ptr="*fp8e4nv", w_bytes_ptr="*fp8e4nv", xs_ptr="*fp32", ws_ptr="*fp32", y_ptr="*bf16",
                part_ptr="*fp32", count_ptr="*i32", eps="fp32", fp32_max="fp32", fp8_max="fp32")
     if plan.tma:
         sig.update(x_ptr=f"tensordesc<fp8e4nv[{plan.token_tile}, 128]>", w_ptr=f"tensordesc<fp8e4nv[{plan.weight_tile}, 128]>")
     consts = dict(SWAP_AB=plan.swap_ab, X_RAW=plan.fuse_quant, USE_TMA=plan.tma, SPLIT_K=plan.split_k,
-                  BLOCK_T=plan.token_tile, BLOCK_W=plan.weight_tile, GROUP=plan.group, PDL=False)
+                  BLOCK_T=plan.token_tile, BLOCK_W=plan.weight_tile, GROUP=plan.group, PDL=pdl)
     sig.update(dict.fromkeys(consts, "constexpr"))
     attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in DIV16 if not (plan.tma and a in ("x_ptr", "w_ptr"))}
     kernel = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=TARGET,
@@ -101,7 +106,7 @@ def grouped(masked: bool, fuse: bool, block_m: int, a_raw: bool) -> dict:
 
 
 def main() -> None:
-    out = {name: gemm(plan) for name, plan in PLANS.items()}
+    out = {name: gemm(plan, pdl=name in PDL_PLANS) for name, plan in PLANS.items()}
     out["quant"] = quant()
     out.update({name: grouped(*args) for name, args in GROUPED.items()})
     print(json.dumps(out))

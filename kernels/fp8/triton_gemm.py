@@ -32,10 +32,20 @@ One kernel; a ``GemmPlan`` (kernels/fp8/plan.py) picks its tiles and which of th
 
 With the swap-AB plan (small M) the GEMM and the quantization kernel before it take part in
 programmatic dependent launch (kernels/pdl: every program waits for the previous kernel
-before it reads or writes anything; no early reads), as the bf16 decode path's kernels do.
-Measured in decode, it buys 5-8% where swap-AB runs and costs the normal plan 3%
+before it reads or writes anything), as the bf16 decode path's kernels do. Measured in
+decode, it buys 5-8% where swap-AB runs and costs the normal plan 3%
 (``triton_quant.fp8_pdl_launch``; ``TIDEPOOL_PDL_FP8`` forces it on or off;
-``bash bench/gpu_session.sh fp8_pdl`` measures it).
+``bash bench/gpu_session.sh fp8_pdl`` measures it). Under PDL the GEMM's programs start
+while the quantization kernel before it runs, so before the wait each one asks L2 for the
+first 128-byte line of each of its weight rows (``_prefetch_weight``): the K loop's first
+loads then find them there. Measured on the H200 (bench/RESULTS.md, issue 13) it makes
+the swap-AB GEMM 1.02-1.11x faster, most on the smallest weights (4096 x 4096: 9.8 ->
+8.8 us at M = 1). Prefetching more is worse: two or four lines a row gain less, and one
+bulk prefetch of the whole share a row (``cp.async.bulk.prefetch.L2``) made it up to 1.6x
+slower (where the resident programs' shares exceed L2 the bytes are read twice). A
+prefetch into L2 is never a read a program sees: L2 is where every SM's writes meet, and
+the loads that use the bytes still come after the wait, so this holds whoever wrote the
+weight and when.
 
 The K loop steps by 128, the block edge, so each step's scales are one value per row of
 each operand: the MMA's fp32 partial sum of one block is scaled and added to an fp32
@@ -75,16 +85,28 @@ def _raw_token_tile(x_ptr, offs_t, offs_t64, cols, m, k, stride_xm, stride_xk, S
     return xv.to(tl.float32)
 
 
+@triton.jit
+def _prefetch_weight(w_bytes_ptr, offs_w64, stride_w, kb_lo, kb_hi):
+    """Ask L2 for the first 128-byte line of each of this program's weight rows in its share
+    of K (``prefetch.global.L2``, one a row; nothing comes back to the program). Its loads
+    after the PDL wait then start on lines already in L2 or on their way there."""
+    if kb_hi > kb_lo:
+        rows = w_bytes_ptr + offs_w64 * stride_w + kb_lo * 128
+        tl.inline_asm_elementwise(
+            "prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [rows], dtype=tl.int32, is_pure=False, pack=1,
+        )
+
+
 @triton.jit(do_not_specialize=["m", "n", "T_ROWS"])
 def _fp8_gemm_kernel(
     x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, count_ptr,
     m, n, k, K_BLOCKS, T_ROWS, W_ROWS,
     stride_xm, stride_xk, stride_xs, stride_w, stride_ws, stride_ym, stride_yn,
     eps, fp32_max, fp8_max,
+    w_bytes_ptr,
     SWAP_AB: tl.constexpr, X_RAW: tl.constexpr, USE_TMA: tl.constexpr, SPLIT_K: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr, GROUP: tl.constexpr, PDL: tl.constexpr,
 ):
-    pdl_wait(PDL)  # kernels/pdl: before any read or write (triton_quant.fp8_pdl_launch: swap-AB)
     BLOCK_K: tl.constexpr = 128
     tiles_t = tl.cdiv(T_ROWS, BLOCK_T)
     tiles_w = W_ROWS // BLOCK_W
@@ -122,6 +144,9 @@ def _fp8_gemm_kernel(
     kb_lo = pid_k * per_split
     kb_hi = tl.minimum(kb_lo + per_split, K_BLOCKS)
 
+    if PDL:
+        _prefetch_weight(w_bytes_ptr, offs_w64, stride_w, kb_lo, kb_hi)
+    pdl_wait(PDL)  # kernels/pdl: before any read or write (triton_quant.fp8_pdl_launch: swap-AB)
     if SWAP_AB:
         acc = tl.zeros((BLOCK_W, BLOCK_T), dtype=tl.float32)
     else:
@@ -215,7 +240,7 @@ def _launch(
         x_arg, scales, w_arg, w_s, y, part, counts,
         m, n, k, k_pad // BLOCK, t_rows, n_pad,
         x.stride(0), x.stride(1), scales.stride(0), w_q.stride(0), w_s.stride(0), y.stride(0), y.stride(1),
-        SCALE_EPS, FP32_MAX, E4M3_MAX,
+        SCALE_EPS, FP32_MAX, E4M3_MAX, w_q,
         SWAP_AB=plan.swap_ab, X_RAW=x_s is None, USE_TMA=plan.tma, SPLIT_K=plan.split_k,
         BLOCK_T=plan.token_tile, BLOCK_W=plan.weight_tile, GROUP=plan.group,
         num_warps=plan.num_warps, num_stages=plan.num_stages, **fp8_pdl_launch(device, plan.swap_ab),

@@ -6,7 +6,8 @@ ptxas Triton bundles (tests/fp8_sm90_compile.py, in a process of its own: the
 interpreter's ``triton.jit`` cannot be compiled): the GEMM with the quantization fused
 and split-K, with 32-row tiles, with TMA descriptors, and the quantization kernel. And
 that what Hopper needs is in the PTX: warpgroup MMAs (``wgmma``) for 64-row tiles, TMA
-bulk copies where asked, the split-K counter atomics, IEEE divisions in the quantization.
+bulk copies where asked, the split-K counter atomics, IEEE divisions in the quantization,
+and under programmatic dependent launch the weight's L2 prefetch before the wait.
 Skips where this Triton has no NVIDIA backend.
 """
 
@@ -30,6 +31,12 @@ def test_fp8_kernels_compile_for_sm90():
     assert fused["wgmma"] > 0 and fused["atomics"] > 0 and fused["div_rn"] > 0 and fused["cp_async"] > 0  # weights pipelined
     assert narrow["mma_sync"] > 0 and narrow["wgmma"] == 0  # 32 rows: below a warpgroup's 64
     assert tma["tma"] > 0 and tma["wgmma"] > 0 and tma["atomics"] == 0
+    assert fused["l2_prefetch"] == narrow["l2_prefetch"] == tma["l2_prefetch"] == 0  # no PDL, no prefetch
+    # Under PDL the swap-AB GEMM asks L2 for its weight share before its wait, and loads
+    # nothing before it.
+    pdl = got["swap tma split-K pdl"]
+    assert pdl["l2_prefetch"] > 0 and pdl["tma"] > 0 and pdl["wgmma"] > 0
+    assert 0 <= pdl["first_l2_prefetch"] < pdl["first_pdl_wait"] < pdl["first_tma"]
     assert quant["div_rn"] > 0
     # The MoE grouped GEMM's FP8 mode (FP8 experts): warpgroup MMAs on e4m3 with its loads
     # pipelined for 64- and 128-row tiles, mma.sync for the masked layout's 16-row decode tiles.
