@@ -23,6 +23,16 @@ FP8's output is checked against bf16's before timing (relative error < 0.15: e4m
 both operands of two GEMMs). Reported per row: ms per candidate and the ratios
 ``fp8 speedup vs ours bf16`` and ``vs torch._grouped_mm`` (> 1: FP8 is faster).
 
+Timing (``--timing``). ``graphs``, the default on CUDA: each candidate is captured in a
+CUDA graph and replayed (bench/gpu_timing.py), as the engine's decode graphs run the
+experts, over ``ROUTINGS`` inputs routed differently, used in turn, so that one call's
+experts are not still in L2 for the next. ``eager``: one call between two CUDA events,
+the Python launches included; at decode sizes that measures the host (FP8 runs twice
+the launches of bf16: a quantization before each GEMM), which is how the H100 and H200
+rounds up to 2026-11-29 were measured. A candidate that cannot be captured (the
+``grouped_mm`` executor reads group sizes on the host) is timed eagerly, and the row's
+``eager`` field names it.
+
 GPU (H100): ``python -m bench.moe_fp8_bench --out bench/results/moe_fp8_h100.json
 --markdown bench/results/moe_fp8_h100.md`` (about 3 minutes, Triton compilation included).
 CPU check of the script (toy shapes, torch reference kernels): ``python -m bench.moe_fp8_bench --toy``.
@@ -41,6 +51,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import table  # noqa: E402
+from bench.gpu_timing import graph_ms  # noqa: E402
 from bench.moe_bench import Layer, common_args, grid, head_commit, rel_err, report, timer  # noqa: E402
 from kernels.select import ops_for  # noqa: E402
 from libs.model.fp8 import Fp8Experts  # noqa: E402
@@ -52,6 +63,7 @@ TOY_TOKENS = [1, 8, 64]
 GEMM = ("ours fp8", "ours bf16", "torch._grouped_mm")
 LAYER = ("auto fp8", "auto bf16", "grouped_mm executor")
 MAX_FP8_ERR = 0.15
+ROUTINGS = 4  # differently routed inputs per token count, used in turn under --timing graphs
 
 
 def gemm_candidates(
@@ -96,7 +108,21 @@ def _check(name: str, got: torch.Tensor, ref: torch.Tensor, where: str) -> None:
         raise AssertionError(f"{name} differs from bf16 by {err:.3g} ({where})")
 
 
-def run(shapes: dict[str, LayerShape], tokens: list[int], device: torch.device, time_ms) -> list[dict]:
+def calls_timer(device: torch.device, timing: str, reps: int, warmup: int) -> Callable[[list[Callable[[], object]], bool], tuple[float, bool]]:
+    """``(ms per call, timed eagerly)`` of a list of calls (one per routed input):
+    replayed from a CUDA graph with ``timing == "graphs"`` where ``capturable``, else the
+    first call alone, eagerly (``timer``)."""
+    eager = timer(device, reps, warmup)
+
+    def time_calls(calls: list[Callable[[], object]], capturable: bool) -> tuple[float, bool]:
+        if timing == "graphs" and device.type == "cuda" and capturable:
+            return graph_ms(calls, min_calls=max(24, len(calls)), reps=reps), False
+        return eager(calls[0]), True
+
+    return time_calls
+
+
+def run(shapes: dict[str, LayerShape], tokens: list[int], device: torch.device, time_calls, routings: int) -> list[dict]:
     results = []
     for name, shape in shapes.items():
         layer = Layer(shape, device)
@@ -104,22 +130,36 @@ def run(shapes: dict[str, LayerShape], tokens: list[int], device: torch.device, 
         grouped_mm = select_executor("grouped_mm", device, torch.bfloat16, shape).executor.name == "grouped_mm"
         executors = layer_candidates(layer)
         for t in tokens:
-            x, r = layer.inputs(t, "topk")
+            inputs = [layer.inputs(t, "topk", seed=1 + 1000 * i) for i in range(routings)]
+            x, r = inputs[0]
             where = f"{name}, T={t}"
             flops = 6 * t * shape.top_k * shape.hidden * shape.intermediate
-            gemms, used = gemm_candidates(layer, q13, q2, x, r.ids, grouped_mm)
+            per_input = [gemm_candidates(layer, q13, q2, xi, ri.ids, grouped_mm) for xi, ri in inputs]
+            gemms, used = per_input[0]
             _check("fp8 GEMMs", gemms["ours fp8"]()[used], gemms["ours bf16"]()[used], where)
-            row = {"shape": name, "tokens": t, "flops": flops, "part": "gemm"}
-            row.update({c: None if fn is None else time_ms(fn) for c, fn in gemms.items()})
+            row = {"shape": name, "tokens": t, "flops": flops, "part": "gemm", "eager": []}
+            for c, fn in gemms.items():
+                if fn is None:
+                    row[c] = None
+                    continue
+                row[c], eagerly = time_calls([g[c] for g, _ in per_input], True)
+                row["eager"] += [c] if eagerly else []
             results.append(row)
             print(json.dumps(row), flush=True)
             weights = {"auto fp8": (q13, q2)}
             ref = executors["auto bf16"](x, r, layer.w13, layer.w2)
             _check("fp8 experts", executors["auto fp8"](x, r, q13, q2), ref, where)
-            row = {"shape": name, "tokens": t, "flops": flops, "part": "layer", "fp8 took": executors["auto fp8"].for_tokens(t).name}
+            row = {"shape": name, "tokens": t, "flops": flops, "part": "layer", "eager": [],
+                   "fp8 took": executors["auto fp8"].for_tokens(t).name,
+                   "fp8 took in a graph": executors["auto fp8"].for_tokens(t, capturing=True).name}
             for c, executor in executors.items():
                 w13, w2 = weights.get(c, (layer.w13, layer.w2))
-                row[c] = None if executor is None else time_ms(lambda: executor(x, r, w13, w2))
+                if executor is None:
+                    row[c] = None
+                    continue
+                calls = [lambda xi=xi, ri=ri, e=executor: e(xi, ri, w13, w2) for xi, ri in inputs]
+                row[c], eagerly = time_calls(calls, executor.graph_safe)
+                row["eager"] += [c] if eagerly else []
             results.append(row)
             print(json.dumps(row), flush=True)
             if device.type == "cuda":
@@ -133,18 +173,23 @@ def markdown(results: list[dict]) -> str:
         fp8, ours, peer = (GEMM if r["part"] == "gemm" else LAYER)
         ms = lambda n: "n/a" if r.get(n) is None else f"{r[n]:.3f}"  # noqa: E731
         ratio = lambda n: "n/a" if r.get(n) is None else f"{r[n] / r[fp8]:.2f}x"  # noqa: E731
-        rows.append([r["shape"], r["part"], r["tokens"], ms(fp8), ms(ours), ms(peer), ratio(ours), ratio(peer), f"{r['flops'] / (r[fp8] * 1e-3) / 1e12:.1f}"])
-    headers = ["shape", "part", "tokens", "fp8 ms", "bf16 ours ms", "bf16 torch._grouped_mm ms", "fp8 speedup vs ours bf16", "fp8 speedup vs torch._grouped_mm", "fp8 TFLOP/s"]
+        rows.append([r["shape"], r["part"], r["tokens"], ms(fp8), ms(ours), ms(peer), ratio(ours), ratio(peer), f"{r['flops'] / (r[fp8] * 1e-3) / 1e12:.1f}",
+                     ", ".join(r.get("eager", [])) or "none"])
+    headers = ["shape", "part", "tokens", "fp8 ms", "bf16 ours ms", "bf16 torch._grouped_mm ms", "fp8 speedup vs ours bf16", "fp8 speedup vs torch._grouped_mm", "fp8 TFLOP/s",
+               "timed eagerly"]
     return table(headers, rows)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     common_args(p)
+    p.add_argument("--timing", choices=("graphs", "eager"), default="graphs",
+                   help="CUDA-graph replay over differently routed inputs (the default), or one eager call between events")
+    p.add_argument("--routings", type=int, default=ROUTINGS, help="routed inputs per token count, used in turn (graphs)")
     args = p.parse_args(argv)
     device = torch.device(args.device)
     shapes, tokens = grid(args, TOKENS, TOY_TOKENS)
-    results = run(shapes, tokens, device, timer(device, args.reps, args.warmup))
+    results = run(shapes, tokens, device, calls_timer(device, args.timing, args.reps, args.warmup), args.routings)
     report(args, device, head_commit(), results, markdown(results))
     return 0
 
