@@ -22,6 +22,17 @@ writes the crossover (the largest count where masked is not slower), the faster
 large-batch executor and, where that is grouped_mm, the count from which it wins per GPU
 and layer shape into libs/model/moe/hybrid_thresholds.json, which the hybrid then uses.
 
+Timing (``--timing``, shared with bench/moe_fp8_bench.py). ``graphs``, the default on
+CUDA: a candidate that can be captured (``graph_safe``) is replayed from a CUDA graph
+(bench/gpu_timing.py), as the engine's decode and prefill graphs run the experts, over
+``ROUTINGS`` inputs routed differently and used in turn (one call's experts are then not
+still in L2 for the next); one that cannot (the torch loop and ``torch._grouped_mm``'s
+executor read group sizes on the host) is timed eagerly and named in the row's ``eager``.
+The masked/contiguous crossover is measured from graphs, and contiguous against
+``torch._grouped_mm`` eagerly on both sides (that executor only ever serves eager
+batches). ``eager``: one call between two CUDA events, the Python launches included: at
+decode sizes mostly the host, which is how the thresholds up to 2026-11-28 were measured.
+
 GPU: ``python -m bench.moe_bench --out bench/results/moe_bench_h100.json``.
 CPU check of the script (toy shapes, torch reference kernels): ``python -m bench.moe_bench --toy``.
 """
@@ -43,6 +54,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import table  # noqa: E402
+from bench.gpu_timing import graph_ms  # noqa: E402
 from bench.swap_bench import median_ms  # noqa: E402
 from libs.model.moe import executors as ex  # noqa: E402
 from libs.model.moe import strategy  # noqa: E402
@@ -62,6 +74,7 @@ TOY_TOKENS = [1, 8, 64, 256]
 THRESHOLD_TOKENS = [1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024]
 LARGE_TOKENS = [4096, 16384]  # where the large-batch executor is chosen
 OURS = ("contiguous", "masked", "hybrid")
+ROUTINGS = 4  # differently routed inputs per token count, used in turn under --timing graphs
 
 
 def timer(device: torch.device, reps: int, warmup: int) -> Callable[[Callable[[], object]], float]:
@@ -82,6 +95,23 @@ def timer(device: torch.device, reps: int, warmup: int) -> Callable[[Callable[[]
     return cpu
 
 
+CallsTimer = Callable[[list[Callable[[], object]], bool], tuple[float, bool]]
+
+
+def calls_timer(device: torch.device, timing: str, reps: int, warmup: int) -> CallsTimer:
+    """``(ms per call, timed eagerly)`` of a list of calls (one per routed input): replayed
+    from a CUDA graph with ``timing == "graphs"`` where ``capturable``, else the first call
+    alone, eagerly (``timer``)."""
+    eager = timer(device, reps, warmup)
+
+    def time_calls(calls: list[Callable[[], object]], capturable: bool) -> tuple[float, bool]:
+        if timing == "graphs" and device.type == "cuda" and capturable:
+            return graph_ms(calls, min_calls=max(24, len(calls)), reps=reps), False
+        return eager(calls[0]), True
+
+    return time_calls
+
+
 class Layer:
     """Random bf16 weights of one shape, and routed inputs of any size."""
 
@@ -92,6 +122,10 @@ class Layer:
         self.w13 = (torch.randn(e, 2 * i, h, generator=g, device=device) / h**0.5).bfloat16()
         self.w2 = (torch.randn(e, h, i, generator=g, device=device) / i**0.5).bfloat16()
         self.gate = (torch.randn(e, h, generator=g, device=device) / h**0.5).bfloat16()
+
+    def routed(self, num_tokens: int, routing: str, count: int) -> list[tuple[torch.Tensor, Routing]]:
+        """``count`` inputs of ``num_tokens`` tokens, routed differently (seeds apart)."""
+        return [self.inputs(num_tokens, routing, seed=1 + 1000 * i) for i in range(count)]
 
     def inputs(self, num_tokens: int, routing: str, seed: int = 1, offset: int = 0) -> tuple[torch.Tensor, Routing]:
         """``offset``: FakeBalanceExpert's start (an EP rank starts on its own experts)."""
@@ -122,27 +156,31 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-9)).item()
 
 
-def measure_thresholds(shapes: dict[str, LayerShape], device: torch.device, time_ms, tokens: list[int], large_tokens: list[int]) -> dict:
-    """Masked vs contiguous on a fine grid; the crossover per shape, and the timings."""
+def measure_thresholds(shapes: dict[str, LayerShape], device: torch.device, time_calls: CallsTimer, routings: int,
+                       tokens: list[int], large_tokens: list[int]) -> dict:
+    """Masked vs contiguous on a fine grid (from graphs where ``time_calls`` replays them);
+    the crossover per shape, and the timings. Contiguous vs ``torch._grouped_mm`` eagerly."""
     out = {}
     for name, shape in shapes.items():
         layer = Layer(shape, device)
         cand = candidates(layer)
+
+        def timed(executor: ex.ExpertExecutor, inputs: list, capturable: bool) -> float:
+            return time_calls([lambda x=x, r=r: executor(x, r, layer.w13, layer.w2) for x, r in inputs], capturable)[0]
+
         rows, crossover, masked_wins = {}, 0, True
         for t in tokens:
-            x, r = layer.inputs(t, "topk")
-            masked = time_ms(lambda: cand["masked"](x, r, layer.w13, layer.w2))
-            contiguous = time_ms(lambda: cand["contiguous"](x, r, layer.w13, layer.w2))
+            inputs = layer.routed(t, "topk", routings)
+            masked, contiguous = timed(cand["masked"], inputs, True), timed(cand["contiguous"], inputs, True)
             rows[t] = (masked, contiguous)
             masked_wins = masked_wins and masked <= contiguous  # the crossover ends the masked range
             if masked_wins:
                 crossover = t
-        large = {}  # contiguous against torch._grouped_mm on every count, where it runs
+        large = {}  # contiguous against torch._grouped_mm on every count, where it runs; both eager
         if cand["torch._grouped_mm"] is not None:
             for t in [*tokens, *large_tokens]:
-                x, r = layer.inputs(t, "topk")
-                contiguous = rows[t][1] if t in rows else time_ms(lambda: cand["contiguous"](x, r, layer.w13, layer.w2))
-                large[t] = (contiguous, time_ms(lambda: cand["torch._grouped_mm"](x, r, layer.w13, layer.w2)))
+                inputs = layer.routed(t, "topk", 1)
+                large[t] = (timed(cand["contiguous"], inputs, False), timed(cand["torch._grouped_mm"], inputs, False))
         top = {t: large[t] for t in large_tokens if t in large}
         wins = bool(top) and sum(g for _, g in top.values()) < sum(c for c, _ in top.values())
         out[shape.key()] = {
@@ -169,14 +207,14 @@ def grouped_mm_crossover(times: dict[int, tuple[float, float]]) -> int:
     return start
 
 
-def write_thresholds(measured: dict, device: torch.device, commit: str, path: Path = strategy.THRESHOLDS_PATH) -> None:
+def write_thresholds(measured: dict, device: torch.device, commit: str, path: Path = strategy.THRESHOLDS_PATH, timing: str = "graphs") -> None:
     table_ = json.loads(path.read_text())
     entries = table_.setdefault(device_name(device), {})
     for key, m in measured.items():
         entries[key] = {
             "max_masked_tokens": m["max_masked_tokens"], "large": m["large"], "provisional": False,
             **({"min_grouped_mm_tokens": m["min_grouped_mm_tokens"]} if "min_grouped_mm_tokens" in m else {}),
-            "source": f"bench/moe_bench.py --write-thresholds, {datetime.date.today()}, commit {commit}, topk routing",
+            "source": f"bench/moe_bench.py --write-thresholds --timing {timing}, {datetime.date.today()}, commit {commit}, topk routing",
             "ms_masked_contiguous": {str(t): [round(a, 4), round(b, 4)] for t, (a, b) in m["ms_masked_contiguous"].items()},
             "ms_contiguous_grouped_mm": {str(t): [round(a, 4), round(b, 4)] for t, (a, b) in m["ms_contiguous_grouped_mm"].items()},
         }
@@ -184,16 +222,19 @@ def write_thresholds(measured: dict, device: torch.device, commit: str, path: Pa
     strategy._thresholds.cache_clear()
 
 
-def run(shapes: dict[str, LayerShape], tokens: list[int], routings: list[str], device: torch.device, time_ms) -> list[dict]:
+def run(shapes: dict[str, LayerShape], tokens: list[int], routings: list[str], device: torch.device, time_calls: CallsTimer,
+        inputs_per_count: int) -> list[dict]:
     results = []
     for name, shape in shapes.items():
         layer = Layer(shape, device)
         cand = candidates(layer)
         for routing in routings:
             for t in tokens:
-                x, r = layer.inputs(t, routing)
+                inputs = layer.routed(t, routing, inputs_per_count)
+                x, r = inputs[0]
                 ref = cand["torch loop"](x, r, layer.w13, layer.w2)
-                row = {"shape": name, "routing": routing, "tokens": t, "flops": 6 * t * shape.top_k * shape.hidden * shape.intermediate}
+                row = {"shape": name, "routing": routing, "tokens": t, "flops": 6 * t * shape.top_k * shape.hidden * shape.intermediate,
+                       "eager": []}
                 for cname, executor in cand.items():
                     if executor is None:
                         row[cname] = None
@@ -201,9 +242,11 @@ def run(shapes: dict[str, LayerShape], tokens: list[int], routings: list[str], d
                     err = rel_err(executor(x, r, layer.w13, layer.w2), ref)
                     if err > 2e-2:
                         raise AssertionError(f"{cname} differs from the loop by {err:.3g} ({name}, {routing}, T={t})")
-                    row[cname] = time_ms(lambda: executor(x, r, layer.w13, layer.w2))
-                row["dense matmul"] = time_ms(layer.dense(t))
-                row["hybrid took"] = cand["hybrid"].for_tokens(t).name
+                    calls = [lambda xi=xi, ri=ri, e=executor: e(xi, ri, layer.w13, layer.w2) for xi, ri in inputs]
+                    row[cname], eagerly = time_calls(calls, executor.graph_safe)
+                    row["eager"] += [cname] if eagerly else []
+                row["dense matmul"], _ = time_calls([layer.dense(t)], True)
+                row["hybrid took"] = cand["hybrid"].for_tokens(t, capturing="hybrid" not in row["eager"] and device.type == "cuda").name
                 results.append(row)
                 print(json.dumps(row), flush=True)
                 if device.type == "cuda":
@@ -221,9 +264,10 @@ def markdown(results: list[dict]) -> str:
         rows.append([
             r["shape"], r["routing"], r["tokens"], *[f"{ms[n]:.3f}" if n in ms else "n/a" for n in names],
             r.get("hybrid took", ""), f"{tflops(ms['hybrid']):.1f}", f"{min(others) / ms['hybrid']:.2f}x",
-            f"{ms['dense matmul'] / ms['hybrid']:.2f}",
+            f"{ms['dense matmul'] / ms['hybrid']:.2f}", ", ".join(r.get("eager", [])) or "none",
         ])
-    headers = ["shape", "routing", "tokens", *[f"{n} ms" for n in names], "hybrid took", "hybrid TFLOP/s", "hybrid vs best other", "hybrid / dense rate"]
+    headers = ["shape", "routing", "tokens", *[f"{n} ms" for n in names], "hybrid took", "hybrid TFLOP/s", "hybrid vs best other", "hybrid / dense rate",
+               "timed eagerly"]
     return table(headers, rows)
 
 
@@ -237,6 +281,9 @@ def common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--out", type=Path, default=None, help="write the rows and the machine's description as JSON")
     p.add_argument("--markdown", type=Path, default=None)
+    p.add_argument("--timing", choices=("graphs", "eager"), default="graphs",
+                   help="CUDA-graph replay over differently routed inputs where capturable (the default), or one eager call between events")
+    p.add_argument("--routings", type=int, default=ROUTINGS, help="routed inputs per token count, used in turn (graphs)")
 
 
 def grid(args: argparse.Namespace, tokens: list[int], toy_tokens: list[int]) -> tuple[dict, list[int]]:
@@ -271,15 +318,16 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     device = torch.device(args.device)
     shapes, tokens = grid(args, TOKENS, TOY_TOKENS)
-    time_ms = timer(device, args.reps, args.warmup)
+    time_calls = calls_timer(device, args.timing, args.reps, args.warmup)
     commit = head_commit()
     if args.write_thresholds:
         if device.type != "cuda" and args.thresholds_path == strategy.THRESHOLDS_PATH:
             print("the shipped thresholds are a GPU's crossover: on the CPU, write elsewhere (--thresholds-path)", file=sys.stderr)
             return 2
         grids = (TOY_TOKENS, TOY_TOKENS[-1:]) if args.toy else (THRESHOLD_TOKENS, LARGE_TOKENS)
-        write_thresholds(measure_thresholds(shapes, device, time_ms, *grids), device, commit, args.thresholds_path)
-    results = run(shapes, tokens, args.routing.split(","), device, time_ms)
+        measured = measure_thresholds(shapes, device, time_calls, args.routings, *grids)
+        write_thresholds(measured, device, commit, args.thresholds_path, args.timing)
+    results = run(shapes, tokens, args.routing.split(","), device, time_calls, args.routings)
     report(args, device, commit, results, markdown(results))
     return 0
 

@@ -23,15 +23,13 @@ FP8's output is checked against bf16's before timing (relative error < 0.15: e4m
 both operands of two GEMMs). Reported per row: ms per candidate and the ratios
 ``fp8 speedup vs ours bf16`` and ``vs torch._grouped_mm`` (> 1: FP8 is faster).
 
-Timing (``--timing``). ``graphs``, the default on CUDA: each candidate is captured in a
-CUDA graph and replayed (bench/gpu_timing.py), as the engine's decode graphs run the
-experts, over ``ROUTINGS`` inputs routed differently, used in turn, so that one call's
-experts are not still in L2 for the next. ``eager``: one call between two CUDA events,
-the Python launches included; at decode sizes that measures the host (FP8 runs twice
-the launches of bf16: a quantization before each GEMM), which is how the H100 and H200
-rounds up to 2026-11-29 were measured. A candidate that cannot be captured (the
-``grouped_mm`` executor reads group sizes on the host) is timed eagerly, and the row's
-``eager`` field names it.
+Timing (``--timing``, bench/moe_bench.py's): ``graphs``, the default on CUDA, replays
+each candidate from a CUDA graph over differently routed inputs, as the engine's graphs
+run the experts; a candidate that cannot be captured (the ``grouped_mm`` executor) is
+timed eagerly and named in the row's ``eager``. ``eager`` times one call between two
+CUDA events, the Python launches included: at decode sizes that measures the host (FP8
+launches a quantization before each GEMM, so twice bf16's kernels), which is how the H100
+and H200 rounds up to 2026-11-29 were measured.
 
 GPU (H100): ``python -m bench.moe_fp8_bench --out bench/results/moe_fp8_h100.json
 --markdown bench/results/moe_fp8_h100.md`` (about 3 minutes, Triton compilation included).
@@ -51,8 +49,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import table  # noqa: E402
-from bench.gpu_timing import graph_ms  # noqa: E402
-from bench.moe_bench import Layer, common_args, grid, head_commit, rel_err, report, timer  # noqa: E402
+from bench.moe_bench import CallsTimer, Layer, calls_timer, common_args, grid, head_commit, rel_err, report  # noqa: E402
 from kernels.select import ops_for  # noqa: E402
 from libs.model.fp8 import Fp8Experts  # noqa: E402
 from libs.model.moe import executors as ex  # noqa: E402
@@ -63,7 +60,6 @@ TOY_TOKENS = [1, 8, 64]
 GEMM = ("ours fp8", "ours bf16", "torch._grouped_mm")
 LAYER = ("auto fp8", "auto bf16", "grouped_mm executor")
 MAX_FP8_ERR = 0.15
-ROUTINGS = 4  # differently routed inputs per token count, used in turn under --timing graphs
 
 
 def gemm_candidates(
@@ -108,21 +104,7 @@ def _check(name: str, got: torch.Tensor, ref: torch.Tensor, where: str) -> None:
         raise AssertionError(f"{name} differs from bf16 by {err:.3g} ({where})")
 
 
-def calls_timer(device: torch.device, timing: str, reps: int, warmup: int) -> Callable[[list[Callable[[], object]], bool], tuple[float, bool]]:
-    """``(ms per call, timed eagerly)`` of a list of calls (one per routed input):
-    replayed from a CUDA graph with ``timing == "graphs"`` where ``capturable``, else the
-    first call alone, eagerly (``timer``)."""
-    eager = timer(device, reps, warmup)
-
-    def time_calls(calls: list[Callable[[], object]], capturable: bool) -> tuple[float, bool]:
-        if timing == "graphs" and device.type == "cuda" and capturable:
-            return graph_ms(calls, min_calls=max(24, len(calls)), reps=reps), False
-        return eager(calls[0]), True
-
-    return time_calls
-
-
-def run(shapes: dict[str, LayerShape], tokens: list[int], device: torch.device, time_calls, routings: int) -> list[dict]:
+def run(shapes: dict[str, LayerShape], tokens: list[int], device: torch.device, time_calls: CallsTimer, routings: int) -> list[dict]:
     results = []
     for name, shape in shapes.items():
         layer = Layer(shape, device)
@@ -130,7 +112,7 @@ def run(shapes: dict[str, LayerShape], tokens: list[int], device: torch.device, 
         grouped_mm = select_executor("grouped_mm", device, torch.bfloat16, shape).executor.name == "grouped_mm"
         executors = layer_candidates(layer)
         for t in tokens:
-            inputs = [layer.inputs(t, "topk", seed=1 + 1000 * i) for i in range(routings)]
+            inputs = layer.routed(t, "topk", routings)
             x, r = inputs[0]
             where = f"{name}, T={t}"
             flops = 6 * t * shape.top_k * shape.hidden * shape.intermediate
@@ -183,9 +165,6 @@ def markdown(results: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     common_args(p)
-    p.add_argument("--timing", choices=("graphs", "eager"), default="graphs",
-                   help="CUDA-graph replay over differently routed inputs (the default), or one eager call between events")
-    p.add_argument("--routings", type=int, default=ROUTINGS, help="routed inputs per token count, used in turn (graphs)")
     args = p.parse_args(argv)
     device = torch.device(args.device)
     shapes, tokens = grid(args, TOKENS, TOY_TOKENS)
