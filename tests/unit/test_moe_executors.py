@@ -143,6 +143,20 @@ def test_grouped_mm_crossover_is_where_it_wins_from_then_on():
     assert grouped_mm_crossover({1: (1.0, 0.5), 64: (1.0, 2.0)}) == 65  # loses at the top: never
 
 
+def test_bench_timer_falls_back_to_one_eager_call_where_it_cannot_replay_a_graph():
+    """bench/moe_bench.py's ``calls_timer``: CUDA-graph replay over every routed input only
+    on CUDA and for a capturable candidate; otherwise the first call alone, eagerly, and
+    the result says so."""
+    from bench.moe_bench import calls_timer
+
+    counts = [0, 0]
+    calls = [lambda: counts.__setitem__(0, counts[0] + 1), lambda: counts.__setitem__(1, counts[1] + 1)]
+    for timing, capturable in (("graphs", True), ("graphs", False), ("eager", True)):
+        counts[:] = [0, 0]
+        ms, eagerly = calls_timer(CPU, timing, reps=3, warmup=2)(calls, capturable)
+        assert eagerly and ms >= 0.0 and counts == [5, 0], (timing, capturable, counts)
+
+
 # -- selection --------------------------------------------------------------------------------
 
 SHAPE = LayerShape(E, K, H, INTER)
