@@ -7,7 +7,7 @@ interpreter's ``triton.jit`` cannot be compiled): the GEMM with the quantization
 and split-K, with 32-row tiles, with TMA descriptors, and the quantization kernel. And
 that what Hopper needs is in the PTX: warpgroup MMAs (``wgmma``) for 64-row tiles, TMA
 bulk copies where asked, the split-K counter atomics, IEEE divisions in the quantization,
-and under programmatic dependent launch the weight's L2 prefetch before the wait.
+and under programmatic dependent launch the weight's L2 prefetches before the wait.
 Skips where this Triton has no NVIDIA backend.
 """
 
@@ -32,8 +32,8 @@ def test_fp8_kernels_compile_for_sm90():
     assert narrow["mma_sync"] > 0 and narrow["wgmma"] == 0  # 32 rows: below a warpgroup's 64
     assert tma["tma"] > 0 and tma["wgmma"] > 0 and tma["atomics"] == 0
     assert fused["l2_prefetch"] == narrow["l2_prefetch"] == tma["l2_prefetch"] == 0  # no PDL, no prefetch
-    # Under PDL the swap-AB GEMM asks L2 for its weight share before its wait, and loads
-    # nothing before it.
+    # Under PDL the swap-AB GEMM asks L2 for its weight rows' first lines before its wait,
+    # and its first TMA load comes after the wait.
     pdl = got["swap tma split-K pdl"]
     assert pdl["l2_prefetch"] > 0 and pdl["tma"] > 0 and pdl["wgmma"] > 0
     assert 0 <= pdl["first_l2_prefetch"] < pdl["first_pdl_wait"] < pdl["first_tma"]
