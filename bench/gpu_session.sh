@@ -139,5 +139,5 @@ done
 # The device tool brings back at most 8 files: the step logs travel inside the tarball (logs/).
 mkdir -p /tmp/gpu-session-logs/logs && mv "$OUT"/*.txt /tmp/gpu-session-logs/logs/ 2>/dev/null
 tar czf "$OUT/results.tgz" bench/results kernels/gemv/threshold.json kernels/fp8/swap_ab_threshold.json kernels/fp8/cublas_threshold.json kernels/fp8/gemm_configs.json \
-    libs/model/moe/hybrid_thresholds.json -C /tmp/gpu-session-logs logs 2>/dev/null
+    kernels/swiglu_gemm/threshold.json libs/model/moe/hybrid_thresholds.json -C /tmp/gpu-session-logs logs 2>/dev/null
 echo "done" | tee -a "$LOG"

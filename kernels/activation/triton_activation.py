@@ -27,6 +27,19 @@ _MAX_BLOCK = 1024
 
 
 @triton.jit
+def swiglu(gate, up, out_ty: tl.constexpr):
+    """``silu(gate) * up`` of fp32 tiles, rounded as the unfused path rounds: each input to
+    ``out_ty`` (a GEMM's output dtype: exact for values loaded in it), silu to ``out_ty``
+    (``F.silu``'s output), then the product in fp32, rounded once more. The GEMMs that fold
+    SwiGLU into their epilogue (kernels/swiglu_gemm, kernels/moe/gemm) call it on their
+    accumulators, so their output equals their product followed by ``silu_and_mul``."""
+    gate = gate.to(out_ty).to(tl.float32)
+    up = up.to(out_ty).to(tl.float32)
+    act = (gate / (1.0 + tl.exp(-gate))).to(out_ty).to(tl.float32)
+    return (act * up).to(out_ty)
+
+
+@triton.jit
 def _silu_and_mul_kernel(
     x_ptr, out_ptr,
     stride_xt, stride_xd, stride_ot,
@@ -40,9 +53,7 @@ def _silu_and_mul_kernel(
     row_ptr = x_ptr + row * stride_xt
     gate = tl.load(row_ptr + cols * stride_xd, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(row_ptr + (cols + intermediate) * stride_xd, mask=mask, other=0.0).to(tl.float32)
-    # F.silu rounds its output to the input dtype before the multiply; so does this.
-    act = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(out_ptr + row * stride_ot + cols, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + row * stride_ot + cols, swiglu(gate, up, out_ptr.dtype.element_ty), mask=mask)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

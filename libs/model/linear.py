@@ -9,8 +9,11 @@ norm before the projection or the activation after the previous one folded into 
 the same kernel reads its e4m3 weight and block scales and quantizes the activations as
 kernels/fp8 does, so an FP8 decode step gets the same folds and one launch per projection.
 Everything else goes where it went before: the norm kernel and the module itself (cuBLAS,
-kernels/fp8's GEMMs, a 4-bit layer, the CPU's packed path). The row count is a tensor
-shape, so a CUDA graph of each batch size captures one choice.
+kernels/fp8's GEMMs, a 4-bit layer, the CPU's packed path), except the MLP's gate/up
+projection at prefill sizes where kernels/swiglu_gemm was measured faster
+(``gate_up_linear``: SwiGLU in that GEMM's epilogue, so down takes its input as it is).
+The row count is a tensor shape, so a CUDA graph of each batch size or token bucket
+captures one choice.
 """
 
 from __future__ import annotations
@@ -80,8 +83,57 @@ def norm_linear(norm: nn.Module, module: nn.Module, h: torch.Tensor, residual: t
         from kernels.gemv.triton_gemv import norm_skinny_linear
 
         return norm_skinny_linear(h, residual, norm.weight, norm.eps, bias=module.bias, static_weight=True, **operands)
-    x, stream = (norm(h), h) if residual is None else norm.add_and_norm(h, residual)
+    x, stream = _add_norm(norm, h, residual)
     return linear(module, x), stream
+
+
+def _add_norm(norm: nn.Module, h: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    return (norm(h), h) if residual is None else norm.add_and_norm(h, residual)
+
+
+def _swiglu_config(module: nn.Module, x: torch.Tensor):
+    """kernels/swiglu_gemm's tiles for ``SwiGLU(module(x))`` where that kernel was measured
+    faster than cuBLAS plus ``silu_and_mul`` (a plain bf16/fp16 ``nn.Linear`` without bias
+    on CUDA), else None."""
+    if type(module) is not nn.Linear or module.bias is not None or not x.is_cuda or x.dim() != 2 or x.dtype not in _SKINNY_DTYPES:
+        return None
+    from kernels.swiglu_gemm.threshold import swiglu_gemm_config
+    from kernels.swiglu_gemm.triton_swiglu_gemm import supports
+
+    config = swiglu_gemm_config(x.device, *module.weight.shape, x.shape[0])
+    return config if config is not None and supports(x, module.weight) is None else None
+
+
+def gate_up_linear(module: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """The MLP's gate/up projection: ``(y, activated)``. At prefill sizes where measured
+    faster, ``y`` is already ``silu(gate) * up`` (kernels/swiglu_gemm: SwiGLU in the GEMM's
+    epilogue, the ``[M, 2I]`` product never in memory) and ``activated`` True; otherwise
+    ``y = module(x)`` through ``linear`` (the skinny GEMM keeps decode rows, whose
+    activation folds into down's load instead)."""
+    config = _swiglu_config(module, x) if _skinny_operands(module, x) is None else None
+    if config is None:
+        return linear(module, x), False
+    from kernels.swiglu_gemm.triton_swiglu_gemm import swiglu_linear
+
+    return swiglu_linear(x, module.weight, config), True
+
+
+def norm_gate_up_linear(norm: nn.Module, module: nn.Module, h: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """``norm_linear`` for the gate/up projection: ``(y, h + residual, activated)``, with
+    ``y`` and ``activated`` as ``gate_up_linear`` gives them (the norm folded into the
+    skinny GEMM for decode rows, as ``norm_linear`` does)."""
+    if norm.weight.dtype == h.dtype and _skinny_operands(module, h) is not None:
+        y, stream = norm_linear(norm, module, h, residual)
+        return y, stream, False
+    x, stream = _add_norm(norm, h, residual)
+    y, activated = gate_up_linear(module, x)
+    return y, stream, activated
+
+
+def down_linear(module: nn.Module, y: torch.Tensor, activated: bool) -> torch.Tensor:
+    """The MLP's down projection of ``gate_up_linear``'s ``y``: SwiGLU first (folded into the
+    skinny GEMM where it serves) unless ``activated`` says it is done."""
+    return linear(module, y) if activated else silu_mul_linear(module, y)
 
 
 def silu_mul_linear(module: nn.Module, gate_up: torch.Tensor) -> torch.Tensor:

@@ -30,7 +30,7 @@ from libs.model.attention import AttentionMetadata, PagedAttention
 from libs.model.config import ModelConfig
 from libs.model.cpu_linear import available as cpu_linear_available, pack, pack_linears, packed_linear
 from libs.model.fp8 import Fp8Linear, Fp8Weight
-from libs.model.linear import linear, linear_weight, norm_linear, silu_mul_linear
+from libs.model.linear import down_linear, gate_up_linear, linear, linear_weight, norm_gate_up_linear, norm_linear
 from libs.model.moe import MoEOptions
 from libs.model.moe.block import SparseMoeBlock
 from libs.model.parallel import TensorParallel, VocabParallelEmbedding
@@ -166,11 +166,13 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(linear(self.gate_up_proj, x))
+        return self.down(*gate_up_linear(self.gate_up_proj, x))
 
-    def down(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """The rest of the MLP after ``gate_up_proj``: SwiGLU, then ``down_proj``."""
-        out = silu_mul_linear(self.down_proj, gate_up)
+    def down(self, y: torch.Tensor, activated: bool) -> torch.Tensor:
+        """The rest of the MLP after ``gate_up_proj``'s ``y``: SwiGLU unless ``activated``
+        (the gate/up GEMM applied it in its epilogue, libs/model/linear.py), then
+        ``down_proj``."""
+        out = down_linear(self.down_proj, y, activated)
         return self.tp.reduce(out) if self.tp is not None else out
 
 
@@ -203,8 +205,8 @@ class DecoderLayer(nn.Module):
         qkv, residual = norm_linear(self.input_layernorm, self.self_attn.qkv_proj, h, residual)
         attn_out = self.self_attn(qkv, positions, rotary, meta)
         if isinstance(self.mlp, MLP):
-            gate_up, residual = norm_linear(self.post_attention_layernorm, self.mlp.gate_up_proj, attn_out, residual)
-            return self.mlp.down(gate_up), residual
+            y, residual, activated = norm_gate_up_linear(self.post_attention_layernorm, self.mlp.gate_up_proj, attn_out, residual)
+            return self.mlp.down(y, activated), residual
         x, residual = self.post_attention_layernorm.add_and_norm(attn_out, residual)
         return self.mlp(x), residual
 

@@ -14,9 +14,9 @@ One kernel serves both layouts (``MASKED`` is a compile-time switch). A program 
   which only the busy ones do work.
 
 ``FUSE_SILU``: two accumulators (the gate columns ``n`` and the up columns ``N + n``) and
-SwiGLU in the epilogue, rounded exactly as the unfused product followed by
-``kernels/activation``'s ``silu_and_mul`` (product to the output dtype, silu to the output
-dtype, then the multiply): the ``[M, 2N]`` intermediate never goes through memory.
+SwiGLU in the epilogue (``kernels/activation``'s ``swiglu``), rounded exactly as the
+unfused product followed by ``silu_and_mul``: the ``[M, 2N]`` intermediate never goes
+through memory.
 
 ``FP8`` (``grouped_gemm_contiguous_fp8`` / ``grouped_gemm_masked_fp8``): e4m3 operands in
 the block-scaled format (kernels/fp8/layout.py), K padded to 128 and stepped by 128, the
@@ -47,6 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.activation.triton_activation import swiglu
 from kernels.fp8.layout import BLOCK as FP8_BLOCK
 from kernels.fp8.layout import E4M3_MAX, FP8_DTYPE, FP32_MAX, SCALE_EPS
 from kernels.fp8.triton_quant import quantize_groups
@@ -153,10 +154,7 @@ def _grouped_gemm_kernel(
 
     out_ty = c_ptr.dtype.element_ty
     if FUSE_SILU:
-        gate = acc.to(out_ty).to(tl.float32)
-        up = acc_up.to(out_ty).to(tl.float32)
-        act = (gate / (1.0 + tl.exp(-gate))).to(out_ty).to(tl.float32)
-        out = (act * up).to(out_ty)
+        out = swiglu(acc, acc_up, out_ty)
     else:
         out = acc.to(out_ty)
     c_ptrs = c_ptr + rows[:, None] * stride_cm + cols[None, :] * stride_cn
