@@ -19,7 +19,7 @@ unfused path by ``MARGIN`` at every larger M measured (no entry: it never did at
 largest), and the fastest tiles per M.
 
     python -m bench.swiglu_gemm_bench [--write-threshold] [--out bench/results/swiglu_gemm_h200.json]
-    python -m bench.swiglu_gemm_bench --threshold-from bench/results/swiglu_gemm_h200.json
+    python -m bench.swiglu_gemm_bench --threshold-from bench/results/swiglu_gemm_h200.json [more runs' JSON]
     TRITON_INTERPRET=1 python -m bench.swiglu_gemm_bench --toy   # checks the script on the CPU
 """
 
@@ -41,8 +41,12 @@ MS = [256, 1024, 4096, 16384]
 TOY_SHAPES = {"toy": (96, 64)}
 TOY_MS = [8, 40]
 # (block_m, block_n, block_k, group_m, num_stages, num_warps): the H200 probe's best few
-# (bench/RESULTS.md, issue 10) and 64-row tiles for the smaller M.
-CANDIDATES = [(128, 64, 64, 8, 3, 8), (128, 64, 64, 8, 4, 4), (128, 128, 64, 8, 3, 8), (64, 64, 64, 8, 3, 4), (64, 128, 64, 8, 3, 4)]
+# (bench/RESULTS.md, issue 10), 64-row tiles for the smaller M, and for the larger K
+# 256-row tiles, 128-deep K steps and deeper pipelines.
+CANDIDATES = [
+    (128, 64, 64, 8, 3, 8), (128, 64, 64, 8, 4, 4), (128, 128, 64, 8, 3, 8), (64, 64, 64, 8, 3, 4), (64, 128, 64, 8, 3, 4),
+    (256, 64, 64, 8, 3, 8), (128, 64, 128, 8, 3, 8), (128, 64, 64, 8, 4, 8), (128, 64, 64, 8, 5, 8),
+]
 TOY_CANDIDATES = [(16, 16, 32, 4, 2, 4), (32, 16, 32, 4, 2, 4)]
 # One shape's timing is noisy: the fused kernel must win by this much to serve.
 MARGIN = 1.02
@@ -97,6 +101,18 @@ def shape_entries(rows: list[dict]) -> dict[str, dict]:
     return out
 
 
+def worst_rows(runs: list[list[dict]]) -> list[dict]:
+    """Per shape and M, the row of the run where the fused kernel did worst against the
+    unfused path (its tiles with it)."""
+    worst: dict[tuple, dict] = {}
+    for rows in runs:
+        for r in rows:
+            key = (r["n"], r["k"], r["m"])
+            if key not in worst or r["ratio"] < worst[key]["ratio"]:
+                worst[key] = r
+    return list(worst.values())
+
+
 def write_threshold(rows: list[dict], device_name: str, commit: str | None = None, date: str | None = None) -> dict[str, dict]:
     """Replace the device's entry in threshold.json; returns its shapes."""
     shapes = shape_entries(rows)
@@ -115,13 +131,17 @@ def write_threshold(rows: list[dict], device_name: str, commit: str | None = Non
 
 def main() -> None:
     ap = kernel_bench_parser(__doc__, "store, per gate/up shape, the smallest M from which the fused kernel wins, and its tiles, for this GPU (GPU only)")
-    ap.add_argument("--threshold-from", default=None, metavar="JSON",
-                    help="write threshold.json from a saved run's --out file (its device, rows, commit and date) instead of measuring")
+    ap.add_argument("--threshold-from", default=None, nargs="+", metavar="JSON",
+                    help="write threshold.json from saved runs' --out files of one device instead of measuring; with several, "
+                         "each shape and M keeps its worst run (the kernel must have won in every run)")
     args = ap.parse_args()
     if args.threshold_from:
-        saved = json.loads(Path(args.threshold_from).read_text())
-        shapes = write_threshold(saved["rows"], saved["device"], commit=saved.get("commit"), date=saved.get("date"))
-        print(f"wrote {shapes} for {saved['device']} to {thr.THRESHOLD_FILE}")
+        runs = [json.loads(Path(f).read_text()) for f in args.threshold_from]
+        if len({r["device"] for r in runs}) != 1:
+            raise SystemExit(f"--threshold-from: the runs are of different devices: {sorted({r['device'] for r in runs})}")
+        last = runs[-1]
+        shapes = write_threshold(worst_rows([r["rows"] for r in runs]), last["device"], commit=last.get("commit"), date=last.get("date"))
+        print(f"wrote {shapes} for {last['device']} to {thr.THRESHOLD_FILE}")
         return
     toy = args.toy or not torch.cuda.is_available()
     device = torch.device("cpu" if toy else "cuda")

@@ -172,6 +172,16 @@ def test_min_m_is_where_the_kernel_wins_at_every_larger_m():
     assert entries == {"3072x576": {"min_m": 4096, "configs": {"16384": rows[3]["config"], "4096": rows[2]["config"]}}}
 
 
+def test_several_runs_keep_each_shapes_worst():
+    from bench.swiglu_gemm_bench import shape_entries, worst_rows
+
+    run1 = [_row(1024, 1.01), _row(4096, 1.3), _row(16384, 1.2)]
+    run2 = [_row(1024, 1.4), _row(4096, 1.1), _row(16384, 1.25)]
+    rows = worst_rows([run1, run2])
+    assert sorted((r["m"], r["ratio"]) for r in rows) == [(1024, 1.01), (4096, 1.1), (16384, 1.2)]
+    assert shape_entries(rows)["3072x576"]["min_m"] == 4096  # 1,024 lost the margin in one run
+
+
 def test_write_threshold_replaces_the_device_entry(tmp_path, monkeypatch):
     from bench import swiglu_gemm_bench
 
