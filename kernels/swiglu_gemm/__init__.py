@@ -3,7 +3,7 @@
 A Llama-family MLP computes ``down(silu(x W_gate^T) * (x W_up^T))``. Unfused, the fused
 gate/up GEMM writes a ``[M, 2I]`` product and ``kernels/activation``'s ``silu_and_mul``
 reads it back and writes ``[M, I]``: at a 16 x 1024 prefill of SmolLM2-135M that round trip
-is 11% of the step's GPU time on an H200 (bench/RESULTS.md, issue 10), as long as the
+is 11% of the step's GPU time on an H200 (bench/RESULTS.md, issue 10), half as long as the
 GEMM itself at K = 576. Here each program keeps two accumulators (gate columns ``n``, up
 columns ``I + n``) and writes only the activation.
 
