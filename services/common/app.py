@@ -2,7 +2,8 @@
 
 ``create_app`` gives a service ``GET /health``, ``GET /metrics`` and ``GET /stats``, a JSON
 error middleware, per-request logging and metrics, and the internal-token check, so each
-service only adds its own routes.
+service only adds its own routes. ``/metrics`` also carries the garbage collector's pauses
+and the size of the frozen startup heap (services/common/gc_heap.py).
 
 Internal token: with ``settings.internal_token`` set, every request to an internal route
 must carry it in ``X-Tidepool-Internal-Token`` (libs/protocol/http.py), or it is answered
@@ -28,6 +29,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client import generate_latest
 
 from libs.protocol.http import INTERNAL_TOKEN_HEADER, json_error
+from services.common.gc_heap import GcPauses
 from services.common.settings import BaseSettings
 
 SERVICE_NAME = web.AppKey("service_name", str)
@@ -193,6 +195,16 @@ def create_app(
     app[SETTINGS] = settings
     app[METRICS_REGISTRY] = registry
     started = time.monotonic()
+    gc_pauses = GcPauses(registry)  # services/common/gc_heap.py
+
+    async def watch_gc(app: web.Application) -> None:
+        gc_pauses.install()
+
+    async def unwatch_gc(app: web.Application) -> None:
+        gc_pauses.remove()
+
+    app.on_startup.append(watch_gc)
+    app.on_cleanup.append(unwatch_gc)
 
     async def health_handler(request: web.Request) -> web.Response:
         body: dict[str, Any] = {"service": name, "uptime_s": round(time.monotonic() - started, 3)}

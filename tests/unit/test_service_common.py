@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import logging
 import os
@@ -29,6 +30,8 @@ from services.common import (
     setting,
     torch_child_env,
 )
+from services.common.gc_heap import GcPauses, freeze_startup_heap
+from tests.integration.pd_helpers import metrics
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -406,6 +409,7 @@ def test_run_service_ready_line_and_graceful_shutdown(sig: signal.Signals, tmp_p
         url = line.rsplit(" ", 1)[1]
         with urllib.request.urlopen(url + "/health", timeout=10) as resp:
             assert json.loads(resp.read())["status"] == "ok"
+        samples = metrics(url)
         proc.send_signal(sig)
         out, err = proc.communicate(timeout=30)
     finally:
@@ -416,6 +420,61 @@ def test_run_service_ready_line_and_graceful_shutdown(sig: signal.Signals, tmp_p
     assert out.splitlines() == ["cleanup ran", "exited run_service"]
     assert "task orphan-sleeper still running after cleanup; cancelling" in err
     assert "Task was destroyed" not in err
+    # The runner froze the startup heap (an interpreter with torch's imports holds tens of
+    # thousands of objects) after one full collection, which the app's watcher timed.
+    assert samples["tidepool_gc_frozen_objects"] > 10_000
+    assert samples['tidepool_gc_pause_seconds_count{generation="2"}'] >= 1
+    assert "froze" in err and "startup objects" in err
+
+
+# --- garbage collection -------------------------------------------------------------------
+
+
+def test_gc_pauses_are_timed_per_generation_and_the_watcher_leaves_with_the_app() -> None:
+    registry = CollectorRegistry()
+    pauses = GcPauses(registry)
+    before = list(gc.callbacks)
+    pauses.install()
+    pauses.install()  # twice is once
+    assert len(gc.callbacks) == len(before) + 1
+    try:
+        gc.collect(0)
+        gc.collect(0)
+        gc.collect(2)
+    finally:
+        pauses.remove()
+    assert gc.callbacks == before
+    sample = lambda name, gen: registry.get_sample_value(name, {"generation": gen})  # noqa: E731
+    assert sample("tidepool_gc_pause_seconds_count", "0") == 2
+    assert sample("tidepool_gc_pause_seconds_count", "2") == 1
+    assert sample("tidepool_gc_pause_seconds_sum", "2") > 0
+    gc.collect(0)  # removed: no longer counted
+    assert sample("tidepool_gc_pause_seconds_count", "0") == 2
+
+
+async def test_an_app_watches_the_collector_only_while_it_runs() -> None:
+    before = list(gc.callbacks)
+    app = _demo_app()
+    assert gc.callbacks == before  # made, not started: nothing installed
+    async with TestClient(TestServer(app)) as client:
+        assert len(gc.callbacks) == len(before) + 1
+        gc.collect(1)
+        text = await (await client.get("/metrics")).text()
+    assert gc.callbacks == before
+    assert app[METRICS_REGISTRY].get_sample_value("tidepool_gc_pause_seconds_count", {"generation": "1"}) >= 1
+    assert "tidepool_gc_pause_seconds_count" in text and "tidepool_gc_frozen_objects" in text
+
+
+def test_freeze_moves_every_live_object_out_of_the_collectors_scans() -> None:
+    gc.unfreeze()
+    keep = [{"i": i} for i in range(20_000)]  # tracked containers, alive
+    try:
+        frozen = freeze_startup_heap()
+        assert frozen == gc.get_freeze_count() and frozen >= len(keep)
+        assert not any(gc.is_tracked(o) and o is keep[0] for o in gc.get_objects())  # not in any scanned generation
+    finally:
+        gc.unfreeze()
+    assert gc.get_freeze_count() == 0
 
 
 # --- cpu threads -------------------------------------------------------------------------

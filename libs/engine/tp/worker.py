@@ -19,6 +19,7 @@ collective it is in failing) and takes the instance down.
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 import sys
@@ -76,6 +77,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s [tp rank {args.rank}] %(name)s: %(message)s", stream=sys.stderr)
     config = config_from_json(args.config)
     engine = LLMEngine(config, join=JoinInfo(args.rank, args.init_method, args.staging))
+    # The model and its cache live as long as the process: out of the collector's full
+    # scans, which would hold up this rank and with it every collective (the services do
+    # the same at startup: services/common/gc_heap.py says why and what it measured).
+    gc.collect()
+    gc.freeze()
     try:
         n = serve(engine)
         log.info("stopped after %d messages", n)
