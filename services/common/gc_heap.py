@@ -6,17 +6,19 @@ running sequence's next token waits. A young collection is cheap: it walks the f
 objects made since the last one. A full (generation 2) collection walks every tracked
 object in the process, and a worker's startup leaves a lot of them behind: the model's
 modules and parameter wrappers, the tokenizer's tables, the CUDA graphs' bookkeeping.
-About 185,000 objects for SmolLM2-135M, and a full collection of them took 81-87 ms on the
-2-core CPU VM (bench/RESULTS.md, issue 10): one such pause mid-decode is a step's worth of
-tokens late for every request in the batch.
+``bench/gc_pause.py`` measured it (bench/RESULTS.md, issue 10): a SmolLM2-shaped GPU
+engine on the H200 host holds 305,926 tracked objects, and a full collection of them took
+188 ms, about 420 batch-1 decode steps; the embedded SmolLM2 on the 2-core CPU VM, 202,940
+objects and 81-181 ms. One such pause mid-decode delays every running request's next token
+by that much.
 
 Those objects live as long as the process, so scanning them finds nothing.
 :func:`freeze_startup_heap`, called once the service is up (``services/common/runner.py``),
 collects once and then moves everything still alive into the permanent generation that
-collections skip (``gc.freeze``), as vLLM's engine core does after start-up. The same
-full collection then took 0.1-0.4 ms. Refcounting still frees frozen objects that are
-dropped later; only cyclic garbage among them is never reclaimed, and the startup heap
-has next to none.
+collections skip (``gc.freeze``), as vLLM's engine core does after start-up. A full
+collection then walked 11-12 objects, in under a microsecond. Refcounting still frees
+frozen objects that are dropped later; only cyclic garbage among them is never reclaimed,
+and the startup heap has next to none.
 
 :class:`GcPauses` times every collection through ``gc.callbacks`` and exports them on the
 service's own registry: ``tidepool_gc_pause_seconds{generation}`` (a histogram) and
