@@ -65,6 +65,15 @@ VOCAB = 49152
 WARMUP = 2
 
 
+def random_checkpoint(tokenizer_dir: Path, layers: int | None = None) -> str:
+    """The folder of a random SmolLM2-shaped checkpoint (``layers`` of them, default all),
+    made once per machine and reused (bench/pd_vs_engine.py's GPU runs serve it too)."""
+    folder = Path("/tmp/tidepool-random-smollm2" + (f"-{layers}-layers" if layers else ""))
+    if not folder.exists():
+        make_checkpoint(folder, tokenizer_dir, layers)
+    return str(folder)
+
+
 def make_checkpoint(folder: Path, tokenizer_dir: Path, layers: int | None = None) -> None:
     hf = hf_llama(torch.device("cpu"), torch.bfloat16, **({"num_hidden_layers": layers} if layers else {}))
     hf.save_pretrained(folder, safe_serialization=True)
@@ -341,10 +350,7 @@ def main() -> None:
     if cuda or args.layers:
         if not args.tokenizer:
             ap.error("--tokenizer is required on CUDA and with --layers (the random checkpoint needs SmolLM2's tokenizer files)")
-        folder = Path("/tmp/tidepool-random-smollm2" + (f"-{args.layers}-layers" if args.layers else ""))
-        if not folder.exists():
-            make_checkpoint(folder, Path(args.tokenizer), args.layers)
-        model = str(folder)
+        model = random_checkpoint(Path(args.tokenizer), args.layers)
     if args.colocated_only:
         print(json.dumps(colocated_rows(args, model)))
         return

@@ -48,18 +48,13 @@ from services.launch.cluster import ClusterConfig, LocalCluster
 from services.launch.processes import free_port
 
 
-RANDOM_CHECKPOINT = Path("/tmp/tidepool-random-smollm2")  # bench/gpu_pd.py's, shared
-
-
 def gpu_model(tokenizer: str | None) -> str:
-    """The random SmolLM2-shaped checkpoint the GPU runs serve (made once)."""
-    from bench.gpu_pd import make_checkpoint
+    """The random SmolLM2-shaped checkpoint the GPU runs serve (bench/gpu_pd.py's, made once)."""
+    from bench.gpu_pd import random_checkpoint
 
     if not tokenizer:
         raise SystemExit("--device cuda needs --tokenizer (SmolLM2's tokenizer files, for the random checkpoint)")
-    if not RANDOM_CHECKPOINT.exists():
-        make_checkpoint(RANDOM_CHECKPOINT, Path(tokenizer))
-    return str(RANDOM_CHECKPOINT)
+    return random_checkpoint(Path(tokenizer))
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
