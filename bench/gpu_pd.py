@@ -65,12 +65,26 @@ VOCAB = 49152
 WARMUP = 2
 
 
-def random_checkpoint(tokenizer_dir: Path, layers: int | None = None) -> str:
+def random_checkpoint(tokenizer_dir: Path, layers: int | None = None, *, root: Path = Path("/tmp")) -> str:
     """The folder of a random SmolLM2-shaped checkpoint (``layers`` of them, default all),
-    made once per machine and reused (bench/pd_vs_engine.py's GPU runs serve it too)."""
-    folder = Path("/tmp/tidepool-random-smollm2" + (f"-{layers}-layers" if layers else ""))
+    made once per machine and reused (bench/pd_vs_engine.py's GPU runs serve it too).
+
+    It is written beside its final name and renamed when complete, so a write that failed
+    half-way (a missing tokenizer folder, a call cut off) leaves nothing to reuse: a
+    lent GPU machine stays warm between calls, and the next call would serve the broken
+    folder."""
+    folder = root / ("tidepool-random-smollm2" + (f"-{layers}-layers" if layers else ""))
     if not folder.exists():
-        make_checkpoint(folder, tokenizer_dir, layers)
+        partial = root / f".{folder.name}.partial-{os.getpid()}"
+        try:
+            make_checkpoint(partial, tokenizer_dir, layers)
+            try:
+                partial.rename(folder)
+            except OSError:
+                if not folder.exists():
+                    raise  # else another process finished first: theirs serves
+        finally:
+            shutil.rmtree(partial, ignore_errors=True)
     return str(folder)
 
 
