@@ -41,7 +41,7 @@ from dataclasses import asdict
 import aiohttp
 import torch
 
-from bench.common import table
+from bench.common import table, write_json
 from bench.loadgen import HEADERS, EngineTarget, HttpTarget, Report, Request, run, sse_chunks, workload
 from libs.engine import EngineConfig, LLM
 from services.launch.cluster import ClusterConfig, LocalCluster
@@ -189,9 +189,8 @@ def main() -> None:
     for on in modes:
         print(f"\nPD ({label[on]}) / in-process throughput: {pd[on].throughput / local.throughput:.2f}x (goal >= 0.8x); "
               "CPU seconds per second of the run: " + ", ".join(f"{n} {v:.2f}" for n, v in cpu[on].items()))
-    if args.out:
-        Path(args.out).write_text(json.dumps({"args": vars(args), "in_process": asdict(local), "device": where,
-                                              "pd": {label[on]: {**asdict(pd[on]), "cpu_per_s": cpu[on]} for on in modes}}, indent=1))
+    write_json({"args": vars(args), "in_process": asdict(local), "device": where,
+                "pd": {label[on]: {**asdict(pd[on]), "cpu_per_s": cpu[on]} for on in modes}}, args.out)
     for on in hand:
         med = {k: statistics.median(h[k] for h in hand[on]) for k in hand[on][0]}
         share = (med["write_s"] + med["read_s"]) / med["ttft_s"]
