@@ -8,7 +8,10 @@ needs nothing but the step's one copy per dtype, which the engine does anyway.
 - Decode graphs, one per batch size in ``graph_batch_sizes``: a decode-only step of
   ``n`` sequences is laid out with the smallest captured size ``>= n``; the padding rows
   write nowhere (slot -1) and attend to nothing (length 0). The graph includes the LM
-  head: the logits of every row.
+  head, the logits of every row, and (given the sampler's ``greedy``) each row's argmax
+  of them: a step whose rows all take the argmax of unprocessed logits then launches no
+  sampling kernel of its own, whose Python launch cost (~90 us on an H200 host) was a
+  fifth of a batch-1 step's host time (bench/RESULTS.md, issue 10).
 - Prefill graphs, one per token bucket (powers of two up to the step budget): any step
   with prompt chunks whose tokens and sequences fit. Every sequence of it, decode rows
   included, is a query of the prefill attention kernel (a decode row is a query of
@@ -55,7 +58,10 @@ def prefill_token_buckets(max_tokens: int, smallest: int = 16) -> list[int]:
 class ForwardGraphs:
     """Captured forwards keyed by ``("decode", batch)`` and ``("prefill", tokens)``."""
 
-    def __init__(self, model: LlamaModel, staging: StepStaging, device: torch.device, *, width: int, block_size: int, emulate: bool = False):
+    def __init__(
+        self, model: LlamaModel, staging: StepStaging, device: torch.device, *, width: int, block_size: int, emulate: bool = False,
+        greedy: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ):
         if device.type != "cuda" and not emulate:
             raise ValueError("CUDA graphs need a CUDA device")
         self.emulate = emulate
@@ -69,6 +75,8 @@ class ForwardGraphs:
         self.prefill_seqs = 0
         self.graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[str, int], torch.Tensor] = {}
+        self.greedy = greedy  # logits -> each row's argmax token (the sampler's), or None
+        self.greedy_outputs: dict[int, torch.Tensor] = {}  # decode graph's batch -> its rows' argmax
         self.pool = None
         self.replays = {"decode": 0, "prefill": 0}
 
@@ -82,7 +90,15 @@ class ForwardGraphs:
 
     def _decode_forward(self, v: PackViews, batch: int) -> torch.Tensor:
         meta = v.metadata(batch, 0, self.width * self.block_size)
-        return self.model.compute_logits(self.model(v.input_ids, v.positions, meta))
+        logits = self.model.compute_logits(self.model(v.input_ids, v.positions, meta))
+        if self.greedy is not None:
+            self.greedy_outputs[batch] = self.greedy(logits)
+        return logits
+
+    def greedy_tokens(self, batch: int) -> torch.Tensor | None:
+        """The argmax of every row of the decode graph of ``batch`` (as of its last
+        replay), or None without ``greedy``."""
+        return self.greedy_outputs.get(batch)
 
     def _prefill_forward(self, v: PackViews, tokens: int) -> torch.Tensor:
         return self.model(v.input_ids, v.positions, v.metadata(0, tokens, self.width * self.block_size))

@@ -158,7 +158,7 @@ class ModelRunner:
             current = tuple(p.numel() for p in self.staging.device_packs)
             want = tuple(max([c, *(r[i] for r in room)]) for i, c in enumerate(current))
             self.staging.set_device_packs(tuple(torch.zeros(n, dtype=p.dtype, device=self.device) for n, p in zip(want, self.staging.device_packs)))
-        self.graphs = ForwardGraphs(self.model, self.staging, self.device, width=W, block_size=self.block_size, emulate=emulate)
+        self.graphs = ForwardGraphs(self.model, self.staging, self.device, width=W, block_size=self.block_size, emulate=emulate, greedy=self.sampler.greedy)
         self.graphs.capture(decode, prefill, prefill_seqs)
         return self.graphs
 
@@ -233,7 +233,7 @@ class ModelRunner:
         st = self._sampling_tensors(step, v)
         spec_error = None
         if step.spec is None:
-            samples = self.sampler.sample(logits, st)
+            samples = self.sampler.sample(logits, st, greedy=self._graph_greedy(step))
             self.state.record(v.sample_slots, samples.tokens)
         else:  # speculative verification (libs/engine/spec/verify.py): records its own state
             samples, spec_error = step.spec.sample(self.sampler, self.state, logits, st, v.sample_slots)
@@ -244,6 +244,13 @@ class ModelRunner:
         result.timing = (started, self.timer.stop())
         result.prompt_scores = scores
         return result
+
+    def _graph_greedy(self, step: Step) -> torch.Tensor | None:
+        """The argmax of the step's rows that its decode graph computed, or None (no graph)."""
+        if step.path != "decode_graph" or self.graphs is None:
+            return None
+        tokens = self.graphs.greedy_tokens(step.layout.seqs)
+        return None if tokens is None else tokens[: step.num_decodes]
 
     def _forward(self, step: Step, v: PackViews, scores: list[PromptLogprobs] | None = None) -> torch.Tensor:
         """fp32 logits of the sampled rows, ``[S, vocab]``."""

@@ -185,12 +185,20 @@ class Sampler:
                 out[rows[j]] = lp
         return SamplerOutput(tokens, out)
 
-    def sample(self, logits: torch.Tensor, st: SamplingTensors) -> DeviceSamples:
+    def sample(self, logits: torch.Tensor, st: SamplingTensors, *, greedy: torch.Tensor | None = None) -> DeviceSamples:
         """Launch sampling; nothing is read back. ``logits``: fp32 ``[S, vocab]``. Call under
-        ``torch.inference_mode()`` (the runner's step is)."""
+        ``torch.inference_mode()`` (the runner's step is). ``greedy``: ``self.greedy(logits)``
+        computed already (a decode CUDA graph's), used where no processing changes the
+        logits."""
         raw = logits[:, : self.vocab_size]  # logprobs are the raw model distribution, before any processing
-        tokens = self.pick(self.process(raw, st), st)
+        processed = self.process(raw, st)
+        tokens = self.pick(processed, st, greedy=greedy if processed is raw else None)
         return DeviceSamples(tokens, self.logprobs(raw, tokens, st))
+
+    def greedy(self, logits: torch.Tensor) -> torch.Tensor:
+        """Each row's argmax over the vocabulary of unprocessed ``logits``: what ``pick``
+        takes on a greedy row when nothing processes them (a decode graph computes it)."""
+        return self._argmax(logits[:, : self.vocab_size])
 
     def process(self, logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
         """Penalties, logit bias, bans and grammar masks: the logits greedy rows take the
@@ -210,11 +218,14 @@ class Sampler:
             logits = self._constrain(logits if processed else logits.clone(), raw if processed else None, st)
         return logits
 
-    def pick(self, logits: torch.Tensor, st: SamplingTensors, probs: torch.Tensor | None = None, noise: torch.Tensor | None = None) -> torch.Tensor:
-        """One token per row of processed ``logits``: the argmax on greedy rows, the
-        exponential race over ``probs`` (default ``self.probs``) with ``noise`` (default
-        ``self.noise``) on the others."""
-        greedy_tokens = self._argmax(logits) if st.any_greedy else None
+    def pick(
+        self, logits: torch.Tensor, st: SamplingTensors, probs: torch.Tensor | None = None, noise: torch.Tensor | None = None,
+        greedy: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """One token per row of processed ``logits``: the argmax on greedy rows (``greedy``
+        if given: that argmax, computed already), the exponential race over ``probs``
+        (default ``self.probs``) with ``noise`` (default ``self.noise``) on the others."""
+        greedy_tokens = (self._argmax(logits) if greedy is None else greedy) if st.any_greedy else None
         if st.all_greedy:
             return greedy_tokens
         probs = self.probs(logits, st) if probs is None else probs

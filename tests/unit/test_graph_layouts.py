@@ -80,3 +80,43 @@ def test_a_step_whose_inputs_do_not_fit_the_graph_buffers_runs_eagerly():
     assert all(fits for path, fits in paths if path != "eager")
     assert eng.runner.graphs.replays["decode"] > 0  # graphs ran once the bans were over
     eng.close()
+
+
+def test_greedy_decode_steps_take_the_graphs_argmax_unless_the_logits_are_processed():
+    """A decode graph computes each row's argmax of the raw logits. A decode step of
+    greedy rows whose logits nothing processes takes it (the sampler launches no argmax
+    of its own); a step with a logit bias or a penalty takes the argmax of the processed
+    logits. Either way the tokens equal those of the engine without graphs (the bias
+    forces a token the raw argmax would not pick)."""
+    prompts = [list(range(100, 120)), list(range(300, 310))]
+    plain = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    cases = {
+        "plain": [plain, plain],
+        "processed": [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logit_bias={4321: 100.0}),
+                      SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, frequency_penalty=1.5)],
+    }
+    for name, params in cases.items():
+        ref = tiny_engine(num_blocks=64).generate(prompts, params)
+        eng = tiny_engine(num_blocks=64)
+        eng.enable_graphs(emulate=True)
+        given = []  # per decode-graph step: whether pick got the graph's argmax
+        pick, build = eng.runner.sampler.pick, eng.builder.build
+        paths = []
+
+        def spy_build(*a):
+            step = build(*a)
+            paths.append(step.path)
+            return step
+
+        def spy_pick(logits, st, *a, greedy=None, **k):
+            if paths[-1] == "decode_graph":
+                given.append(greedy is not None)
+            return pick(logits, st, *a, greedy=greedy, **k)
+
+        eng.builder.build, eng.runner.sampler.pick = spy_build, spy_pick
+        got = eng.generate(prompts, params)
+        assert [r.token_ids for r in got] == [r.token_ids for r in ref], name
+        assert len(given) >= 4, name
+        assert all(given) if name == "plain" else not any(given), (name, given)
+        eng.close()
+    assert ref[0].token_ids == [4321] * 6  # the bias decided every token of the first request
