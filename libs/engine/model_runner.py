@@ -48,7 +48,7 @@ class StepResult:
     tokens: torch.Tensor  # [S] int64
     logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
     captured: list[torch.Tensor] | None
-    event: "torch.cuda.Event | None" = None
+    event: "torch.Event | None" = None
     forward_s: float = 0.0  # host time in the forward (launches on CUDA, compute on the CPU)
     timing: tuple = (None, None)  # the step's CUDA events (StepTimer)
     spec_error: BaseException | None = None  # the verification's inputs failed (libs/engine/spec)
@@ -124,7 +124,12 @@ class ModelRunner:
         self.staging = StepStaging(device, sizes)
         self.graphs: ForwardGraphs | None = None
         self.timer = StepTimer(device)
+        # A step's sampled ids land in pinned buffer ``index & 1``, and its event of the same
+        # parity says when: at most two steps are in flight (libs/engine/device_queue.py),
+        # so a step's buffer and event are free again by the time the step after next
+        # launches (a fresh ``torch.cuda.Event`` a step cost ~15 us of host time).
         self._out = [torch.empty(1024, dtype=torch.long, pin_memory=True) for _ in range(2)] if device.type == "cuda" else []
+        self._out_events = [torch.Event(device) for _ in range(2)] if device.type == "cuda" else []
 
     def _bind(self) -> None:
         # Several engines may share one loaded model (tests, benchmarks); the model's layers
@@ -322,6 +327,6 @@ class ModelRunner:
         host = lambda t: torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)  # noqa: E731
         lp = tuple(host(t) for t in lp) if lp is not None else None
         captured = [host(t) for t in captured] if captured else None
-        event = torch.cuda.Event()
+        event = self._out_events[k]
         event.record()
         return StepResult(out, lp, captured, event)

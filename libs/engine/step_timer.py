@@ -16,25 +16,32 @@ import torch
 class StepTimer:
     """``start()``/``stop()`` return a step's events, which travel with its result (async
     scheduling launches step N + 1 before step N is read back); ``account(events)`` adds
-    the step once its result is on the host."""
+    the step once its result is on the host.
+
+    The events are ``torch.Event``s (recorded on the current stream in C++, where
+    ``torch.cuda.Event.record`` looks the stream up in Python) and are recorded again by
+    later steps once accounted: creating and recording two fresh ``torch.cuda.Event``s
+    cost a batch-1 decode step about 35 us of host time on an H200 host."""
 
     def __init__(self, device: torch.device):
         self.enabled = device.type == "cuda"
+        self.device = device
         self.busy_s = 0.0
         self.idle_s = 0.0
         self.steps = 0
-        self._prev_end: torch.cuda.Event | None = None
+        self._prev_end: torch.Event | None = None
+        self._spare: list[torch.Event] = []  # accounted events, free to record again
 
-    def start(self) -> "torch.cuda.Event | None":
+    def start(self) -> "torch.Event | None":
         return self._record()
 
-    def stop(self) -> "torch.cuda.Event | None":
+    def stop(self) -> "torch.Event | None":
         return self._record()
 
-    def _record(self) -> "torch.cuda.Event | None":
+    def _record(self) -> "torch.Event | None":
         if not self.enabled:
             return None
-        ev = torch.cuda.Event(enable_timing=True)
+        ev = self._spare.pop() if self._spare else torch.Event(self.device, enable_timing=True)
         ev.record()
         return ev
 
@@ -48,6 +55,8 @@ class StepTimer:
         self.busy_s += start.elapsed_time(end) / 1e3
         if self._prev_end is not None:
             self.idle_s += max(0.0, self._prev_end.elapsed_time(start) / 1e3)
+            self._spare.append(self._prev_end)
+        self._spare.append(start)
         self._prev_end = end
         self.steps += 1
 
@@ -56,6 +65,8 @@ class StepTimer:
         between windows, e.g. no requests at all, is not counted)."""
         self.busy_s = self.idle_s = 0.0
         self.steps = 0
+        if self._prev_end is not None:
+            self._spare.append(self._prev_end)
         self._prev_end = None
 
     @property

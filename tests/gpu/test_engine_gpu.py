@@ -75,6 +75,27 @@ def test_greedy_matches_transformers_with_graphs_and_async_scheduling(models):
     eng.close()
 
 
+def test_step_timer_reuses_a_few_events_and_times_every_step(models):
+    """The step timer records each accounted step's events again for later steps (a fresh
+    event a step was host time): a whole generation runs on a handful of events, and the
+    device time they add up is the steps' own (positive, within the wall time)."""
+    import time
+
+    _, loaded = models
+    eng = make(loaded, async_scheduling="on")
+    timer = eng.timer
+    recorded, record = [], timer._record
+    timer._record = lambda: recorded.append(record()) or recorded[-1]
+    timer.reset()
+    t0 = time.perf_counter()
+    eng.generate(prompts(), SamplingParams(temperature=0, max_tokens=48, ignore_eos=True))
+    wall = time.perf_counter() - t0
+    assert timer.steps >= 48 and len(recorded) == 2 * timer.steps
+    assert len({id(e) for e in recorded}) <= 6, len({id(e) for e in recorded})
+    assert 0 < timer.busy_s < wall and 0 <= timer.idle_fraction < 1
+    eng.close()
+
+
 @pytest.mark.parametrize("graphs", ["decode", "prefill"])
 def test_graph_replay_equals_eager(models, graphs):
     """Logits of prompts (prefill graphs: mixed steps too) and of decode steps."""
