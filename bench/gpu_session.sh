@@ -129,7 +129,7 @@ for s in "$@"; do
               step gpu_engine_fusions 300 python3 -m bench.gpu_engine --fusions --shapes smollm2-135m,llama-3.2-1b \
                   --out bench/results/gpu_engine_fusions_h100.json
               step gpu_profile_fused 150 python3 -m bench.gpu_profile --no-prefill ;;
-        tp) step tp_tests 400 python3 -m pytest -v -p no:cacheprovider --timeout 300 --durations=15 tests/gpu/test_tp_gpu.py ;;
+        tp) step tp_tests 400 python3 -m pytest -x -v -p no:cacheprovider --timeout 300 --durations=15 tests/gpu/test_tp_gpu.py ;;  # -x: a failure's traceback comes back even if the call is cut
         tp_bench) step tp_checkpoint 200 python3 -m bench.random_checkpoint qwen2.5-7b /tmp/tidepool-bench/qwen2.5-7b --device cuda
                   step tp_bench 500 python3 -m bench.tp_bench --checkpoint /tmp/tidepool-bench --out bench/results/tp_bench_h200x2.json ;;
         *) n=$((${n:-0} + 1)); step "custom$n" "${CUSTOM_S:-300}" bash -c "$s" ;;  # any other command, run as given
