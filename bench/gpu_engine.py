@@ -93,12 +93,17 @@ def random_prompts(eng: LLM, lengths: list[int], g: torch.Generator) -> list[lis
     return [torch.randint(0, eng.vocab_size, (n,), generator=g).tolist() for n in lengths]
 
 
+def admit(eng: LLM, prompts: list[list[int]], tag: str = "p") -> None:
+    """Queue ``prompts`` for a prefill: one greedy token each to generate."""
+    for i, ids in enumerate(prompts):
+        eng.add_request(f"{tag}{i}-{time.monotonic_ns()}", ids, SamplingParams(temperature=0, max_tokens=1))
+
+
 def prefill_batch(eng: LLM, prompts: list[list[int]]) -> float:
     """Admit ``prompts`` (one token each to generate) and step until they are done: a
     prefill as the benchmarks time it. Returns the seconds admission took."""
     t = time.perf_counter()
-    for i, ids in enumerate(prompts):
-        eng.add_request(f"p{i}-{time.monotonic_ns()}", ids, SamplingParams(temperature=0, max_tokens=1))
+    admit(eng, prompts)
     admitted = time.perf_counter() - t
     while eng.has_unfinished_requests():
         eng.step()
@@ -137,8 +142,7 @@ def prefill_sustained(eng: LLM, batch: int = 16, length: int = 1024, batches: in
         eng.timer.reset()
         t = time.perf_counter()
         for k in range(batches):
-            for i, ids in enumerate(prompts[k * batch : (k + 1) * batch]):
-                eng.add_request(f"s{k}-{i}-{time.monotonic_ns()}", ids, SamplingParams(temperature=0, max_tokens=1))
+            admit(eng, prompts[k * batch : (k + 1) * batch], tag=f"s{k}-")
             eng.step()
         while eng.has_unfinished_requests():
             eng.step()
