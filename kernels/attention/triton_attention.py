@@ -79,14 +79,20 @@ _DECODE_PROGRAMS_PER_SM = 6
 _MIN_SPLIT_TOKENS = 128
 _MIN_SPLIT_TOKENS_BUSY = 512
 _MAX_SPLITS = 64
-# Prefill: query rows (tokens x group heads) and keys per tile; warps per program for
-# head tiles up to 64 wide, and wider. (64 query rows measured 3-10% faster in the sweep;
-# 128 is what the GPU tests have run.)
-_PREFILL_BLOCK_M = 128
+# Prefill: query rows (tokens x group heads), keys per tile, warps and stages, for head
+# tiles up to 64 wide and (``_WIDE``) wider. Measured on the H200 (bench/RESULTS.md, issue
+# 10 round 17; three alternations in one process): at head dim 64, 64 rows with 2 stages
+# against 128 rows with 3 were 1.03-1.05x on SmolLM2's heads (16 x 1024, chunks after a
+# cached prefix, mixed lengths), 1.11x on Llama-3.2-1B's and 0.99x on Qwen2.5-0.5B's
+# (group 7); at 128 rows a program holds 253 registers a thread, two programs an SM. At
+# head dim 128 (Qwen2.5-7B) 64 rows were 0.92x or slower.
+_PREFILL_BLOCK_M = 64
+_PREFILL_BLOCK_M_WIDE = 128
 _PREFILL_BLOCK_N = 64
 _PREFILL_NUM_WARPS = 4
 _PREFILL_NUM_WARPS_WIDE = 8
-_PREFILL_NUM_STAGES = 3
+_PREFILL_NUM_STAGES = 2
+_PREFILL_NUM_STAGES_WIDE = 3
 # SM count assumed off CUDA (the interpreter), so the split heuristic stays exercised.
 _CPU_SM_COUNT = 4
 
@@ -732,7 +738,8 @@ def paged_prefill_attention(
     if num_tokens == 0 or num_seqs <= 0:
         return out
     block_d = _head_block(head_dim)
-    block_m = max(_PREFILL_BLOCK_M, triton.next_power_of_2(group))
+    wide = block_d > 64
+    block_m = max(_PREFILL_BLOCK_M_WIDE if wide else _PREFILL_BLOCK_M, triton.next_power_of_2(group))
     block_q = block_m // group  # query tokens per tile
     _prefill_kernel[(num_tokens // block_q + num_seqs, k_cache.shape[2])](
         q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out,
@@ -741,7 +748,7 @@ def paged_prefill_attention(
         HEAD_DIM=head_dim, GROUP=group, NATIVE_DOT=_native_dot(q, k_cache),
         BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=_PREFILL_BLOCK_N, BLOCK_D=block_d,
         BLOCK_SIZE=k_cache.shape[1],
-        num_warps=_PREFILL_NUM_WARPS if block_d <= 64 else _PREFILL_NUM_WARPS_WIDE,
-        num_stages=_PREFILL_NUM_STAGES,
+        num_warps=_PREFILL_NUM_WARPS_WIDE if wide else _PREFILL_NUM_WARPS,
+        num_stages=_PREFILL_NUM_STAGES_WIDE if wide else _PREFILL_NUM_STAGES,
     )
     return out
