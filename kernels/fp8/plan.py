@@ -3,7 +3,9 @@
 Two data files decide, both written on a GPU by the benchmarks and read here at launch:
 
 - ``swap_ab_threshold.json`` (``bench/fp8_gemm_bench.py --write-threshold``): the largest M
-  that takes the swap-AB variant (the issue asks for the threshold as data);
+  that takes the swap-AB variant (the issue asks for the threshold as data): a default,
+  and per device name where a GPU measured its own (``by_device``; a file without that
+  field, the first form, is still read: every device takes the default);
 - ``gemm_configs.json`` (``bench/fp8_tune.py``): per device name, per weight shape
   ``N_pad x K_pad`` and variant, the fastest tile configuration measured for each M bucket
   (an entry tuned at M = 16 serves 4 < m <= 16 when the tuned Ms are ..., 4, 16, ...;
@@ -127,15 +129,31 @@ class GemmPlan:
         return cls(**data)
 
 
-@lru_cache(maxsize=1)
-def swap_ab_max_m() -> int:
-    """The largest M that takes the swap-AB variant: data, written by
+def parse_swap_ab_threshold(data: dict[str, Any]) -> tuple[int, dict[str, int]]:
+    """``swap_ab_threshold.json`` -> (the default, {device name: its own}), or a
+    ``ValueError`` naming what is wrong. ``by_device`` is optional (the first form had
+    only the default)."""
+
+    def checked(value: Any, where: str) -> int:
+        if type(value) is not int or value < 0:
+            raise ValueError(f"{THRESHOLD_FILE}: {where} must be a non-negative int, got {value!r}")
+        return value
+
+    default = checked(data.get("swap_ab_max_m"), "swap_ab_max_m")
+    by_device = data.get("by_device", {})
+    if not isinstance(by_device, dict):
+        raise ValueError(f"{THRESHOLD_FILE}: by_device must map device names to entries, got {by_device!r}")
+    return default, {name: checked(entry.get("swap_ab_max_m") if isinstance(entry, dict) else None, f"by_device[{name!r}].swap_ab_max_m")
+                     for name, entry in by_device.items()}
+
+
+@lru_cache(maxsize=None)
+def swap_ab_max_m(device_name: str | None = None) -> int:
+    """The largest M that takes the swap-AB variant on ``device_name`` (the default for a
+    device that did not measure its own, and for None): data, written by
     ``bench/fp8_gemm_bench.py --write-threshold`` from measured timings."""
-    data = json.loads(THRESHOLD_FILE.read_text())
-    value = data["swap_ab_max_m"]
-    if not isinstance(value, int) or value < 0:
-        raise ValueError(f"{THRESHOLD_FILE}: swap_ab_max_m must be a non-negative int, got {value!r}")
-    return value
+    default, by_device = parse_swap_ab_threshold(json.loads(THRESHOLD_FILE.read_text()))
+    return by_device.get(device_name, default) if device_name is not None else default
 
 
 @lru_cache(maxsize=1)
@@ -240,9 +258,9 @@ def reload() -> None:
 
 @lru_cache(maxsize=4096)
 def _plan_gemm(m: int, swap_ab: bool | None, n: int | None, k: int | None, device: torch.device | str | None) -> GemmPlan:
-    if swap_ab is None:
-        swap_ab = m <= swap_ab_max_m()
     facts = device_facts(device)
+    if swap_ab is None:
+        swap_ab = m <= swap_ab_max_m(facts[0] if facts else None)
     n_pad = None if n is None else padded(n)
     k_pad = None if k is None else padded(k)
     if facts is not None and n_pad and k_pad:

@@ -93,6 +93,34 @@ def test_the_tuned_plan_of_the_smallest_bucket_holding_m(fake_gpu):
     assert plan_gemm(8192, swap_ab=False, n=4096, k=4096, device="cuda").token_tile == 128
 
 
+def test_the_swap_ab_threshold_is_per_device_and_its_first_form_still_reads():
+    first_form = {"swap_ab_max_m": 16, "provisional": False, "device": "NVIDIA H100 80GB HBM3", "timings_ms": {}}
+    assert plan_mod.parse_swap_ab_threshold(first_form) == (16, {})
+    data = {**first_form, "by_device": {"NVIDIA H200": {"swap_ab_max_m": 32, "source": "...", "timings_ms": {}}}}
+    assert plan_mod.parse_swap_ab_threshold(json.loads(json.dumps(data))) == (16, {"NVIDIA H200": 32})
+    for bad, match in (
+        ({"swap_ab_max_m": -1}, "swap_ab_max_m"),
+        ({"swap_ab_max_m": True}, "swap_ab_max_m"),
+        ({}, "swap_ab_max_m"),
+        ({"swap_ab_max_m": 16, "by_device": [32]}, "by_device"),
+        ({"swap_ab_max_m": 16, "by_device": {"G": {"swap_ab_max_m": "32"}}}, "by_device.*'G'"),
+        ({"swap_ab_max_m": 16, "by_device": {"G": 32}}, "by_device.*'G'"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            plan_mod.parse_swap_ab_threshold(bad)
+
+
+def test_plan_gemm_takes_the_threshold_of_its_device(fake_gpu, tmp_path, monkeypatch):
+    path = tmp_path / "swap_ab_threshold.json"
+    path.write_text(json.dumps({"swap_ab_max_m": 4, "by_device": {"Fake H100": {"swap_ab_max_m": 32}}}))
+    monkeypatch.setattr(plan_mod, "THRESHOLD_FILE", path)
+    plan_mod.reload()
+    assert (swap_ab_max_m(), swap_ab_max_m("Fake H100"), swap_ab_max_m("Other GPU")) == (4, 32, 4)
+    assert [plan_gemm(m, n=4096, k=4096, device="cuda").swap_ab for m in (1, 32, 33)] == [True, True, False]
+    assert [plan_gemm(m, n=4096, k=4096, device="cpu").swap_ab for m in (4, 5)] == [True, False]
+    assert [plan_gemm(m).swap_ab for m in (4, 5)] == [True, False]
+
+
 def test_a_tuned_plan_whose_tile_does_not_divide_the_weight_is_not_used(tmp_path, monkeypatch):
     path = tmp_path / "c.json"
     bad = {**OLD_FORM, "weight_tile": 256}
