@@ -72,9 +72,9 @@ from kernels.fp8 import reference as ref
 from kernels.gemv import threshold as gemv_threshold
 
 SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336)]
-MS = [1, 4, 16, 64, 128, 256, 1024, 4096]
+MS = [1, 4, 16, 32, 64, 128, 256, 1024, 4096]  # the issue's Ms and 32 (bench/fp8_tune.py says why)
 DECODE_SHAPES = [(3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192)]  # Llama-3.2-1B
-DECODE_MS = [1, 4, 16, 64]
+DECODE_MS = [1, 4, 16, 32, 64]
 TOY_SHAPES = [(256, 256)]
 TOY_MS = [1, 4, 16, 64]
 TRITON_VARIANTS = ("swap_ab", "normal", "skinny")
@@ -171,7 +171,7 @@ def run(device: torch.device, shapes: list[tuple[int, int]], ms: list[int], tune
             w16s = [w16] + [w16.clone() for _ in range(c16 - 1)]
             row["bf16"] = time_of([lambda v=v: torch.matmul(x, v.t()) for v in w16s])
             row["ours_best"] = min((v for v in TRITON_VARIANTS if row[v] is not None), key=lambda v: row[v])
-            triton_served = "swap_ab" if m <= plan.swap_ab_max_m() else "normal"
+            triton_served = "swap_ab" if m <= plan.swap_ab_max_m(device_name(device)) else "normal"
             if m <= gemv_threshold.fp8_skinny_max_m(device, *w_q.shape):
                 triton_served = "skinny"
             row["served"] = "cublas_block" if row["cublas_block"] is not None and m >= plan.cublas_min_m() else triton_served
@@ -278,27 +278,35 @@ def write_skinny_threshold(rows: list[dict], device_name: str) -> int:
     return value
 
 
+def device_name(device: torch.device) -> str | None:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else None
+
+
 def write_threshold(rows: list[dict], device: torch.device) -> int:
-    """The swap-AB and cuBLAS thresholds from ``rows``: the issue's shapes (Llama-3-8B's)."""
+    """The swap-AB and cuBLAS thresholds from ``rows``: the issue's shapes (Llama-3-8B's).
+    The swap-AB one is stored for this device (``by_device``); the default, which devices
+    that never measured their own take, is kept (or set, in a file that has none)."""
     value = choose_threshold(rows)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    data = {
+    entry = {
         "swap_ab_max_m": value,
-        "provisional": False,
         "source": f"bench/fp8_gemm_bench.py --write-threshold at commit {commit}: largest M of the sweep up to which swap-AB beats the normal variant on every Llama-3-8B shape (geometric mean; per linear layer, tuned plans, CUDA-graph replay)",
-        "device": torch.cuda.get_device_name(device),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "timings_ms": {f"{r['n']}x{r['k']}@{r['m']}": {"swap_ab": r["swap_ab"], "normal": r["normal"]} for r in rows},
     }
-    Path(plan.THRESHOLD_FILE).write_text(json.dumps(data, indent=2) + "\n")
+    path = Path(plan.THRESHOLD_FILE)
+    data = json.loads(path.read_text()) if path.exists() else {"swap_ab_max_m": value, "provisional": False}
+    data.setdefault("by_device", {})[device_name(device)] = entry
+    plan.parse_swap_ab_threshold(data)
+    path.write_text(json.dumps(data, indent=2) + "\n")
     cublas = choose_cublas_threshold(rows)
     if cublas is not None:
         Path(plan.CUBLAS_THRESHOLD_FILE).write_text(json.dumps({
             "cublas_min_m": cublas,
             "provisional": False,
             "source": f"bench/fp8_gemm_bench.py --write-threshold at commit {commit}: smallest M of the sweep from which cuBLASLt's block-scaled GEMM beats our best Triton variant at every larger M on the Llama-3-8B shapes (geometric mean)",
-            "device": data["device"],
-            "date": data["date"],
+            "device": device_name(device),
+            "date": entry["date"],
             "timings_ms": {f"{r['n']}x{r['k']}@{r['m']}": {"cublas_block": r["cublas_block"], "triton_best": r[r["ours_best"]]} for r in rows},
         }, indent=2) + "\n")
     plan.reload()
@@ -317,7 +325,7 @@ def main() -> None:
     if not args.toy:
         rows += run(device, DECODE_SHAPES, DECODE_MS, tune=args.tune)
     print(report(rows))
-    print(f"swap-AB faster up to M = {choose_threshold(issue_rows)} (stored: {plan.swap_ab_max_m()})")
+    print(f"swap-AB faster up to M = {choose_threshold(issue_rows)} (stored for this device: {plan.swap_ab_max_m(device_name(device))})")
     print(f"cuBLAS block-scaled faster from M = {choose_cublas_threshold(issue_rows)} (stored: {plan.cublas_min_m()})")
     print(f"skinny GEMM faster up to M = {choose_skinny_threshold(rows)} on every shape, per shape {skinny_shape_thresholds(rows)}")
     if args.write_threshold:

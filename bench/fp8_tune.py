@@ -48,9 +48,11 @@ from kernels.fp8.layout import BLOCK, padded
 from kernels.fp8.plan import CONFIGS_FILE, CONFIGS_FORMAT, GemmPlan, heuristic_plan, reload, shape_key
 
 LLAMA3_8B = [(4096, 4096), (14336, 4096), (4096, 14336)]
-LLAMA3_8B_MS = [1, 4, 16, 64, 128, 256, 1024, 4096]
+# The issue's Ms, and 32: between swap-AB's decode sizes and 64 (bench/RESULTS.md, issue 13:
+# at M = 32 swap-AB in 16-token tiles beat the normal plan that served there).
+LLAMA3_8B_MS = [1, 4, 16, 32, 64, 128, 256, 1024, 4096]
 LLAMA32_1B = [(3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192)]  # qkv, o, gate_up, down
-LLAMA32_1B_MS = [1, 16, 64]
+LLAMA32_1B_MS = [1, 16, 32, 64]
 # The engine fuses Llama-3-8B's qkv and gate/up into one weight each: shapes the issue's
 # list lacks, which ran the untuned plan (bench/RESULTS.md, "FP8 decode on Llama-3-8B's shape").
 LLAMA3_8B_FUSED = [(6144, 4096), (28672, 4096)]
@@ -96,6 +98,13 @@ def candidates(swap_ab: bool, m: int, n_pad: int, k_pad: int, num_sms: int) -> l
             for wt in (64, 128):
                 add(tt, wt, 4, 4, splits=(1, 2, 4), fuse=(False, True))
                 add(tt, wt, 4, 4, splits=(1, 2), tma=(True,))
+            # Token tiles smaller than M, with the decode sizes' depth and TMA: each program's
+            # MMA stays narrow and the weight tile is read once per token tile (from L2 after
+            # the first). At M = 32 a probe measured 16-token tiles 1.05-1.33x the normal plan
+            # then served on four of five shapes (bench/RESULTS.md, issue 13).
+            for small in (16, 32):
+                if small < tt:
+                    add(small, 64, 4, 5, splits=(1, 2, 4), tma=(True,))
         else:
             for wt in (64, 128):
                 add(tt, wt, 4, 4, splits=(1, 2), tma=(False, True))
