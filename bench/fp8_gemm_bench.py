@@ -67,6 +67,7 @@ from bench.common import kernel_bench_parser, table
 from bench.gpu_timing import copies_for, kernel_timer
 from bench.common import git_commit
 from bench.gemv_bench import SHAPE_MARGIN
+from kernels.device import device_facts
 from kernels.fp8 import layout, plan
 from kernels.fp8 import reference as ref
 from kernels.gemv import threshold as gemv_threshold
@@ -279,7 +280,9 @@ def write_skinny_threshold(rows: list[dict], device_name: str) -> int:
 
 
 def device_name(device: torch.device) -> str | None:
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else None
+    """The name ``plan_gemm`` looks this device up by (``device_facts``), None off CUDA."""
+    facts = device_facts(device)
+    return facts[0] if facts else None
 
 
 def write_threshold(rows: list[dict], device: torch.device) -> int:
@@ -330,7 +333,7 @@ def main() -> None:
     print(f"skinny GEMM faster up to M = {choose_skinny_threshold(rows)} on every shape, per shape {skinny_shape_thresholds(rows)}")
     if args.write_threshold:
         print(f"wrote swap_ab_max_m = {write_threshold(issue_rows, device)} to {plan.THRESHOLD_FILE}")
-        name = torch.cuda.get_device_name(device)
+        name = device_name(device)
         print(f"wrote fp8_max_m = {write_skinny_threshold(rows, name)} for {name} to {gemv_threshold.THRESHOLD_FILE}")
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=2))

@@ -134,9 +134,10 @@ def prefill_sustained(eng: LLM, batch: int = 16, length: int = 1024, batches: in
     a batch (admission, schedule, layout, launch) then runs while the batch before it is on
     the GPU; ``prefill`` times one batch alone, whose host work nothing can hide. Also the
     GPU's idle share between steps."""
-    sets = prompt_sets(eng, [length] * (batch * batches), 2 if QUICK else 3, seed=11)
+    runs = 2 if QUICK else 3  # the first is a warm-up
+    sets = prompt_sets(eng, [length] * (batch * batches), runs, seed=11)
     reps = []
-    for rep in range(2 if QUICK else 3):  # the first is a warm-up
+    for rep in range(runs):
         prompts = sets()
         synchronize(eng.device)
         eng.timer.reset()
