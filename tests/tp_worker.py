@@ -6,7 +6,8 @@ Every rank loads only its shard and runs its own engine on the same prompts: the
 schedule identically, so their forwards (and the collectives inside) pair up, and each
 rank's greedy tokens come from the all-gathered logits. That checks the sharded model by
 itself; the instance (rank 0 scheduling and broadcasting, tests/unit/test_tp_engine.py)
-is tested on top of it. Results are saved with ``torch.save`` for the parent to compare
+is tested on top of it. ``cuda_graphs`` (on a GPU) captures the forwards, the collectives
+inside them, or leaves them eager. Results are saved with ``torch.save`` for the parent to compare
 with TP=1."""
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from tests.ranks import start_rank
 
 def run(
     rank: int, world: int, port: int, model: str, prompts: list[list[int]], n_greedy: int, out_dir: str, device_type: str = "cpu",
-    dtype: str = "float32",
+    dtype: str = "float32", cuda_graphs: bool = True,
 ) -> None:
     device = start_rank(rank, device_type)
     from libs.dist import ParallelLayout, init_parallel, shutdown_parallel
@@ -31,7 +32,7 @@ def run(
     try:
         torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
         loaded = load_model(model, dtype=torch_dtype, device=device, backend=make_backend("auto", device), tp=groups.tp)
-        engine = LLM(EngineConfig(device=str(device), dtype=dtype, num_blocks=96, cuda_graphs=device.type == "cuda"), loaded=loaded)
+        engine = LLM(EngineConfig(device=str(device), dtype=dtype, num_blocks=96, cuda_graphs=cuda_graphs and device.type == "cuda"), loaded=loaded)
         m = loaded.model
         results = {
             "kv_heads": m.kv_heads,

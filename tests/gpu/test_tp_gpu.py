@@ -5,7 +5,7 @@ GGUF does not travel to lent machines: the tokenizer comes from ``TIDEPOOL_TOKEN
 there, tests/models.py). Its 3 KV heads split unevenly (1 + 2) over the two ranks:
 
 - model level: two ranks (``torch.multiprocessing``), each loading its shard and running
-  its own engine, give TP=1's first-step logits and greedy tokens;
+  its own engine, eager and on CUDA graphs, give TP=1's first-step logits and greedy tokens;
 - the instance: a TP=2 engine (this process is rank 0 on ``cuda:0``, it starts rank 1 on
   ``cuda:1``) with CUDA graphs captured on both ranks, synchronous and with async
   scheduling, equals the TP=1 engine token for token (greedy with chunked prefill, and
@@ -60,10 +60,15 @@ def tp1(checkpoint):
     eng.close()
 
 
-def test_model_level_tp2_equals_tp1(checkpoint, tp1, tmp_path):
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+def test_model_level_tp2_equals_tp1(checkpoint, tp1, tmp_path, graphs):
+    """Eager first: NCCL's collectives alone, then captured in the ranks' CUDA graphs. (The
+    same ranks over gloo, both on one GPU, graphs off, gave TP=1's tokens and logits within
+    4e-5 on an H200: bench/RESULTS.md, "Tensor parallelism".)"""
     tok = tp1.tokenizer
     prompts = [tok.encode(RAW_PROMPTS[2]), tok.encode(RAW_PROMPTS[1])]
-    mp.spawn(tp_worker.run, args=(2, free_port(), checkpoint, prompts, N, str(tmp_path), "cuda", "float32"), nprocs=2, join=True)
+    args = (2, free_port(), checkpoint, prompts, N, str(tmp_path), "cuda", "float32", graphs)
+    mp.spawn(tp_worker.run, args=args, nprocs=2, join=True)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     ref = tp1.generate(prompts, GREEDY)
     for results in ranks:
