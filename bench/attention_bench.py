@@ -20,7 +20,7 @@ SDPA (flash attention) on contiguous, unpaged tensors of the same shape as a low
 
 Times are medians of CUDA-event timings. ``--sweep`` adds tuning tables: the graph time of
 every forced split count (to check the host heuristic), of decode tile widths and warp
-counts, and of prefill tile shapes (set through triton_attention's module constants).
+counts, and of prefill tile shapes (set through the kernel modules' constants).
 
 Run on a GPU: ``python3 bench/attention_bench.py [--sweep] [--markdown bench/results/attention.md]``.
 """
@@ -99,15 +99,19 @@ def decode_calls(p: PagedProblem, splits: int | None = None) -> list[Callable[[]
 
 
 def with_constants(fn: Callable[[], float], **constants: int) -> float:
-    """Run ``fn`` with triton_attention's tiling constants temporarily replaced."""
-    saved = {name: getattr(tri, name) for name in constants}
+    """Run ``fn`` with the kernels' tiling constants temporarily replaced (``_DECODE_*`` in
+    kernels/attention/triton_decode.py, ``_PREFILL_*`` in triton_prefill.py)."""
+    from kernels.attention import triton_decode, triton_prefill
+
+    owners = {name: triton_prefill if name.startswith("_PREFILL") else triton_decode for name in constants}
+    saved = {name: getattr(owners[name], name) for name in constants}
     for name, value in constants.items():
-        setattr(tri, name, value)
+        setattr(owners[name], name, value)
     try:
         return fn()
     finally:
         for name, value in saved.items():
-            setattr(tri, name, value)
+            setattr(owners[name], name, value)
 
 
 def decode_rows(sweep: bool) -> tuple[list[str], list[str]]:

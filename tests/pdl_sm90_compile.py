@@ -42,12 +42,12 @@ KERNELS = {
                      constexprs=dict(ADD_RESIDUAL=True, BLOCK=2048)),
     "silu_and_mul": dict(module="kernels.activation.triton_activation", kernel="_silu_and_mul_kernel", ptr="*bf16",
                          constexprs=dict(BLOCK=1024)),
-    "decode": dict(module="kernels.attention.triton_attention", kernel="_decode_kernel", ptr="*bf16", floats=("qk_scale",),
+    "decode": dict(module="kernels.attention.triton_decode", kernel="_decode_kernel", ptr="*bf16", floats=("qk_scale",),
                    ptr_types={"block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32",
                               "positions_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "slot_ptr": "*i64"},
                    constexprs=dict(HEAD_DIM=64, GROUP=4, SPLIT=True, NATIVE_DOT=True, BLOCK_G=16, BLOCK_N=128, BLOCK_D=64,
                                    BLOCK_SIZE=16, ROPE=True, HALF=32, PREFETCH_KV=True)),
-    "decode_reduce": dict(module="kernels.attention.triton_attention", kernel="_decode_reduce_kernel", ptr="*fp32",
+    "decode_reduce": dict(module="kernels.attention.triton_decode", kernel="_decode_reduce_kernel", ptr="*fp32",
                           constexprs=dict(HEAD_DIM=64, BLOCK_S=16, BLOCK_D=64)),
 }
 

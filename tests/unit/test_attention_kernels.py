@@ -217,7 +217,7 @@ def test_rotary_decode_equals_rotary_store_then_decode(shape, num_splits, prefet
     nothing and reads zeros. With the first tile of cached keys loaded before the store
     (``prefetch_kv``), the new token's row must still be the one just stored."""
     num_heads, num_kv_heads, head_dim, bs = shape
-    if prefetch_kv and head_dim != tri._head_block(head_dim):
+    if prefetch_kv and head_dim != tri.head_block(head_dim):
         pytest.skip("head sizes that are not a power of two take the two kernels, whichever form")
     p = _problem([1] * 5, [1, bs, 3 * bs - 1, 150, 5], shape, torch.float32, seed=num_splits)
     seq_lens = p.seq_lens.clone()
@@ -238,7 +238,7 @@ def test_rotary_decode_equals_rotary_store_then_decode(shape, num_splits, prefet
     expected = ref.paged_decode_attention(uq, unfused_cache[:, 1, 0], unfused_cache[:, 1, 1], p.block_tables, seq_lens, p.scale)
 
     rope = (k, v, positions, cos, sin, slots)
-    if head_dim == tri._head_block(head_dim):
+    if head_dim == tri.head_block(head_dim):
         got = tri.paged_decode_attention_splits(p.q, p.k_cache, p.v_cache, p.block_tables, seq_lens, p.scale, num_splits=num_splits, rope=rope,
                                                 prefetch_kv=prefetch_kv)
     else:  # head sizes that are not a power of two take the two kernels
