@@ -155,6 +155,21 @@ class ForwardGraphs:
                     self.pool = graph.pool()
                 self.graphs[key] = graph
 
+    def release(self) -> None:
+        """Destroy the captured graphs now (``CUDAGraph.reset``), their outputs and pool with
+        them; the object replays nothing afterwards. NCCL keeps resources for collectives
+        captured in a graph until the graph is destroyed, and a process group destroyed while
+        such a graph lives waits for them: on two H200s a rank with live graphs hung in
+        ``destroy_process_group`` (bench/RESULTS.md, "Tensor parallelism")."""
+        if self.graphs:  # captured ones (an emulation captures nothing)
+            torch.cuda.synchronize(self.device)
+        for graph in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()
+        self.outputs.clear()
+        self.greedy_outputs.clear()
+        self.pool = None
+
     def replay(self, kind: str, capacity: int, views: PackViews) -> torch.Tensor:
         """Replay the graph of ``capacity``; its inputs are the current device pack
         (``views``, which only an emulated replay reads directly)."""

@@ -614,6 +614,7 @@ class LLMEngine:
         if self.spec is not None:
             self.spec.close()
         self.swapper.close()
+        self.runner.release_graphs()  # before any process group its graphs captured goes
         if self.tp is not None:
             self.tp.close()
 

@@ -167,6 +167,13 @@ class ModelRunner:
         self.graphs.capture(decode, prefill, prefill_seqs)
         return self.graphs
 
+    def release_graphs(self) -> None:
+        """Destroy the captured graphs (``ForwardGraphs.release``): before the process group
+        whose collectives they captured is destroyed. Steps run eagerly afterwards."""
+        if self.graphs is not None:
+            self.graphs.release()
+            self.graphs = None
+
     # -- KV movement ------------------------------------------------------------------------
 
     @torch.inference_mode()

@@ -72,7 +72,10 @@ def test_greedy_matches_transformers_with_graphs_and_async_scheduling(models):
     for ids, r in zip(ps, got):
         assert r.token_ids == hf_greedy(hf, ids, 16)
     assert eng.timer.idle_fraction is not None and 0 <= eng.timer.idle_fraction < 1
-    eng.close()
+    graphs = eng.runner.graphs
+    assert graphs.graphs and graphs.outputs
+    eng.close()  # destroys the captured graphs (a process group may go next: tests/gpu/test_tp_gpu.py)
+    assert eng.runner.graphs is None and not graphs.graphs and not graphs.outputs and graphs.pool is None
 
 
 def test_step_timer_reuses_a_few_events_and_times_every_step(models):

@@ -62,9 +62,10 @@ def tp1(checkpoint):
 
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
 def test_model_level_tp2_equals_tp1(checkpoint, tp1, tmp_path, graphs):
-    """Eager first: NCCL's collectives alone, then captured in the ranks' CUDA graphs. (The
-    same ranks over gloo, both on one GPU, graphs off, gave TP=1's tokens and logits within
-    4e-5 on an H200: bench/RESULTS.md, "Tensor parallelism".)"""
+    """Eager first: NCCL's collectives alone, then captured in the ranks' CUDA graphs. The
+    graphs case once hung at the end, in ``destroy_process_group``, while the engine's
+    graphs still held NCCL's resources: ``LLMEngine.close`` now destroys them first
+    (bench/RESULTS.md, "Tensor parallelism")."""
     tok = tp1.tokenizer
     prompts = [tok.encode(RAW_PROMPTS[2]), tok.encode(RAW_PROMPTS[1])]
     args = (2, free_port(), checkpoint, prompts, N, str(tmp_path), "cuda", "float32", graphs)

@@ -26,6 +26,7 @@ def test_graph_layouts_run_eagerly_equal_the_plain_layouts():
         assert plain[key]["ids"] == padded[key]["ids"] and plain[key]["reason"] == padded[key]["reason"], key
     assert eng.block_manager.num_free_blocks == 96
     eng.close()
+    assert eng.runner.graphs is None  # closing releases the graphs (ForwardGraphs.release)
 
 
 def test_steps_too_big_for_a_graph_run_eagerly():
