@@ -7,8 +7,8 @@ schedule identically, so their forwards (and the collectives inside) pair up, an
 rank's greedy tokens come from the all-gathered logits. That checks the sharded model by
 itself; the instance (rank 0 scheduling and broadcasting, tests/unit/test_tp_engine.py)
 is tested on top of it. ``cuda_graphs`` (on a GPU) captures the forwards, the collectives
-inside them, or leaves them eager. Results are saved with ``torch.save`` for the parent to compare
-with TP=1."""
+inside them, or leaves them eager. Results are saved with ``torch.save`` for the parent to
+compare with TP=1."""
 
 from __future__ import annotations
 
