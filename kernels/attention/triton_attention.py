@@ -12,7 +12,7 @@
 This module gathers their public functions, the same signatures and semantics as
 ``kernels/attention/reference.py`` (read its docstring for the shapes). Everything is
 written for the engine's block-major cache, whose per-layer K and V caches are strided
-views, and for GQA models with few KV heads.
+views, and for GQA models with few KV heads. Outputs are stored in the query dtype.
 
 The wrappers never read device memory on the host: they launch kernels whose grids derive
 from tensor shapes and host ints and allocate with ``torch.empty``, so the decode step can
