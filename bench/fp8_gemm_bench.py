@@ -67,7 +67,7 @@ from bench.common import kernel_bench_parser, table
 from bench.gpu_timing import copies_for, kernel_timer
 from bench.common import git_commit
 from bench.gemv_bench import SHAPE_MARGIN
-from kernels.device import device_facts
+from kernels.device import device_name
 from kernels.fp8 import layout, plan
 from kernels.fp8 import reference as ref
 from kernels.gemv import threshold as gemv_threshold
@@ -277,12 +277,6 @@ def write_skinny_threshold(rows: list[dict], device_name: str) -> int:
     gemv_threshold.THRESHOLD_FILE.write_text(json.dumps(data, indent=2) + "\n")
     gemv_threshold.reload()
     return value
-
-
-def device_name(device: torch.device) -> str | None:
-    """The name ``plan_gemm`` looks this device up by (``device_facts``), None off CUDA."""
-    facts = device_facts(device)
-    return facts[0] if facts else None
 
 
 def write_threshold(rows: list[dict], device: torch.device) -> int:

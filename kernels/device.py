@@ -25,3 +25,10 @@ def device_facts(device: torch.device | str | None) -> tuple[str, int] | None:
     if dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
     return _device_facts(dev)
+
+
+def device_name(device: torch.device | str | None) -> str | None:
+    """The name the measured tables key a CUDA device by (``device_facts``'s); None for
+    anything else."""
+    facts = device_facts(device)
+    return facts[0] if facts is not None else None
