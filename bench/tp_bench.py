@@ -134,8 +134,10 @@ def run(args: argparse.Namespace) -> dict:
     loaded = load_model(str(folder), dtype=dt, device=dev, backend=make_backend(probe.attention_backend, dev))  # TP=1, shared
     tp1 = LLM(probe, loaded=loaded)
     res["tp1"] = throughput(tp1, args)
+    progress("tp1", res["tp1"])
     tpn = LLM(config(args, folder, args.tp))
     res[f"tp{args.tp}"] = throughput(tpn, args)
+    progress(f"tp{args.tp}", res[f"tp{args.tp}"])
     # The handoff: a second TP=1 engine on the same weights decodes (no prefix cache shared).
     dec1 = LLM(probe, loaded=loaded)
     res["handoff"] = handoffs(
@@ -144,6 +146,12 @@ def run(args: argparse.Namespace) -> dict:
     for eng in (dec1, tpn, tp1):
         eng.close()
     return res
+
+
+def progress(name: str, part: dict) -> None:
+    """One measured part as soon as it is known: a call cut by the device's time limit still
+    leaves the decode figures in its log."""
+    print(f"[{name}] {json.dumps(part)}", flush=True)
 
 
 def report(res: dict) -> str:
