@@ -20,7 +20,8 @@
 #   bench/gpu_session.sh fusions_engine         # issue 10: the engine with neither, each and both fusions; profile (~6 min)
 #   QUICK=1 bench/gpu_session.sh engine         # the same, benchmarks shortened (--quick)
 #   bench/gpu_session.sh tp                     # issue 15 on nvidia-h200-x2: the TP GPU tests
-#   bench/gpu_session.sh tp_bench               # issue 15: TP=1 vs TP=2, Qwen2.5-7B shape (writes a 15 GB checkpoint once)
+#   bench/gpu_session.sh tp_bench               # issue 15: TP=1 vs TP=2, Qwen2.5-7B shape (writes a 15 GB checkpoint once; ~3 min)
+#   bench/gpu_session.sh all_reduce             # issue 15: the one-shot all-reduce against NCCL by size (~1 min)
 set -u
 OUT=${OUT:-/tmp/gpu-session-out}
 mkdir -p "$OUT" bench/results
@@ -130,6 +131,7 @@ for s in "$@"; do
                   --out bench/results/gpu_engine_fusions_h100.json
               step gpu_profile_fused 150 python3 -m bench.gpu_profile --no-prefill ;;
         tp) step tp_tests 400 python3 -m pytest -x -v -p no:cacheprovider --timeout 300 --durations=15 tests/gpu/test_tp_gpu.py ;;  # -x: a failure's traceback comes back even if the call is cut
+        all_reduce) step all_reduce 120 python3 -m bench.all_reduce_bench --out bench/results/all_reduce_h200x2.json ;;
         tp_bench) step tp_checkpoint 200 python3 -m bench.random_checkpoint qwen2.5-7b /tmp/tidepool-bench/qwen2.5-7b --device cuda
                   step tp_bench 500 python3 -m bench.tp_bench --checkpoint /tmp/tidepool-bench --out bench/results/tp_bench_h200x2.json ;;
         *) n=$((${n:-0} + 1)); step "custom$n" "${CUSTOM_S:-300}" bash -c "$s" ;;  # any other command, run as given

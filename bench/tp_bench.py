@@ -4,7 +4,9 @@ Random weights of a named shape (bench/random_checkpoint.py writes them to disk 
 TP engine's ranks each load their own shard), one engine at a time per measure:
 
 - decode ms/step at the given batch sizes (default 1 and 64; 128-token prompts, steady
-  state, prefill excluded; bench/gpu_engine.py's loop), TP=1 and TP=2;
+  state, prefill excluded; bench/gpu_engine.py's loop), TP=1 and TP=2, the latter with
+  each ``--all-reduce`` (default: NCCL's, then "auto", the one-shot over symmetric memory
+  for small sums, libs/dist/one_shot.py);
 - prefill tokens/s of ``B x L`` prompts (default 8 x 2048), TP=1 and TP=2;
 - the handoff of one ``--handoff-tokens`` prompt (default 4096): prefill with export on
   the prefill engine, the blocks encoded as pool values (the bytes a prefill writes to
@@ -27,14 +29,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import time
 from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
 
-from bench.common import SHAPES, synchronize, table
+from bench.common import SHAPES, git_commit, synchronize, table, write_json
 from bench.gpu_engine import decode, prefill
 from bench.random_checkpoint import write_random_checkpoint
 from libs.engine import LLM, EngineConfig, KVImport, SamplingParams
@@ -135,9 +136,13 @@ def run(args: argparse.Namespace) -> dict:
     tp1 = LLM(probe, loaded=loaded)
     res["tp1"] = throughput(tp1, args)
     progress("tp1", res["tp1"])
-    tpn = LLM(config(args, folder, args.tp))
-    res[f"tp{args.tp}"] = throughput(tpn, args)
-    progress(f"tp{args.tp}", res[f"tp{args.tp}"])
+    for k, mode in enumerate(args.all_reduce):  # the last one stays up for the handoff
+        tpn = LLM(config(args, folder, args.tp, tp_all_reduce=mode))
+        name = f"tp{args.tp}" + ("" if k == len(args.all_reduce) - 1 else f"_{mode}")
+        res[name] = {**throughput(tpn, args), "all_reduce": mode, "one_shot": tpn.tp.group.one_shot is not None}
+        progress(name, res[name])
+        if k < len(args.all_reduce) - 1:
+            tpn.close()
     # The handoff: a second TP=1 engine on the same weights decodes (no prefix cache shared).
     dec1 = LLM(probe, loaded=loaded)
     res["handoff"] = handoffs(
@@ -156,18 +161,22 @@ def progress(name: str, part: dict) -> None:
 
 def report(res: dict) -> str:
     n = res["tp"]
-    one, many = res["tp1"], res[f"tp{n}"]
+    one = res["tp1"]
     f = lambda x, d=2: f"{x:,.{d}f}"  # noqa: E731
-    rows = []
-    for key in (k for k in one if k.startswith("b")):
-        a, b = one[key]["ms_per_step"], many[key]["ms_per_step"]
-        goal = f"<= {GOAL_B1}x" if key == "b1" else ""
-        rows.append([f"decode batch {key[1:]}, ms/step", f(a, 3), f(b, 3), f(b / a) + "x", goal])
-    p = res["args"]["prefill"]
-    a, b = one["prefill_tok_s"], many["prefill_tok_s"]
-    rows.append([f"prefill {p[0]} x {p[1]}, tokens/s", f(a, 0), f(b, 0), f(b / a) + "x (throughput)", ""])
-    lines = [f"{res['device']}, torch {res['torch']}, {res['shape']} shape (random weights)", "",
-             table(["measure", "TP=1", f"TP={n}", f"TP={n} / TP=1", "goal"], rows), ""]
+    lines = [f"{res['device']}, torch {res['torch']}, {res['shape']} shape (random weights)", ""]
+    for name in (k for k in res if k.startswith(f"tp{n}")):
+        many = res[name]
+        rows = []
+        for key in (k for k in one if k.startswith("b")):
+            a, b = one[key]["ms_per_step"], many[key]["ms_per_step"]
+            goal = f"<= {GOAL_B1}x" if key == "b1" else ""
+            rows.append([f"decode batch {key[1:]}, ms/step", f(a, 3), f(b, 3), f(b / a) + "x", goal])
+        p = res["args"]["prefill"]
+        a, b = one["prefill_tok_s"], many["prefill_tok_s"]
+        rows.append([f"prefill {p[0]} x {p[1]}, tokens/s", f(a, 0), f(b, 0), f(b / a) + "x (throughput)", ""])
+        how = "one-shot all-reduce" if many.get("one_shot") else "the backend's all-reduce"
+        lines += [f"TP={n}, --tp-all-reduce {many.get('all_reduce', 'nccl')} ({how})", "",
+                  table(["measure", "TP=1", f"TP={n}", f"TP={n} / TP=1", "goal"], rows), ""]
     h = res["handoff"]
     base = h["tp1->tp1"]["total_s"]
     rows = [[name, f(r["prefill_export_s"] * 1e3, 1), f(r["encode_s"] * 1e3, 1), f(r["import_decode_s"] * 1e3, 1), f(r["total_s"] * 1e3, 1),
@@ -188,6 +197,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--shape", choices=sorted(BENCH_SHAPES), default="qwen2.5-7b")
     ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--all-reduce", type=lambda s: s.split(","), default=["nccl", "auto"],
+                    help="TP engines' tp_all_reduce, each measured in turn (the last also runs the handoff)")
     ap.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 64])
     ap.add_argument("--steps", type=int, default=128, help="decode steps timed per batch size")
     ap.add_argument("--prefill", type=lambda s: tuple(int(x) for x in s.split("x")), default=(8, 2048), help="BxL prompts")
@@ -204,13 +215,9 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit(f"TP={args.tp} needs {args.tp} GPUs; this machine has {torch.cuda.device_count()}")
     res = run(args)
     res["date"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
-    try:
-        res["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    except OSError:  # no git on the machine (a lent GPU machine): the caller records it
-        res["commit"] = None
+    res["commit"] = git_commit()  # "unknown" on a lent GPU machine (no checkout): the caller records it
     print(report(res))
-    if args.out is not None:
-        args.out.write_text(json.dumps(res, indent=1))
+    write_json(res, args.out and str(args.out))
     return res
 
 

@@ -55,6 +55,10 @@ def _build_parser() -> argparse.ArgumentParser:
         help="tensor-parallel ranks: one process each, started by this one (CUDA: GPUs cuda:k..k+N-1; CPU: gloo) (default 1)",
     )
     g.add_argument(
+        "--tp-all-reduce", choices=("auto", "one_shot", "nccl"), default="auto",
+        help="how tensor-parallel ranks sum partial outputs (default auto: small sums by a one-shot over GPU symmetric memory where available, else NCCL)",
+    )
+    g.add_argument(
         "--async-scheduling", choices=("auto", "on", "off"), default="auto",
         help="launch each step before the previous one's tokens are read back (default auto: on only where measured faster)",
     )
@@ -81,7 +85,7 @@ def _generate(args: argparse.Namespace) -> int:
     engine = LLM(EngineConfig(
         model=args.model, device=args.device, dtype=args.dtype, quantized_weights=args.quantized, packed_linears=args.packed_linears,
         moe_strategy=args.moe_strategy, moe_fake_balance=args.moe_fake_balance, quantization=args.quantization,
-        tensor_parallel_size=args.tensor_parallel_size,
+        tensor_parallel_size=args.tensor_parallel_size, tp_all_reduce=args.tp_all_reduce,
         async_scheduling=args.async_scheduling,
         speculative_config=args.speculative_config,
         weight_cache_dir=str(cache) if (cache := resolve_cache_dir(args.cache_dir)) else None,

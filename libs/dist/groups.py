@@ -12,6 +12,10 @@ replicas of the expert shards); with ``world_size=4, tp_size=2`` the TP groups a
 same pairs. TP and EP in one layout are refused for now (a MoE model under TP would need
 its experts split over the TP group, which nothing does yet).
 
+A TP group on GPUs may also have a *one-shot* all-reduce (libs/dist/one_shot.py): its
+small all-reduces (a decode step's) go through symmetric memory instead of NCCL
+(``init_parallel(..., all_reduce=)``).
+
 A TP group also has a *control* handle: a second, gloo group over the same ranks for
 small host messages (a TP instance's step plans, libs/dist/channel.py). Host messages
 cannot go through NCCL (device memory only), and they need their own timeout: a worker
@@ -54,6 +58,7 @@ class Group:
     rank: int
     handle: Any = None
     control: Any = None  # gloo handle over the same ranks for host messages (TP); None: ``handle``
+    one_shot: Any = None  # a libs.dist.one_shot.OneShotAllReduce for small all-reduces (TP on GPUs)
 
     @property
     def size(self) -> int:
@@ -65,7 +70,9 @@ class Group:
 
     def release(self) -> None:
         """Let go of the torch handles (``shutdown_parallel`` does it for every group)."""
-        self.handle = self.control = None
+        if self.one_shot is not None:
+            self.one_shot.close()
+        self.handle = self.control = self.one_shot = None
 
     def all_to_all(self, x: torch.Tensor, send_splits: list[int], recv_splits: list[int]) -> torch.Tensor:
         """Rows ``x`` cut into ``send_splits`` (one count per member, in group order) go to
@@ -86,10 +93,14 @@ class Group:
         dist.all_to_all_single(out, counts.contiguous(), group=self.handle)
         return out
 
-    def all_reduce_(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum ``x`` over the group, in place (identity for a group of one)."""
-        if self.size > 1:
-            dist.all_reduce(x, group=self.handle)
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum of ``x`` over the group: through the one-shot where it has one and ``x``
+        fits it (a new tensor), else over the backend in place (identity for a group of one)."""
+        if self.size == 1:
+            return x
+        if self.one_shot is not None and self.one_shot.fits(x):
+            return self.one_shot(x)
+        dist.all_reduce(x, group=self.handle)
         return x
 
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
@@ -164,11 +175,15 @@ def init_parallel(
     backend: str | None = None,
     timeout_s: float = 300.0,
     control_timeout_s: float = 7 * 24 * 3600.0,
+    all_reduce: str = "nccl",
 ) -> ParallelGroups:
     """Join the job as ``rank`` (``init_method``: e.g. ``tcp://host:port``) and build the groups.
 
     ``timeout_s`` bounds every collective (and the rendezvous); ``control_timeout_s`` a
-    wait on a TP group's control handle."""
+    wait on a TP group's control handle. ``all_reduce``: how the TP group sums (``nccl``:
+    the backend's all-reduce, gloo's on the CPU; ``one_shot``: small sums through the
+    one-shot, libs/dist/one_shot.py, else an error; ``auto``: the one-shot where every rank
+    can run it)."""
     if layout.world_size == 1:
         return ParallelGroups.single()
     if not 0 <= rank < layout.world_size:
@@ -183,6 +198,10 @@ def init_parallel(
         _consecutive_groups("tp", layout.tp_size, layout.world_size, rank, timeout=timeout, control_timeout=timedelta(seconds=control_timeout_s)),
     )
     _LIVE.update((groups.world, groups.ep, groups.tp))
+    if all_reduce != "nccl" and groups.tp.size > 1:
+        from libs.dist.one_shot import attach
+
+        attach(groups.tp, torch.device(device), required=all_reduce == "one_shot")
     return groups
 
 

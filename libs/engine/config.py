@@ -94,6 +94,11 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     tp_timeout_s: float = 60.0
     tp_idle_timeout_s: float = 7 * 24 * 3600.0
+    # How the TP ranks sum a row-parallel layer's partial outputs (libs/dist/one_shot.py):
+    # "auto" takes small sums (decode steps) through a one-shot all-reduce over symmetric
+    # memory where every rank can run it (CUDA), the rest through NCCL; "one_shot" insists on
+    # it; "nccl" always uses the process group's own all-reduce (gloo's on the CPU).
+    tp_all_reduce: str = "auto"  # auto, one_shot, nccl
     # PD handoff staging: buffers of swap_max_blocks blocks each (pinned on CUDA).
     swap_max_blocks: int = 64
     swap_buffers: int = 4
@@ -108,6 +113,8 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.tp_timeout_s <= 0 or self.tp_idle_timeout_s <= 0:
             raise ValueError("tp_timeout_s and tp_idle_timeout_s must be > 0")
+        if self.tp_all_reduce not in ("auto", "one_shot", "nccl"):
+            raise ValueError(f"tp_all_reduce must be auto, one_shot or nccl, got {self.tp_all_reduce!r}")
         if self.speculative_config and self.tensor_parallel_size > 1:
             # The proposers, verify steps and KV rollback (libs/engine/spec) run in rank 0's
             # process; the TP runner does not mirror them to ranks 1..N-1.

@@ -191,8 +191,9 @@ class TensorParallel:
         return self.group.size
 
     def reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """A row-parallel projection's partial sums, completed (in place)."""
-        return self.group.all_reduce_(x)
+        """A row-parallel projection's partial sums, completed (in place, or in a new
+        tensor where the group's one-shot takes them)."""
+        return self.group.all_reduce(x)
 
     def gather_vocab(self, local: torch.Tensor) -> torch.Tensor:
         """``[S, vocab slice]`` logits of every rank → ``[S, vocab]``."""

@@ -166,6 +166,7 @@ def engine_config(settings: WorkerSettings, role: Role) -> EngineConfig:
         speculative_config=settings.speculative_config if role == "decode" else None,
         tensor_parallel_size=settings.tensor_parallel_size,
         tp_timeout_s=settings.tp_timeout_s,
+        tp_all_reduce=settings.tp_all_reduce,
     )
 
 

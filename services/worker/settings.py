@@ -44,6 +44,9 @@ class WorkerSettings(BaseSettings):
     tp_timeout_s: float = setting(
         60.0, help="a tensor-parallel collective not done in this time fails the instance, which deregisters and exits"
     )
+    tp_all_reduce: Literal["auto", "one_shot", "nccl"] = setting(
+        "auto", help="how tensor-parallel ranks sum partial outputs: auto: small sums by a one-shot over GPU symmetric memory where available, else NCCL (gloo on the CPU)"
+    )
     async_scheduling: Literal["auto", "on", "off"] = setting(
         "auto", help="launch step N+1 before step N's tokens are read back (auto: on only where measured faster; see README)"
     )

@@ -188,6 +188,6 @@ def _init(config: EngineConfig, rank: int, init_method: str, device: torch.devic
     control_timeout_s = config.tp_timeout_s if rank == 0 else config.tp_idle_timeout_s
     groups = init_parallel(
         ParallelLayout(world_size=n, tp_size=n), rank=rank, init_method=init_method, device=device,
-        timeout_s=config.tp_timeout_s, control_timeout_s=control_timeout_s,
+        timeout_s=config.tp_timeout_s, control_timeout_s=control_timeout_s, all_reduce=config.tp_all_reduce,
     )
     return groups.tp
