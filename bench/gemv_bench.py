@@ -4,7 +4,9 @@ the model's dispatch reads.
 The projections of a decode step, N x K, for SmolLM2-135M (qkv 960 x 576, o 576 x 576,
 gate/up 3072 x 576, down 576 x 1536, LM head 49152 x 576) and Llama-3.2-1B (3072 x 2048,
 2048 x 2048, 16384 x 2048, 2048 x 8192, 128256 x 2048) and Qwen2.5-7B (4608 x 3584,
-3584 x 3584, 37888 x 3584, 3584 x 18944, 152064 x 3584), at M in {1, 2, 4, 8, 16, 32, 64},
+3584 x 3584, 37888 x 3584, 3584 x 18944, 152064 x 3584), and one rank's shard of Qwen2.5-7B
+at tensor-parallel size 2 (2304 x 3584, 3584 x 1792, 18944 x 3584, 3584 x 9472, 76032 x 3584),
+at M in {1, 2, 4, 8, 16, 32, 64},
 in bf16, all in one run on one GPU:
 
 - ours: ``triton_gemv.skinny_linear``; qkv and gate/up as ``norm_skinny_linear`` (the
@@ -54,6 +56,9 @@ MODELS = {
     "smollm2-135m": (30, [("qkv", 960, 576), ("o", 576, 576), ("gate_up", 3072, 576), ("down", 576, 1536), ("lm_head", 49152, 576)]),
     "llama-3.2-1b": (16, [("qkv", 3072, 2048), ("o", 2048, 2048), ("gate_up", 16384, 2048), ("down", 2048, 8192), ("lm_head", 128256, 2048)]),
     "qwen2.5-7b": (28, [("qkv", 4608, 3584), ("o", 3584, 3584), ("gate_up", 37888, 3584), ("down", 3584, 18944), ("lm_head", 152064, 3584)]),
+    # One rank of TP=2 (libs/model/parallel.py): column-parallel qkv, gate/up and LM head
+    # halved along N, row-parallel o and down along K.
+    "qwen2.5-7b-tp2": (28, [("qkv", 2304, 3584), ("o", 3584, 1792), ("gate_up", 18944, 3584), ("down", 3584, 9472), ("lm_head", 76032, 3584)]),
 }
 NORM_BEFORE = {"qkv", "gate_up"}
 TOY_MODELS = {"toy": (2, [("qkv", 96, 64), ("down", 64, 96), ("lm_head", 200, 64)])}
@@ -176,31 +181,46 @@ def heuristic_rows(rows: list[dict]) -> list[dict]:
     return [{**r, "ours_ms": r.get("untuned_ms", r["ours_ms"])} for r in rows]
 
 
-def write_threshold(rows: list[dict], models: dict, device_name: str, commit: str | None = None, date: str | None = None) -> int:
+def write_threshold(rows: list[dict], models: dict, device_name: str, commit: str | None = None, date: str | None = None,
+                    partial: bool = False) -> int:
     """Store the device's entry in threshold.json (``commit`` and ``date``: the measured
     run's, when it is rewritten from a saved one). The device-wide ``max_m`` serves the
     shapes the sweep did not measure, with the heuristic's tiles, so it is chosen on the
     heuristic's step sums: chosen on the tuned ones (Qwen2.5-7B 1.02x at M = 1 on the H200)
-    it sent Llama-3-8B's bf16 decode to the skinny GEMM, 4.4 -> 7.0 ms a step."""
-    max_m = choose_threshold(step_sums(heuristic_rows(rows), models))
+    it sent Llama-3-8B's bf16 decode to the skinny GEMM, 4.4 -> 7.0 ms a step.
+
+    ``partial`` (a sweep of some of the models, ``--models``): only the measured shapes'
+    limits, tiles and step sums are replaced; the device-wide ``max_m`` and every other
+    shape's entries stay as the last full sweep left them."""
     sums = step_sums(rows, models)
     data = json.loads(thr.THRESHOLD_FILE.read_text())
     thr.parse_thresholds(data)
     previous = data.setdefault("devices", {}).get(device_name, {})
-    # The FP8 weights' tiles (``NxK:fp8``) are bench/fp8_gemm_bench.py's sweep's, and stay.
-    configs = {key: tiles for key, tiles in previous.get("configs", {}).items() if key.endswith(":fp8")}
+    max_m = previous.get("max_m", 0) if partial else choose_threshold(step_sums(heuristic_rows(rows), models))
+    # The FP8 weights' tiles (``NxK:fp8``) are bench/fp8_gemm_bench.py's sweep's, and stay;
+    # after a partial sweep, so does every shape it did not measure.
+    kept = (lambda key: True) if partial else (lambda key: key.endswith(":fp8"))
+    configs = {key: tiles for key, tiles in previous.get("configs", {}).items() if kept(key)}
+    measured = {thr.shape_key(r["n"], r["k"]) for r in rows}
+    for key in measured:
+        configs.pop(key, None)
     for r in rows:
         configs.setdefault(thr.shape_key(r["n"], r["k"]), {})[str(r["m"])] = r["config"]
+    step_sums_ms = {f"{s['model']}@{s['m']}": {"ours": s["ours_ms"], "cublas": s["cublas_ms"]} for s in sums}
     data["devices"][device_name] = {
         "max_m": max_m,
-        "max_m_by_shape": shape_thresholds(rows),
+        "max_m_by_shape": {**(previous.get("max_m_by_shape", {}) if partial else {}), **shape_thresholds(rows)},
         "configs": configs,
-        "date": date or datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "commit": commit or git_commit(),
-        "step_sums_ms": {f"{s['model']}@{s['m']}": {"ours": s["ours_ms"], "cublas": s["cublas_ms"]} for s in sums},
+        # a partial sweep leaves the full sweep's date and commit, and adds its own to ``partial_sweeps``
+        "date": previous.get("date") if partial else date or datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "commit": previous.get("commit") if partial else commit or git_commit(),
+        "step_sums_ms": {**(previous.get("step_sums_ms", {}) if partial else {}), **step_sums_ms},
         # bench/fp8_gemm_bench.py's part of the entry (the FP8 skinny limits) is its own to rewrite
         **{key: value for key, value in previous.items() if key.startswith("fp8_")},
     }
+    if partial:
+        sweep = {"models": list(models), "date": date or datetime.now(timezone.utc).isoformat(timespec="seconds"), "commit": commit or git_commit()}
+        data["devices"][device_name]["partial_sweeps"] = [*previous.get("partial_sweeps", []), sweep]
     thr.THRESHOLD_FILE.write_text(json.dumps(data, indent=2) + "\n")
     thr.reload()
     return max_m
@@ -210,6 +230,9 @@ def main() -> None:
     ap = kernel_bench_parser(__doc__, "store the measured M threshold (and with --tune the fastest tiles) for this GPU (GPU only)")
     ap.add_argument("--tune", action="store_true", help="time every candidate configuration per shape and M; ours = the fastest")
     ap.add_argument("--tune-budget-s", type=float, default=None, help="stop tuning after this many seconds (the rest keep the heuristic)")
+    ap.add_argument("--models", type=lambda v: v.split(","), default=None,
+                    help=f"sweep only these ({', '.join(MODELS)}); --write-threshold then replaces only their shapes' entries")
+    ap.add_argument("--ms", type=lambda v: [int(x) for x in v.split(",")], default=None, help=f"the M values (default {MS})")
     ap.add_argument("--threshold-from", default=None, metavar="JSON",
                     help="write threshold.json from a saved run's --out file (its device, rows and commit) instead of measuring")
     args = ap.parse_args()
@@ -222,6 +245,13 @@ def main() -> None:
     toy = args.toy or not torch.cuda.is_available()
     device = torch.device("cpu" if toy else "cuda")
     models, ms = (TOY_MODELS, TOY_MS) if toy else (MODELS, MS)
+    partial = args.models is not None and not toy
+    if partial:
+        unknown = set(args.models) - set(MODELS)
+        if unknown:
+            raise SystemExit(f"unknown models {sorted(unknown)}; known: {', '.join(MODELS)}")
+        models = {m: MODELS[m] for m in args.models}
+    ms = args.ms or ms
     rows = run(device, models, ms, torch.float32 if toy else torch.bfloat16, tune=args.tune, budget_s=args.tune_budget_s)
     sums = step_sums(rows, models)
     name = "cpu (interpreter: timings mean nothing)" if toy else torch.cuda.get_device_name(device)
@@ -234,7 +264,7 @@ def main() -> None:
     print(table(["model", "M", "ours us", "cuBLAS us", "cuBLAS/ours"],
                 [[s["model"], s["m"], f"{s['ours_ms'] * 1e3:.1f}", f"{s['cublas_ms'] * 1e3:.1f}", f"{s['ratio']:.2f}x"] for s in sums]))
     if args.write_threshold and not toy:
-        print(f"\nwrote max_m = {write_threshold(rows, models, name)} and per shape {shape_thresholds(rows)} for {name} to {thr.THRESHOLD_FILE}")
+        print(f"\nwrote max_m = {write_threshold(rows, models, name, partial=partial)} and per shape {shape_thresholds(rows)} for {name} to {thr.THRESHOLD_FILE}")
     if args.out:
         Path(args.out).write_text(json.dumps(dict(device=name, torch=torch.__version__, commit=git_commit(), pdl=pdl,
                                                   date=datetime.now(timezone.utc).isoformat(timespec="seconds"), rows=rows, step_sums=sums), indent=1))

@@ -18,7 +18,11 @@ faster on a device before it serves there). ``TIDEPOOL_SKINNY_MAX_M`` overrides 
   the block-scaled FP8 GEMMs of kernels/fp8 on every shape measured), for shapes not in
   ``fp8_max_m_by_shape`` (optional): per padded weight shape ``NxK:fp8``, the largest M
   up to which it beat them at every measured M. ``TIDEPOOL_FP8_SKINNY_MAX_M`` overrides
-  both."""
+  both.
+
+``partial_sweeps`` (optional) lists later sweeps of some models only (``--models``, e.g.
+one tensor-parallel rank's shard shapes): they added or replaced those shapes' limits and
+tiles and left the rest, ``max_m`` included, as the full sweep of ``date`` wrote them."""
 
 from __future__ import annotations
 

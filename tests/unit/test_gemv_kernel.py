@@ -194,6 +194,28 @@ def test_the_bf16_sweep_rewrites_its_part_of_a_device_entry_and_keeps_the_fp8_li
     assert written["max_m"] == 0 and written["max_m_by_shape"] == {"16x8": 2}
 
 
+def test_partial_sweep_replaces_only_its_shapes(tmp_path, monkeypatch):
+    """``--models`` (a sweep of some models, e.g. a TP shard's shapes): the device-wide
+    limit, the other shapes' limits and tiles, and the full sweep's date stay."""
+    from bench import gemv_bench
+
+    path = tmp_path / "threshold.json"
+    entry = {"max_m": 2, "max_m_by_shape": {"8x8": 4, "16x8": 0}, "configs": {"8x8": {"1": [1, 4, 8, 4]}, "16x8": {"1": [1, 2, 8, 4]}},
+             "date": "full", "commit": "f00"}
+    path.write_text(json.dumps({"format": 1, "devices": {"GPU X": entry}}))
+    monkeypatch.setattr(threshold, "THRESHOLD_FILE", path)
+    monkeypatch.setattr(threshold, "reload", lambda: None)
+    models = {"b": (1, [("qkv", 16, 8)])}
+    rows = [dict(model="b", proj="qkv", n=16, k=8, m=1, ours_ms=1.0, untuned_ms=3.0, cublas_ms=2.0, ratio=2.0, config=[1, 8, 8, 4])]
+    assert gemv_bench.write_threshold(rows, models, "GPU X", commit="abc", date="today", partial=True) == 2
+    written = json.loads(path.read_text())["devices"]["GPU X"]
+    assert written["max_m_by_shape"] == {"8x8": 4, "16x8": 1}
+    assert written["configs"] == {"8x8": {"1": [1, 4, 8, 4]}, "16x8": {"1": [1, 8, 8, 4]}}
+    assert (written["date"], written["commit"]) == ("full", "f00")
+    assert written["partial_sweeps"] == [{"models": ["b"], "date": "today", "commit": "abc"}]
+    assert threshold.parse_thresholds(json.loads(path.read_text()))["GPU X"].max_m_by_shape == {"8x8": 4, "16x8": 1}
+
+
 @pytest.mark.parametrize("m", [1, 3, 16])
 @pytest.mark.parametrize("with_residual", [True, False])
 def test_norm_folded_in_matches_reference(m, with_residual):
