@@ -299,7 +299,8 @@ class WorkerRuntime:
         tp = self.llm.tp
         if tp is None:
             return {"size": 1}
-        return {"size": tp.size, "rank_pids": [os.getpid(), *tp.ranks.pids], "failure": tp.failure, "messages": tp.channel.messages}
+        return {"size": tp.size, "rank_pids": [os.getpid(), *tp.ranks.pids], "failure": tp.failure, "messages": tp.channel.messages,
+                "all_reduce": tp.all_reduce}
 
     def healthy(self) -> bool:
         return self.engine.alive and self.failure is None

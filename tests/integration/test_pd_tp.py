@@ -55,7 +55,9 @@ def stats(cluster, child) -> dict:
 def test_tp2_prefill_to_tp1_decode_and_back_equal_the_engine(tp_cluster, reference_engine):
     c = tp_cluster
     tp = {child.name: stats(c, child)["tensor_parallel"]["size"] for child in c.prefills + c.decodes}
+    sums = {child.name: stats(c, child)["tensor_parallel"].get("all_reduce") for child in c.prefills + c.decodes}
     assert tp == {"prefill-0": 2, "prefill-1": 1, "decode-0": 1, "decode-1": 2}
+    assert sums == {"prefill-0": "gloo", "prefill-1": None, "decode-0": None, "decode-1": "gloo"}  # the one-shot needs GPUs
     assert len({stats(c, child)["namespace"] for child in c.prefills + c.decodes}) == 1  # TP is not in it
     tok = reference_engine.tokenizer
     pairs = [

@@ -41,6 +41,7 @@ BAD_ARGS = {  # rejected before the model is loaded
     "max_tokens": (["--prompt", "x", "--max-tokens", "0"], "max_tokens"),
     "speculative_config": (["--prompt", "x", "--speculative-config", '{"method": "eagle", "num_speculative_tokens": 2}'], "eagle"),
     "spec_with_async": (["--prompt", "x", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}', "--async-scheduling", "on"], "cannot be combined"),
+    "one_shot_on_cpu": (["--prompt", "x", "--tensor-parallel-size", "2", "--tp-all-reduce", "one_shot"], "one_shot needs CUDA"),
 }
 
 

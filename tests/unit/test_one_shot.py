@@ -36,6 +36,20 @@ def test_unavailable_without_cuda():
 def test_config_names_the_choices():
     with pytest.raises(ValueError, match="tp_all_reduce must be auto, one_shot or nccl"):
         EngineConfig(tp_all_reduce="custom")
+    with pytest.raises(ValueError, match="one_shot needs CUDA devices"):
+        EngineConfig(device="cpu", tensor_parallel_size=2, tp_all_reduce="one_shot")
+    assert EngineConfig(device="cpu", tp_all_reduce="one_shot").tensor_parallel_size == 1  # one rank: nothing to sum
+
+
+@pytest.mark.parametrize("flag, value", [([], "auto"), (["--tp-all-reduce", "nccl"], "nccl"), (["--tp-all-reduce", "one_shot"], "one_shot")])
+def test_the_worker_flag_reaches_the_engine(flag, value):
+    from services.common.settings import parse_settings
+    from services.worker.runtime import engine_config
+    from services.worker.settings import WorkerSettings
+
+    assert engine_config(parse_settings(WorkerSettings, flag), "decode").tp_all_reduce == value
+    with pytest.raises(SystemExit):
+        parse_settings(WorkerSettings, ["--tp-all-reduce", "custom"])
 
 
 def group_worker(rank: int, world: int, port: int, out_dir: str, mode: str) -> None:

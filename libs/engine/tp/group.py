@@ -83,6 +83,13 @@ class TensorParallelGroup:
     def size(self) -> int:
         return self.group.size
 
+    @property
+    def all_reduce(self) -> str:
+        """How this group sums: "one_shot" (libs/dist/one_shot.py) or the backend's name."""
+        if self.group.one_shot is not None:
+            return "one_shot"
+        return str(dist.get_backend(self.group.handle)) if self.group.handle is not None else "closed"
+
     # -- joining ----------------------------------------------------------------------------
 
     @classmethod
