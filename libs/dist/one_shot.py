@@ -29,8 +29,9 @@ graphs like any kernel (its flags return to zero after every use).
   service runs one instance per process, so it always gets the one-shot.
 - **A dead peer.** The barrier waits on the peer's flags without a timeout, as NCCL's
   kernels do inside a CUDA graph: a rank that dies mid-step leaves its peers' GPUs waiting.
-  Rank 0's watcher takes the instance down (libs/engine/tp/launch.py), as it does with
-  NCCL.
+  Rank 0's watcher deregisters the instance (libs/engine/tp/launch.py; the router resumes
+  its streams elsewhere), as it does with NCCL. That path is tested with gloo ranks on the
+  CPU; a rank killed on GPUs, with a peer stuck in this wait, has not been tried.
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ import torch
 log = logging.getLogger(__name__)
 
 # Measured on two H200s (bench/all_reduce_bench.py, bench/RESULTS.md "Tensor parallelism"):
-# the one-shot is faster than NCCL up to about this size, in CUDA graphs and eagerly.
+# the one-shot took about half NCCL's time up to 1.75 MiB in CUDA graphs and was even at
+# 7 MiB; a decode step's sums (batch x hidden) are far below this bound.
 ONE_SHOT_MAX_BYTES = 1 << 20
 DTYPES = (torch.bfloat16, torch.float32)
 _ALIGN = 16  # bytes: the kernel's vector loads
