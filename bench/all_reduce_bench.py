@@ -126,7 +126,6 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     if torch.cuda.device_count() < args.world:
         raise SystemExit(f"needs {args.world} GPUs; this machine has {torch.cuda.device_count()}")
-    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     from services.launch.processes import free_port
 
     with tempfile.TemporaryDirectory() as tmp:

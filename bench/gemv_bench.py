@@ -193,6 +193,7 @@ def write_threshold(rows: list[dict], models: dict, device_name: str, commit: st
     limits, tiles and step sums are replaced; the device-wide ``max_m`` and every other
     shape's entries stay as the last full sweep left them."""
     sums = step_sums(rows, models)
+    date, commit = date or datetime.now(timezone.utc).isoformat(timespec="seconds"), commit or git_commit()
     data = json.loads(thr.THRESHOLD_FILE.read_text())
     thr.parse_thresholds(data)
     previous = data.setdefault("devices", {}).get(device_name, {})
@@ -212,14 +213,14 @@ def write_threshold(rows: list[dict], models: dict, device_name: str, commit: st
         "max_m_by_shape": {**(previous.get("max_m_by_shape", {}) if partial else {}), **shape_thresholds(rows)},
         "configs": configs,
         # a partial sweep leaves the full sweep's date and commit, and adds its own to ``partial_sweeps``
-        "date": previous.get("date") if partial else date or datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "commit": previous.get("commit") if partial else commit or git_commit(),
+        "date": previous.get("date") if partial else date,
+        "commit": previous.get("commit") if partial else commit,
         "step_sums_ms": {**(previous.get("step_sums_ms", {}) if partial else {}), **step_sums_ms},
         # bench/fp8_gemm_bench.py's part of the entry (the FP8 skinny limits) is its own to rewrite
         **{key: value for key, value in previous.items() if key.startswith("fp8_")},
     }
     if partial:
-        sweep = {"models": list(models), "date": date or datetime.now(timezone.utc).isoformat(timespec="seconds"), "commit": commit or git_commit()}
+        sweep = {"models": list(models), "date": date, "commit": commit}
         data["devices"][device_name]["partial_sweeps"] = [*previous.get("partial_sweeps", []), sweep]
     thr.THRESHOLD_FILE.write_text(json.dumps(data, indent=2) + "\n")
     thr.reload()

@@ -43,6 +43,8 @@ from typing import Any
 import torch
 
 log = logging.getLogger(__name__)
+# Before any symmetric-memory allocation of this process (see "No multicast" above).
+os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
 
 # Measured on two H200s (bench/all_reduce_bench.py, bench/RESULTS.md "Tensor parallelism"):
 # the one-shot took about half NCCL's time up to 1.75 MiB in CUDA graphs and was even at
@@ -85,7 +87,6 @@ class OneShotAllReduce:
     Built by every rank of the group at the same point (``rendezvous`` is collective)."""
 
     def __init__(self, group: Any, device: torch.device, max_bytes: int = ONE_SHOT_MAX_BYTES):
-        os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
         import torch.distributed._symmetric_memory as symm_mem
 
         self.group_name: str = group.group_name

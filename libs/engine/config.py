@@ -115,8 +115,7 @@ class EngineConfig:
             raise ValueError("tp_timeout_s and tp_idle_timeout_s must be > 0")
         if self.tp_all_reduce not in ("auto", "one_shot", "nccl"):
             raise ValueError(f"tp_all_reduce must be auto, one_shot or nccl, got {self.tp_all_reduce!r}")
-        on_cpu = self.device == "cpu" or (self.device == "auto" and not torch.cuda.is_available())
-        if self.tp_all_reduce == "one_shot" and self.tensor_parallel_size > 1 and on_cpu:
+        if self.tp_all_reduce == "one_shot" and self.tensor_parallel_size > 1 and self.resolve_device().type != "cuda":
             raise ValueError("tp_all_reduce one_shot needs CUDA devices (it sums through GPU memory the ranks map): use auto or nccl on the CPU")
         if self.speculative_config and self.tensor_parallel_size > 1:
             # The proposers, verify steps and KV rollback (libs/engine/spec) run in rank 0's
