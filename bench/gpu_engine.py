@@ -59,6 +59,8 @@ def engine(loaded, **kw) -> LLM:
 
 def decode(eng: LLM, batch: int, steps: int = DECODE_STEPS) -> dict:
     """Steady-state decode of ``batch`` sequences; prefill is excluded from the timing."""
+    if batch > eng.config.max_num_seqs:  # they would never all be decoding at once: the wait below would not end
+        raise ValueError(f"decode batch {batch} exceeds the engine's max_num_seqs ({eng.config.max_num_seqs})")
     g = torch.Generator().manual_seed(batch)
     vocab = eng.vocab_size
     for i in range(batch):

@@ -55,7 +55,7 @@ def config(args: argparse.Namespace, folder: Path, tp: int, **kw) -> EngineConfi
     cuda = args.device == "cuda"
     base = dict(
         model=str(folder), device=args.device, dtype="bfloat16" if cuda else "float32", tensor_parallel_size=tp,
-        max_num_seqs=max(args.batches), num_blocks=args.num_blocks, max_model_len=args.max_model_len,
+        max_num_seqs=max(2, *args.batches),  # 2: throughput()'s warm-up num_blocks=args.num_blocks, max_model_len=args.max_model_len,
         max_num_batched_tokens=args.budget, prefill_graph_max_tokens=args.budget, num_threads=args.threads,
         tp_timeout_s=300,
     )
@@ -139,7 +139,7 @@ def run(args: argparse.Namespace) -> dict:
     for k, mode in enumerate(args.all_reduce):  # the last one stays up for the handoff
         tpn = LLM(config(args, folder, args.tp, tp_all_reduce=mode))
         name = f"tp{args.tp}" + ("" if k == len(args.all_reduce) - 1 else f"_{mode}")
-        res[name] = {**throughput(tpn, args), "all_reduce": mode, "one_shot": tpn.tp.group.one_shot is not None}
+        res[name] = {**throughput(tpn, args), "all_reduce": mode, "one_shot": tpn.tp.all_reduce == "one_shot"}
         progress(name, res[name])
         if k < len(args.all_reduce) - 1:
             tpn.close()
