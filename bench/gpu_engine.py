@@ -193,10 +193,19 @@ def hf_decode(hf, batch: int, steps: int = 64) -> dict:
     return {"ms_per_step": step * 1e3, "tokens_per_s": batch / step}
 
 
-def hf_prefill(hf, batch: int = 16, length: int = 1024) -> float:
-    ids = torch.randint(0, 49152, (batch, length), device="cuda")
+def hf_prefill(hf, batch: int = 16, length: int = 1024, *, last_logits: bool = False) -> float:
+    """transformers' forward over ``batch`` prompts of ``length`` tokens, tokens/s.
+
+    By default the forward computes every position's logits (``[16, 1024, 49152]``, as a
+    bare ``model(input_ids)`` does), which our engine never does: it computes the logits
+    of the rows it samples. ``last_logits`` asks transformers for the last position's only
+    (``logits_to_keep=1``, what its ``generate`` passes on the prefill): the like-for-like
+    figure, reported beside the first (bench/RESULTS.md, issue 10)."""
+    device = hf.device
+    ids = torch.randint(0, hf.config.vocab_size, (batch, length), device=device)
+    kw = {"logits_to_keep": 1} if last_logits else {}
     with torch.inference_mode():
-        return batch * length / cuda_time(lambda: hf(input_ids=ids, use_cache=False), reps=3)
+        return batch * length / cuda_time(lambda: hf(input_ids=ids, use_cache=False, **kw), reps=3, device=device)
 
 
 def weights_read_floor_ms(model: torch.nn.Module) -> tuple[float, float]:
@@ -236,6 +245,7 @@ def smollm2(res: dict) -> None:
     res["hf_b1"] = hf_decode(hf, 1, 32 if QUICK else 64)
     res["hf_b64"] = hf_decode(hf, 64, 32 if QUICK else 64)
     res["hf_prefill_tok_s"] = hf_prefill(hf)
+    res["hf_prefill_last_logits_tok_s"] = hf_prefill(hf, last_logits=True)
     del hf
 
 
@@ -333,6 +343,9 @@ def report(res: dict) -> None:
             ["prefill 16x1024, tokens/s", f(a["prefill_tok_s"], 0), f(hf["hf_prefill_tok_s"], 0), f(a["prefill_tok_s"] / hf["hf_prefill_tok_s"], 1) + "x", ">= 3x HF"],
             ["weights-read floor (D2D copy), ms", f(res["floor_smollm2_ms"], 4), "", "", ""],
         ]
+        if "hf_prefill_last_logits_tok_s" in hf:  # the like-for-like peer: last-position logits only
+            last = hf["hf_prefill_last_logits_tok_s"]
+            rows.insert(3, ["prefill 16x1024 vs HF with logits_to_keep=1", f(a["prefill_tok_s"], 0), f(last, 0), f(a["prefill_tok_s"] / last, 1) + "x", ""])
         if "prefill_sustained" in a:
             for name, key in (("async", "ours_async"), ("sync", "ours_sync")):
                 r = res[key]["prefill_sustained"]
