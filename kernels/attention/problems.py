@@ -38,6 +38,25 @@ class PagedProblem:
         return (self.q, self.k_cache, self.v_cache, self.block_tables, self.query_start_loc,
                 self.seq_lens, self.scale)
 
+    def new_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This step's K and V, ``[T, kv_heads, head_dim]`` views of the fused QKV buffer
+        beside ``q`` (as the model produces them), first written into the cache slots of the
+        step's queries, as the engine's KV store does before attention: what
+        ``paged_prefill_attention``'s ``new_kv`` takes."""
+        from kernels.attention.reference import store_kv
+
+        total, num_heads, head_dim = self.q.shape
+        num_kv_heads = self.k_cache.shape[2]
+        qkv = self.q.as_strided((total, (num_heads + 2 * num_kv_heads) * head_dim), (self.q.stride(0), 1))
+        k = qkv[:, num_heads * head_dim : (num_heads + num_kv_heads) * head_dim].view(total, num_kv_heads, head_dim)
+        v = qkv[:, (num_heads + num_kv_heads) * head_dim :].view(total, num_kv_heads, head_dim)
+        starts, lens, tables = self.query_start_loc.tolist(), self.seq_lens.tolist(), self.block_tables.tolist()
+        bs = self.block_size
+        slots = [tables[i][pos // bs] * bs + pos % bs
+                 for i, n in enumerate(lens) for pos in range(n - (starts[i + 1] - starts[i]), n)]
+        store_kv(k, v, self.k_cache, self.v_cache, torch.tensor(slots, dtype=torch.int64, device=self.q.device))
+        return k, v
+
 
 def make_problem(
     query_lens: list[int],

@@ -136,9 +136,13 @@ def paged_prefill_attention(
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Causal varlen attention of each sequence's new queries over its whole paged context
-    (the cached prefix and this chunk). Covers prefill and chunked prefill."""
+    (the cached prefix and this chunk). Covers prefill and chunked prefill. ``new_kv``: this
+    step's K and V as the cache received them (``[T, kv_heads, head_dim]``); a sequence with
+    nothing cached before this chunk reads its keys and values there instead of gathering
+    them from the cache (the same values, where the cache's dtype is theirs)."""
     out = torch.empty_like(q)
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
@@ -146,8 +150,11 @@ def paged_prefill_attention(
         s, e = starts[i], starts[i + 1]
         if e == s:
             continue
-        k = _gather_context(k_cache, block_tables[i], length)
-        v = _gather_context(v_cache, block_tables[i], length)
+        if new_kv is not None and length == e - s and new_kv[0].dtype == k_cache.dtype:
+            k, v = new_kv[0][s:e], new_kv[1][s:e]
+        else:
+            k = _gather_context(k_cache, block_tables[i], length)
+            v = _gather_context(v_cache, block_tables[i], length)
         out[s:e] = _attend(q[s:e], k, v, scale, causal_offset=length - (e - s))
     return out
 

@@ -6,7 +6,8 @@
   GQA heads as the rows of one tile) and ``rotary_decode_attention`` (the rotation and the
   KV store folded into it, for decode-only steps);
 - ``triton_prefill``: ``paged_prefill_attention`` (causal varlen flash-attention over the
-  paged context: prefill and chunked prefill);
+  paged context: prefill and chunked prefill; fresh prompts, given the step's K/V rows,
+  read them there instead of the cache);
 - ``triton_tiles``: the flash-attention steps the two attention kernels share.
 
 This module gathers their public functions, the same signatures and semantics as

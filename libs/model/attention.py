@@ -67,9 +67,10 @@ class PagedAttention:
 
     def __init__(
         self, name: str, store_kv: Callable, decode: Callable, prefill: Callable, rotary_store_kv: Callable,
-        rotary_decode: Callable | None = None,
+        rotary_decode: Callable | None = None, fresh_prefill: bool = True,
     ):
         self.name = name
+        self.fresh_prefill = fresh_prefill
         self._store_kv = store_kv
         self._rotary_store_kv = rotary_store_kv
         self._decode = decode
@@ -88,14 +89,19 @@ class PagedAttention:
         nd = meta.num_decodes
         if meta.num_prefill_tokens == 0:
             return self._decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
+        # The K and V just stored, for the prefill kernel's fresh prompts (nothing cached
+        # before this chunk): their rows, read in place of the cache where the cache holds
+        # the same values (same dtype). kernels/attention's paged_prefill_attention.
+        fresh_kv = (k, v) if self.fresh_prefill and k.dtype == k_cache.dtype and v.dtype == v_cache.dtype else None
         if nd == 0:
             return self._prefill(
-                q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale
+                q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale, fresh_kv
             )
         out = torch.empty_like(q)
         out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale)
         out[nd:] = self._prefill(
-            q[nd:], k_cache, v_cache, meta.block_tables[nd:], meta.query_start_loc, meta.seq_lens[nd:], scale
+            q[nd:], k_cache, v_cache, meta.block_tables[nd:], meta.query_start_loc, meta.seq_lens[nd:], scale,
+            None if fresh_kv is None else (k[nd:], v[nd:]),
         )
         return out
 
@@ -113,21 +119,30 @@ def torch_backend() -> PagedAttention:
 # tests/gpu/test_decode_fusions_gpu.py and made decode 1.02-1.06x faster (bench/RESULTS.md,
 # "Round 4"). TIDEPOOL_FUSED_DECODE=0 turns it off (rotary_store_kv then the decode kernel).
 FUSED_DECODE_ENV = "TIDEPOOL_FUSED_DECODE"
+# Fresh prompts' prefill attention reads this step's K/V rows instead of the cache
+# (kernels/attention/triton_prefill.py: TMA on Hopper; on the H200 1.2-1.4x the paged
+# kernel, bench/RESULTS.md issue 10 round 18). TIDEPOOL_FRESH_PREFILL=0 turns it off.
+FRESH_PREFILL_ENV = "TIDEPOOL_FRESH_PREFILL"
 
 
-def triton_backend(fused_decode: bool | None = None) -> PagedAttention:
+def _flag(name: str) -> bool:
+    flag = os.environ.get(name, "1")
+    if flag not in ("0", "1"):
+        raise ValueError(f"{name} must be 0 or 1, got {flag!r}")
+    return flag == "1"
+
+
+def triton_backend(fused_decode: bool | None = None, fresh_prefill: bool | None = None) -> PagedAttention:
     """``fused_decode``: decode-only steps through ``rotary_decode_attention`` (default: on,
-    unless ``TIDEPOOL_FUSED_DECODE=0``)."""
+    unless ``TIDEPOOL_FUSED_DECODE=0``). ``fresh_prefill``: fresh prompts' attention reads
+    the step's K/V rows (default: on, unless ``TIDEPOOL_FRESH_PREFILL=0``)."""
     from kernels.attention import triton_attention as tri
 
-    if fused_decode is None:
-        flag = os.environ.get(FUSED_DECODE_ENV, "1")
-        if flag not in ("0", "1"):
-            raise ValueError(f"{FUSED_DECODE_ENV} must be 0 or 1, got {flag!r}")
-        fused_decode = flag == "1"
+    fused_decode = _flag(FUSED_DECODE_ENV) if fused_decode is None else fused_decode
+    fresh_prefill = _flag(FRESH_PREFILL_ENV) if fresh_prefill is None else fresh_prefill
     return PagedAttention(
         "triton", tri.store_kv, tri.paged_decode_attention, tri.paged_prefill_attention, tri.rotary_store_kv,
-        tri.rotary_decode_attention if fused_decode else None,
+        tri.rotary_decode_attention if fused_decode else None, fresh_prefill,
     )
 
 

@@ -83,6 +83,71 @@ def test_prefill_mixed_chunks_match_reference(model, dtype):
     )
 
 
+def _fresh_problem(model, dtype, seed):
+    # 16 sequences, every other one fresh (nothing cached before this chunk), including a
+    # 2048-token prompt and a one-token one; the rest chunks after a cached prefix. Every
+    # sequence holds blocks for at least 16 more keys than its queries, so any of them can
+    # become a cached one (its length raised by 16) without leaving its own blocks.
+    query_lens = _lens(16, 1, 1024, seed=seed)
+    prefixes = _lens(16, 16, 600, seed=seed + 1)
+    query_lens[:4] = [2048, 300, 1, 64]
+    p = make_problem(query_lens, [q + pre for q, pre in zip(query_lens, prefixes)], dtype=dtype, device="cuda", **model)
+    lens = p.seq_lens.tolist()
+    lens[::2] = query_lens[::2]
+    p.seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+    return p
+
+
+@pytest.mark.parametrize("tma", [True, False], ids=["tma", "row-loads"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("model", MODELS, ids=MODEL_IDS)
+def test_prefill_fresh_prompts_from_new_kv_match_reference(model, dtype, tma, monkeypatch):
+    # The fresh prompts' kernel on the GPU: TMA (what Hopper takes by itself) or row loads,
+    # against the reference; then their cache rows poisoned, which it must not read.
+    from kernels.attention import triton_prefill
+
+    if tma and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("TMA needs Hopper or later")
+    p = _fresh_problem(model, dtype, seed=5)
+    new_kv = p.new_kv()
+    assert triton_prefill._use_tma(p.q, *new_kv)  # the model's views take TMA here
+    if not tma:
+        monkeypatch.setattr(triton_prefill, "_use_tma", lambda q, k, v: False)
+    expected = ref.paged_prefill_attention(*p.prefill_args())
+    got = tri.paged_prefill_attention(*p.prefill_args(), new_kv)
+    torch.testing.assert_close(got, expected, **TOLERANCE[dtype])
+    starts, lens = p.query_start_loc.tolist(), p.seq_lens.tolist()
+    tables = p.block_tables.tolist()
+    for i in range(0, 16, 2):
+        for pos in range(lens[i]):
+            p.k_cache[tables[i][pos // p.block_size], pos % p.block_size] = float("nan")
+    torch.testing.assert_close(tri.paged_prefill_attention(*p.prefill_args(), new_kv), got, atol=0, rtol=0)
+
+
+def test_prefill_with_new_kv_replays_from_a_graph_as_the_mix_changes():
+    # One capture serves any mix of fresh and cached sequences: which kernel serves a
+    # sequence is decided on the device from its lengths. Replayed after sequences switch
+    # between fresh and cached (their lengths, slots and K/V rewritten in place).
+    p = _fresh_problem(SMOLLM2, torch.bfloat16, seed=7)
+    new_kv = p.new_kv()
+    tri.paged_prefill_attention(*p.prefill_args(), new_kv)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = tri.paged_prefill_attention(*p.prefill_args(), new_kv)
+    for step in range(3):
+        lens = p.seq_lens.tolist()
+        q_lens = (p.query_start_loc[1:] - p.query_start_loc[:-1]).tolist()
+        for i in range(step, 16, 2):  # half the sequences swap between fresh and cached
+            lens[i] = q_lens[i] + 16 if lens[i] == q_lens[i] else q_lens[i]
+        p.seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+        p.q.normal_()
+        new_kv[0].normal_()
+        new_kv[1].normal_()
+        assert p.new_kv()[0].data_ptr() == new_kv[0].data_ptr()  # rewrites the cache from the same rows
+        graph.replay()
+        torch.testing.assert_close(out, ref.paged_prefill_attention(*p.prefill_args()), **TOLERANCE[torch.bfloat16])
+
+
 def test_store_kv_matches_reference_exactly():
     p = make_decode_problem([4096] * 4, dtype=torch.bfloat16, device="cuda", **SMOLLM2)
     gen = torch.Generator().manual_seed(4)

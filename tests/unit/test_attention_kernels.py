@@ -126,6 +126,64 @@ def test_prefill_matches_reference(shape, dtype):
     torch.testing.assert_close(got, expected, **TOLERANCE[dtype])
 
 
+def _poison_fresh_rows(p: PagedProblem, value: float) -> list[int]:
+    """Overwrite the cache rows of the sequences whose context is this step's queries (what
+    ``new_kv`` also holds) with ``value``; returns those sequences' indices."""
+    starts, lens, tables = p.query_start_loc.tolist(), p.seq_lens.tolist(), p.block_tables.tolist()
+    fresh = [i for i, n in enumerate(lens) if n and n == starts[i + 1] - starts[i]]
+    for i in fresh:
+        for pos in range(lens[i]):
+            p.k_cache[tables[i][pos // p.block_size], pos % p.block_size] = value
+            p.v_cache[tables[i][pos // p.block_size], pos % p.block_size] = value
+    return fresh
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's numpy on the poisoned (NaN) cache rows
+@pytest.mark.parametrize("tma", [False, True], ids=["row-loads", "tma"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
+def test_prefill_reads_fresh_prompts_from_new_kv(shape, dtype, tma, monkeypatch):
+    # Fresh prompts (context = this chunk: one token, one and several query tiles, 130 keys
+    # over three key tiles) beside chunks after a cached prefix and zero-length entries.
+    # With new_kv the fresh ones read this step's K/V rows (its own kernel, with TMA or
+    # row loads), the rest the cache; either way the output is the cache-only one.
+    from kernels.attention import triton_prefill
+
+    monkeypatch.setattr(triton_prefill, "_use_tma", lambda q, k, v: tma)
+    query_lens = [7, 0, 50, 1, 0, 33, 130, 1]
+    context_lens = [7, 5, 140, 1, 0, 45, 130, 20]
+    p = _problem(query_lens, context_lens, shape, dtype, seed=int(torch.randint(1 << 30, ())))
+    new_kv = p.new_kv()
+    expected = ref.paged_prefill_attention(*p.prefill_args())
+    got = tri.paged_prefill_attention(*p.prefill_args(), new_kv)
+    torch.testing.assert_close(got, expected, **TOLERANCE[dtype])
+    torch.testing.assert_close(ref.paged_prefill_attention(*p.prefill_args(), new_kv), expected, **TOLERANCE[dtype])
+
+    # Which source the fresh prompts read: their cache rows poisoned, new_kv intact.
+    fresh = _poison_fresh_rows(p, float("nan"))
+    poisoned = tri.paged_prefill_attention(*p.prefill_args(), new_kv)
+    rows = torch.cat([torch.arange(p.query_start_loc[i], p.query_start_loc[i + 1]) for i in fresh]).to(got.device)
+    if shape[2] == tri.head_block(shape[2]):  # whole-head tiles: the fresh kernel serves them
+        torch.testing.assert_close(poisoned, got, atol=0, rtol=0)
+        torch.testing.assert_close(ref.paged_prefill_attention(*p.prefill_args(), new_kv), expected, **TOLERANCE[dtype])
+    else:  # a head size the fresh kernel does not take: everything reads the cache
+        assert torch.isnan(poisoned[rows]).all()
+        others = torch.ones(got.shape[0], dtype=torch.bool, device=got.device)
+        others[rows] = False
+        torch.testing.assert_close(poisoned[others], got[others], atol=0, rtol=0)
+
+
+def test_prefill_new_kv_of_another_dtype_is_not_read():
+    # K/V rows of another dtype than the cache differ from what it holds (rounded on
+    # store): the kernel and the reference then read the cache for every sequence.
+    p = _problem([9, 4], [9, 4], SHAPES[0], torch.bfloat16)
+    k, v = p.new_kv()
+    expected = ref.paged_prefill_attention(*p.prefill_args())
+    wrong = (k.float() + 1.0, v.float() + 1.0)
+    torch.testing.assert_close(tri.paged_prefill_attention(*p.prefill_args(), wrong), expected, **TOLERANCE[torch.bfloat16])
+    torch.testing.assert_close(ref.paged_prefill_attention(*p.prefill_args(), wrong), expected, atol=0, rtol=0)
+
+
 def test_prefill_causal_edge_at_key_tile_boundaries():
     # The kernel skips the causal mask for keys every row of a query tile sees; a tile whose
     # first query sits at positions 60..65 (around the 64-key tile edge) checks that split,
@@ -321,4 +379,82 @@ def test_backend_takes_the_fused_decode_only_where_asked(monkeypatch):
     assert triton_backend(fused_decode=True)._rotary_decode is tri.rotary_decode_attention
     monkeypatch.setenv(FUSED_DECODE_ENV, "yes")
     with pytest.raises(ValueError, match="TIDEPOOL_FUSED_DECODE"):
+        triton_backend()
+
+
+@pytest.mark.parametrize("tma", [False, True], ids=["row-loads", "tma"])
+def test_fresh_prefill_builds_for_hopper_as_the_gpu_runs_it(tma, monkeypatch):
+    """The fresh prompts' prefill kernel as a bf16 step launches it on Hopper (SmolLM2's
+    9/3 heads of 64 and Qwen2.5-7B's 28/4 of 128, K/V as views of the qkv projection's
+    output), with the paged kernel beside it skipping those sequences, compiled here for
+    sm_90: both build and do not spill (tests/sm90_compile.py)."""
+    from pathlib import Path
+
+    from kernels.attention import triton_prefill
+    from tests import sm90_compile, triton_launches
+
+    if not sm90_compile.tools_available() or not triton_launches.recording():
+        pytest.skip("needs Triton's NVIDIA tools and the interpreter (a CPU run)")
+    monkeypatch.setattr(triton_prefill, "_use_tma", lambda q, k, v: tma)
+    bf16 = dict(dtype=torch.bfloat16)
+    with triton_launches.capture() as jobs:  # nothing runs
+        for heads, kv_heads, dim in ((9, 3, 64), (28, 4, 128)):
+            qkv = torch.empty(4096, (heads + 2 * kv_heads) * dim, **bf16)
+            q, k, v = (t.view(4096, -1, dim) for t in qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=1))
+            cache = torch.empty(512, 2, 16, kv_heads, dim, **bf16)
+            starts = torch.tensor([0, 1024, 4096], dtype=torch.int32)
+            tri.paged_prefill_attention(q, cache[:, 0], cache[:, 1], torch.zeros(2, 256, dtype=torch.int32), starts,
+                                        torch.tensor([1024, 3072], dtype=torch.int32), 0.125, (k, v))
+    kernels = sorted(j["kernel"] for j in jobs)
+    assert kernels == ["_fresh_prefill_kernel"] * 2 + ["_prefill_kernel"] * 2
+    for job in jobs:
+        job["constexprs"]["NATIVE_DOT"] = True  # bf16 on CUDA feeds the tensor cores (the interpreter cannot)
+        if job["kernel"] == "_fresh_prefill_kernel":
+            assert job["constexprs"]["TMA"] is tma
+        else:
+            assert job["constexprs"]["SKIP_FRESH"] is True
+    results = sm90_compile.compile_in_subprocess(jobs, cwd=Path(__file__).resolve().parents[2])
+    for job, res in zip(jobs, results):
+        assert "error" not in res, (job["kernel"], job["constexprs"], res)
+        assert res["local"] == 0, (job["kernel"], job["constexprs"], res)
+
+
+def test_backend_hands_prefill_the_stored_rows_where_they_equal_the_cache(monkeypatch):
+    """``PagedAttention`` gives the prefill kernel this step's K/V (``new_kv``) when the cache
+    holds them unchanged (same dtype) and the backend has it on (the Triton backend: by
+    default; TIDEPOOL_FRESH_PREFILL=0 turns it off); with decode rows first, their rows are
+    cut off as the queries are."""
+    from libs.model.attention import FRESH_PREFILL_ENV, AttentionMetadata, PagedAttention, triton_backend
+
+    seen = []
+
+    def prefill(q, k_cache, v_cache, tables, starts, lens, scale, new_kv=None):
+        seen.append(new_kv)
+        return torch.zeros_like(q)
+
+    def decode(q, *args):
+        return torch.zeros_like(q)
+
+    k, v, q = torch.randn(5, 1, 4), torch.randn(5, 1, 4), torch.randn(5, 2, 4)
+    cache = torch.zeros(2, 4, 1, 4)
+    z = torch.zeros(3, dtype=torch.int32)
+    mixed = AttentionMetadata(torch.zeros(5, dtype=torch.long), z[:, None], z, z[:2], num_decodes=2, num_prefill_tokens=3)
+    only = AttentionMetadata(torch.zeros(5, dtype=torch.long), z[:, None], z, z[:2], num_decodes=0, num_prefill_tokens=5)
+    store = lambda *args: None  # noqa: E731
+    on = PagedAttention("t", store, decode, prefill, None)
+    on(q, k, v, cache, cache, only, 1.0)
+    on(q, k, v, cache, cache, mixed, 1.0)
+    assert seen[0][0] is k and seen[0][1] is v
+    assert torch.equal(seen[1][0], k[2:]) and torch.equal(seen[1][1], v[2:])
+    seen.clear()
+    on(q, k.double(), v.double(), cache, cache, only, 1.0)  # the cache would round them
+    PagedAttention("t", store, decode, prefill, None, fresh_prefill=False)(q, k, v, cache, cache, only, 1.0)
+    assert seen == [None, None]
+    monkeypatch.delenv(FRESH_PREFILL_ENV, raising=False)
+    assert triton_backend().fresh_prefill is True
+    monkeypatch.setenv(FRESH_PREFILL_ENV, "0")
+    assert triton_backend().fresh_prefill is False
+    assert triton_backend(fresh_prefill=True).fresh_prefill is True
+    monkeypatch.setenv(FRESH_PREFILL_ENV, "no")
+    with pytest.raises(ValueError, match="TIDEPOOL_FRESH_PREFILL"):
         triton_backend()
