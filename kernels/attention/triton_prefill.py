@@ -28,6 +28,8 @@ device.
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 import triton
 import triton.language as tl
@@ -228,10 +230,16 @@ def _fresh_form(q: torch.Tensor, k_cache: torch.Tensor, new_kv: tuple[torch.Tens
             and head_dim == head_block(head_dim))
 
 
+@lru_cache(maxsize=16)
+def _has_tma(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
 def _use_tma(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """TMA for the fresh kernel's K/V tiles: on Hopper and later, where the rows are views
-    a tensor descriptor can take (heads contiguous in a row; 16-byte aligned rows)."""
-    if not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] < 9:
+    a tensor descriptor can take (heads contiguous in a row; 16-byte aligned rows). Asked
+    per launch (an eager prefill asks once a layer), so the capability is cached."""
+    if not q.is_cuda or not _has_tma(q.device.index if q.device.index is not None else torch.cuda.current_device()):
         return False
     return all(t.stride(2) == 1 and t.stride(1) == t.shape[2] and (t.stride(0) * t.element_size()) % 16 == 0
                and t.data_ptr() % 16 == 0 for t in (k, v))
