@@ -55,7 +55,8 @@ def config(args: argparse.Namespace, folder: Path, tp: int, **kw) -> EngineConfi
     cuda = args.device == "cuda"
     base = dict(
         model=str(folder), device=args.device, dtype="bfloat16" if cuda else "float32", tensor_parallel_size=tp,
-        max_num_seqs=max(2, *args.batches),  # 2: throughput()'s warm-up num_blocks=args.num_blocks, max_model_len=args.max_model_len,
+        max_num_seqs=max(2, *args.batches),  # 2: throughput()'s warm-up
+        num_blocks=args.num_blocks, max_model_len=args.max_model_len,
         max_num_batched_tokens=args.budget, prefill_graph_max_tokens=args.budget, num_threads=args.threads,
         tp_timeout_s=300,
     )

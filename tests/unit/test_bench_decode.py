@@ -37,3 +37,17 @@ def test_transformers_prefill_with_last_logits_computes_one_row_per_prompt(monke
     shapes.clear()
     hf_prefill(hf, batch=2, length=8)
     assert {tuple(o.logits.shape) for o in shapes} == {(2, 8, 128)}
+
+
+def test_tp_bench_engines_take_every_sizing_flag(tmp_path):
+    """bench/tp_bench.py's engine configuration carries the cache and length flags it
+    parses (a comment once swallowed ``num_blocks`` and ``max_model_len``, so both silently
+    took EngineConfig's defaults), and sizes max_num_seqs for its batch-2 warm-up."""
+    from argparse import Namespace
+
+    from bench.tp_bench import config
+
+    args = Namespace(device="cpu", batches=[1], num_blocks=1234, max_model_len=4321, budget=512, threads=1)
+    cfg = config(args, tmp_path, 2, tp_all_reduce="nccl")
+    assert (cfg.num_blocks, cfg.max_model_len, cfg.max_num_seqs) == (1234, 4321, 2)
+    assert (cfg.max_num_batched_tokens, cfg.tensor_parallel_size, cfg.tp_all_reduce) == (512, 2, "nccl")
