@@ -1,5 +1,5 @@
 """Compile Triton kernels for Hopper (sm_90) on a machine without a GPU, and report each
-compiled variant's registers and local-memory (spill) bytes.
+compiled variant's registers, local-memory (spill) bytes and shared memory.
 
 The CPU tests run kernels in Triton's interpreter, which accepts code the compiler refuses
 (a plain module global read inside a kernel, for one) and says nothing of register
@@ -15,7 +15,7 @@ A job names the kernel (``module``, ``kernel``), its ``constexprs`` (a ``tl.dtyp
 types, either each in ``types`` (``{"x_ptr": "*bf16", "n": "i32"}``, as
 tests/triton_launches.py records them, with ``divisible``: the arguments Triton would
 specialize as multiples of 16) or by default: ``ptr`` for every ``*_ptr``, fp32 for the
-names in ``floats``, i32 for the rest. It prints one ``{"regs": int, "local": int}``
+names in ``floats``, i32 for the rest. It prints one ``{"regs": int, "local": int, "shared": int}``
 (or ``{"error": str}``) per job, as a JSON list; jobs compile in parallel.
 """
 
@@ -66,7 +66,8 @@ def _compile(job: dict) -> dict:
         f.flush()
         usage = subprocess.run([str(_bin_dir() / "cuobjdump"), "--dump-resource-usage", f.name], capture_output=True, text=True, check=True).stdout
     line = next(line for line in usage.splitlines() if "REG:" in line)
-    return {"regs": int(line.split("REG:")[1].split()[0]), "local": int(line.split("LOCAL:")[1].split()[0])}
+    return {"regs": int(line.split("REG:")[1].split()[0]), "local": int(line.split("LOCAL:")[1].split()[0]),
+            "shared": kernel.metadata.shared}
 
 
 def compile_kernel(job: dict):

@@ -54,7 +54,8 @@ class PagedProblem:
         bs = self.block_size
         slots = [tables[i][pos // bs] * bs + pos % bs
                  for i, n in enumerate(lens) for pos in range(n - (starts[i + 1] - starts[i]), n)]
-        store_kv(k, v, self.k_cache, self.v_cache, torch.tensor(slots, dtype=torch.int64, device=self.q.device))
+        store_kv(k[: len(slots)], v[: len(slots)], self.k_cache, self.v_cache,  # padding rows store nowhere
+                 torch.tensor(slots, dtype=torch.int64, device=self.q.device))
         return k, v
 
 
@@ -72,12 +73,15 @@ def make_problem(
     layer: int = 1,
     spare_blocks: int = 7,
     extra_table_width: int = 2,
+    padding_rows: int = 0,
     seed: int = 0,
 ) -> PagedProblem:
     """Sequence ``i`` has ``context_lens[i]`` tokens of context, the last ``query_lens[i]``
     of which are this step's queries. The whole cache is random, so a kernel that reads a
     wrong slot, block or layer gets wrong numbers rather than zeros. Tensors are drawn on
-    ``device`` (a large cache never passes through host memory), tables on the host."""
+    ``device`` (a large cache never passes through host memory), tables on the host.
+    ``padding_rows``: rows of the QKV buffer past the last sequence's queries, as a CUDA
+    graph's token bucket has (they belong to no sequence)."""
     if len(query_lens) != len(context_lens):
         raise ValueError("query_lens and context_lens differ in length")
     if any(q > c for q, c in zip(query_lens, context_lens)):
@@ -98,7 +102,7 @@ def make_problem(
         tables[i, :n] = order[used : used + n]
         used += n
 
-    total = sum(query_lens)
+    total = sum(query_lens) + padding_rows
     qkv_width = (num_heads + 2 * num_kv_heads) * head_dim
     qkv = torch.empty((total, qkv_width), dtype=dtype, device=device).normal_(generator=device_gen)
     q = qkv[:, : num_heads * head_dim].view(total, num_heads, head_dim)

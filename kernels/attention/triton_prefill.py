@@ -56,10 +56,13 @@ _PREFILL_NUM_STAGES_WIDE = 3
 # SmolLM2's and Llama-3.2-1B's heads (within 2% of the best); at 128, 128 x 128 with 8 warps
 # (1,010 us against 1,039-1,528 for the other tilings). 128-key tiles of 128-wide heads
 # take 192 KB of shared memory at 3 stages: without TMA (GPUs before Hopper, which also
-# have less) the keys per tile stay 64.
+# have less) the keys per tile stay 64. fp32 operands (4 bytes, multiplied in IEEE fp32)
+# take 64 x 64 tiles in 2 stages: the 16-bit tilings need up to 450 KB at fp32, past any
+# GPU's 227 KB (an fp32 engine on an H200 failed to launch with them).
 _FRESH_TILES = (64, 64, 4, 3)
 _FRESH_TILES_WIDE_TMA = (128, 128, 8, 3)
 _FRESH_TILES_WIDE = (128, 64, 8, 3)
+_FRESH_TILES_FP32 = (64, 64, 4, 2)
 
 
 @triton.jit
@@ -162,8 +165,9 @@ def _fresh_prefill_kernel(
     cached before it), reading keys and values from this step's rows ``k``/``v``
     (``[T, kv_heads, head_dim]``, the query tokens' own rows) instead of the cache. ``TMA``:
     through ``k_desc``/``v_desc``, descriptors of ``[T, kv_heads * head_dim]`` views with
-    ``[BLOCK_N, HEAD_DIM]`` boxes (rows past the buffer come back as zeros; rows of the
-    next sequence in the diagonal tile lie past every query's position and are masked)."""
+    ``[BLOCK_N, HEAD_DIM]`` boxes (rows past the buffer come back as zeros; in the diagonal
+    tiles, V's rows past the sequence's queries are zeroed: they may be the next sequence's
+    or a CUDA graph bucket's padding, which can hold NaN)."""
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     seq = _find_seq(query_start_loc_ptr, tile, num_seqs, BLOCK_Q)
@@ -203,12 +207,15 @@ def _fresh_prefill_kernel(
             m_i, l_i, acc = fold_tile(q, m_i, l_i, acc, tile_start + n, k, v, causal_end, token, qk_scale, False, NATIVE_DOT, True)
         for tile_start in range(unmasked_end, causal_end, BLOCK_N):
             pos = tile_start + n
+            inside = (pos < causal_end)[:, None]
             if TMA:
                 k = k_desc.load([q_start + tile_start, kv_head * HEAD_DIM])
-                v = v_desc.load([q_start + tile_start, kv_head * HEAD_DIM])
+                # The box's rows past this sequence's queries are the next sequence's or
+                # padding rows of a CUDA graph's bucket, which hold anything (NaN, inf).
+                # Their keys are masked, so p is 0 there, but 0 * NaN is NaN in P @ V.
+                v = tl.where(inside, v_desc.load([q_start + tile_start, kv_head * HEAD_DIM]), 0.0)
             else:
                 rows = (q_start + pos).to(tl.int64)[:, None]
-                inside = (pos < causal_end)[:, None]
                 k = tl.load(k_cols + rows * stride_kt, mask=inside, other=0.0)
                 v = tl.load(v_cols + rows * stride_vt, mask=inside, other=0.0)
             m_i, l_i, acc = fold_tile(q, m_i, l_i, acc, pos, k, v, causal_end, token, qk_scale, True, NATIVE_DOT, False)
@@ -250,12 +257,20 @@ def _rows_view(t: torch.Tensor) -> torch.Tensor:
     return t.as_strided((t.shape[0], t.shape[1] * t.shape[2]), (t.stride(0), 1))
 
 
+def _fresh_tiles(head_dim: int, tma: bool, element_size: int) -> tuple[int, int, int, int]:
+    """(query rows, keys per tile, warps, stages) of ``_fresh_prefill_kernel``."""
+    if element_size > 2:
+        return _FRESH_TILES_FP32
+    if head_dim <= 64:
+        return _FRESH_TILES
+    return _FRESH_TILES_WIDE_TMA if tma else _FRESH_TILES_WIDE
+
+
 def _launch_fresh(q, new_kv, query_start_loc, seq_lens, out, scale, group) -> None:
     num_tokens, _, head_dim = q.shape
     k, v = new_kv
     tma = _use_tma(q, k, v)
-    wide = head_dim > 64
-    block_m, block_n, num_warps, num_stages = _FRESH_TILES if not wide else _FRESH_TILES_WIDE_TMA if tma else _FRESH_TILES_WIDE
+    block_m, block_n, num_warps, num_stages = _fresh_tiles(head_dim, tma, k.element_size())
     block_m = max(block_m, triton.next_power_of_2(group))
     block_q = block_m // group
     k_desc, v_desc = k, v  # unread without TMA

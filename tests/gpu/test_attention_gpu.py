@@ -99,7 +99,7 @@ def _fresh_problem(model, dtype, seed):
 
 
 @pytest.mark.parametrize("tma", [True, False], ids=["tma", "row-loads"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("model", MODELS, ids=MODEL_IDS)
 def test_prefill_fresh_prompts_from_new_kv_match_reference(model, dtype, tma, monkeypatch):
     # The fresh prompts' kernel on the GPU: TMA (what Hopper takes by itself) or row loads,
@@ -122,6 +122,22 @@ def test_prefill_fresh_prompts_from_new_kv_match_reference(model, dtype, tma, mo
         for pos in range(lens[i]):
             p.k_cache[tables[i][pos // p.block_size], pos % p.block_size] = float("nan")
     torch.testing.assert_close(tri.paged_prefill_attention(*p.prefill_args(), new_kv), got, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("model", MODELS, ids=MODEL_IDS)
+def test_prefill_fresh_prompts_ignore_nan_padding_rows(model, dtype):
+    # A CUDA graph's token bucket has rows past the last sequence that hold whatever its
+    # memory held. With NaN there, every real row still matches the reference: a TP=2
+    # engine sampled only token 0 when a fresh prompt's diagonal TMA box fed them to P @ V.
+    lens = [6, 70, 1, 130]
+    p = make_problem(lens, lens, dtype=dtype, device="cuda", padding_rows=37, **model)
+    k, v = p.new_kv()
+    real = sum(lens)
+    k[real:], v[real:] = float("nan"), float("nan")
+    got = tri.paged_prefill_attention(*p.prefill_args(), (k, v))[:real]
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, ref.paged_prefill_attention(*p.prefill_args())[:real], **TOLERANCE[dtype])
 
 
 def test_prefill_with_new_kv_replays_from_a_graph_as_the_mix_changes():

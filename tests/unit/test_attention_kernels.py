@@ -21,17 +21,18 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 # (num_heads, num_kv_heads, head_dim, block_size): SmolLM2's 9/3 GQA, MQA, plain MHA, and a
 # head_dim that is not a power of two.
+HOPPER_SHARED_BYTES = 227 * 1024  # the most shared memory a block may take on an H100 / H200
 SHAPES = [(9, 3, 64, 16), (4, 1, 32, 8), (4, 4, 32, 16), (6, 2, 80, 16)]
 SHAPE_IDS = ["gqa9-3-d64-bs16", "mqa4-1-d32-bs8", "mha4-4-d32-bs16", "gqa6-2-d80-bs16"]
 # The kernels compute in fp32 and round once on store; the bf16 reference rounds inside SDPA.
 TOLERANCE = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 
 
-def _problem(query_lens, context_lens, shape, dtype, seed=0) -> PagedProblem:
+def _problem(query_lens, context_lens, shape, dtype, seed=0, padding_rows=0) -> PagedProblem:
     num_heads, num_kv_heads, head_dim, block_size = shape
     return make_problem(
         query_lens, context_lens, num_heads=num_heads, num_kv_heads=num_kv_heads,
-        head_dim=head_dim, block_size=block_size, dtype=dtype, device=DEVICE, seed=seed,
+        head_dim=head_dim, block_size=block_size, dtype=dtype, device=DEVICE, seed=seed, padding_rows=padding_rows,
     )
 
 
@@ -171,6 +172,32 @@ def test_prefill_reads_fresh_prompts_from_new_kv(shape, dtype, tma, monkeypatch)
         others = torch.ones(got.shape[0], dtype=torch.bool, device=got.device)
         others[rows] = False
         torch.testing.assert_close(poisoned[others], got[others], atol=0, rtol=0)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's numpy on the poisoned (NaN) rows
+@pytest.mark.parametrize("tma", [False, True], ids=["row-loads", "tma"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fresh_prefill_ignores_the_rows_past_the_last_sequence(dtype, tma, monkeypatch):
+    # A CUDA graph's token bucket has rows past the last sequence's queries that belong to no
+    # sequence and hold whatever the graph's memory held: NaN and inf here. A fresh prompt's
+    # diagonal key tile spans them (a TMA box loads them whole); the masked keys' zero
+    # probabilities must not meet them in P @ V (0 * NaN is NaN). Found on two H200s, where
+    # a tensor-parallel rank's bucket held NaN and every sampled token came out 0.
+    from kernels.attention import triton_prefill
+
+    monkeypatch.setattr(triton_prefill, "_use_tma", lambda q, k, v: tma)
+    query_lens = [7, 0, 50, 6]
+    context_lens = [7, 5, 60, 6]
+    p = _problem(query_lens, context_lens, SHAPES[0], dtype, padding_rows=10, seed=int(torch.randint(1 << 30, ())))
+    k, v = p.new_kv()
+    real = sum(query_lens)
+    for t in (k, v):
+        t[real:] = float("nan")
+        t[real + 1 :: 3] = float("inf")
+    expected = ref.paged_prefill_attention(*p.prefill_args())[:real]
+    got = tri.paged_prefill_attention(*p.prefill_args(), (k, v))[:real]
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, expected, **TOLERANCE[dtype])
 
 
 def test_prefill_new_kv_of_another_dtype_is_not_read():
@@ -384,10 +411,11 @@ def test_backend_takes_the_fused_decode_only_where_asked(monkeypatch):
 
 @pytest.mark.parametrize("tma", [False, True], ids=["row-loads", "tma"])
 def test_fresh_prefill_builds_for_hopper_as_the_gpu_runs_it(tma, monkeypatch):
-    """The fresh prompts' prefill kernel as a bf16 step launches it on Hopper (SmolLM2's
-    9/3 heads of 64 and Qwen2.5-7B's 28/4 of 128, K/V as views of the qkv projection's
-    output), with the paged kernel beside it skipping those sequences, compiled here for
-    sm_90: both build and do not spill (tests/sm90_compile.py)."""
+    """The fresh prompts' prefill kernel as a bf16 or fp32 step launches it on Hopper
+    (SmolLM2's 9/3 heads of 64 and Qwen2.5-7B's 28/4 of 128, K/V as views of the qkv
+    projection's output), with the paged kernel beside it skipping those sequences,
+    compiled here for sm_90: both build, do not spill, and fit Hopper's 227 KB of shared
+    memory a block (tests/sm90_compile.py; fp32 at the 16-bit tiles did not)."""
     from pathlib import Path
 
     from kernels.attention import triton_prefill
@@ -396,19 +424,20 @@ def test_fresh_prefill_builds_for_hopper_as_the_gpu_runs_it(tma, monkeypatch):
     if not sm90_compile.tools_available() or not triton_launches.recording():
         pytest.skip("needs Triton's NVIDIA tools and the interpreter (a CPU run)")
     monkeypatch.setattr(triton_prefill, "_use_tma", lambda q, k, v: tma)
-    bf16 = dict(dtype=torch.bfloat16)
     with triton_launches.capture() as jobs:  # nothing runs
-        for heads, kv_heads, dim in ((9, 3, 64), (28, 4, 128)):
-            qkv = torch.empty(4096, (heads + 2 * kv_heads) * dim, **bf16)
-            q, k, v = (t.view(4096, -1, dim) for t in qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=1))
-            cache = torch.empty(512, 2, 16, kv_heads, dim, **bf16)
-            starts = torch.tensor([0, 1024, 4096], dtype=torch.int32)
-            tri.paged_prefill_attention(q, cache[:, 0], cache[:, 1], torch.zeros(2, 256, dtype=torch.int32), starts,
-                                        torch.tensor([1024, 3072], dtype=torch.int32), 0.125, (k, v))
+        for dtype in (torch.bfloat16, torch.float32):
+            for heads, kv_heads, dim in ((9, 3, 64), (28, 4, 128)):
+                qkv = torch.empty(4096, (heads + 2 * kv_heads) * dim, dtype=dtype)
+                q, k, v = (t.view(4096, -1, dim) for t in qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=1))
+                cache = torch.empty(512, 2, 16, kv_heads, dim, dtype=dtype)
+                starts = torch.tensor([0, 1024, 4096], dtype=torch.int32)
+                tri.paged_prefill_attention(q, cache[:, 0], cache[:, 1], torch.zeros(2, 256, dtype=torch.int32), starts,
+                                            torch.tensor([1024, 3072], dtype=torch.int32), 0.125, (k, v))
     kernels = sorted(j["kernel"] for j in jobs)
-    assert kernels == ["_fresh_prefill_kernel"] * 2 + ["_prefill_kernel"] * 2
+    assert kernels == ["_fresh_prefill_kernel"] * 4 + ["_prefill_kernel"] * 4
     for job in jobs:
-        job["constexprs"]["NATIVE_DOT"] = True  # bf16 on CUDA feeds the tensor cores (the interpreter cannot)
+        # 16-bit operands on CUDA feed the tensor cores (the interpreter cannot); fp32 stays IEEE.
+        job["constexprs"]["NATIVE_DOT"] = job["types"]["q_ptr"] != "*fp32"
         if job["kernel"] == "_fresh_prefill_kernel":
             assert job["constexprs"]["TMA"] is tma
         else:
@@ -417,6 +446,7 @@ def test_fresh_prefill_builds_for_hopper_as_the_gpu_runs_it(tma, monkeypatch):
     for job, res in zip(jobs, results):
         assert "error" not in res, (job["kernel"], job["constexprs"], res)
         assert res["local"] == 0, (job["kernel"], job["constexprs"], res)
+        assert res["shared"] <= HOPPER_SHARED_BYTES, (job["kernel"], job["types"]["q_ptr"], job["constexprs"], res)
 
 
 def test_backend_hands_prefill_the_stored_rows_where_they_equal_the_cache(monkeypatch):
