@@ -17,10 +17,11 @@ written, views of the qkv projection's output) instead of gathering them through
 block table. They are contiguous rows there, so ``_fresh_prefill_kernel`` loads each K/V
 tile with one TMA bulk copy on Hopper (a host-built tensor descriptor; plain row loads
 elsewhere) and keeps no per-key block ids or 64-bit address tiles in registers. Measured on
-an H200 (bench/RESULTS.md, issue 10, round 18), us per layer against this module's paged
-kernel: SmolLM2's heads at 16 x 1024, 73.5 against 101.3; 16 prompts of 64-2,048 tokens,
-83.4 against 117.4; Llama-3.2-1B's heads, 221 against 261; Qwen2.5-7B's (head dim 128) at
-4 x 4096, 1,010 against 1,448. With ``new_kv`` the wrapper launches that kernel for the
+an H200 (bench/RESULTS.md, issue 10, round 19: with the diagonal tiles' V rows past the
+sequence zeroed), us per layer against this module's paged kernel: SmolLM2's heads at
+16 x 1024, 83 against 101; 16 prompts of 64-2,048 tokens, 92 against 117; Llama-3.2-1B's
+heads, 246-251 against 260-265; Qwen2.5-7B's (head dim 128) at 4 x 4096, 1,079-1,095
+against 1,441-1,450. With ``new_kv`` the wrapper launches that kernel for the
 fresh sequences and the paged kernel for the rest (each skips the other's), so a CUDA graph
 captured once serves any mix: which kernel does the work is decided per sequence on the
 device.

@@ -120,8 +120,8 @@ def torch_backend() -> PagedAttention:
 # "Round 4"). TIDEPOOL_FUSED_DECODE=0 turns it off (rotary_store_kv then the decode kernel).
 FUSED_DECODE_ENV = "TIDEPOOL_FUSED_DECODE"
 # Fresh prompts' prefill attention reads this step's K/V rows instead of the cache
-# (kernels/attention/triton_prefill.py: TMA on Hopper; on the H200 1.2-1.4x the paged
-# kernel, bench/RESULTS.md issue 10 round 18). TIDEPOOL_FRESH_PREFILL=0 turns it off.
+# (kernels/attention/triton_prefill.py: TMA on Hopper; on the H200 1.06-1.33x the paged
+# kernel, bench/RESULTS.md issue 10 round 19). TIDEPOOL_FRESH_PREFILL=0 turns it off.
 FRESH_PREFILL_ENV = "TIDEPOOL_FRESH_PREFILL"
 
 
