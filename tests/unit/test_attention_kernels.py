@@ -21,11 +21,11 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 # (num_heads, num_kv_heads, head_dim, block_size): SmolLM2's 9/3 GQA, MQA, plain MHA, and a
 # head_dim that is not a power of two.
-HOPPER_SHARED_BYTES = 227 * 1024  # the most shared memory a block may take on an H100 / H200
 SHAPES = [(9, 3, 64, 16), (4, 1, 32, 8), (4, 4, 32, 16), (6, 2, 80, 16)]
 SHAPE_IDS = ["gqa9-3-d64-bs16", "mqa4-1-d32-bs8", "mha4-4-d32-bs16", "gqa6-2-d80-bs16"]
 # The kernels compute in fp32 and round once on store; the bf16 reference rounds inside SDPA.
 TOLERANCE = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+HOPPER_SHARED_BYTES = 227 * 1024  # the most shared memory a block may take on an H100 / H200
 
 
 def _problem(query_lens, context_lens, shape, dtype, seed=0, padding_rows=0) -> PagedProblem:
