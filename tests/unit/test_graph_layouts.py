@@ -4,8 +4,11 @@ A decode graph runs a padded batch (padding rows write to slot -1 and have lengt
 prefill graph runs every row, decode rows included, as queries of the prefill kernel
 over a padded token bucket and padded sequence slots. Run eagerly on those exact
 layouts, the engine must produce what it produces without them (tests/gpu replays the
-real graphs against eager).
+real graphs against eager), even with NaN in the bucket's rows past its last sequence,
+which a GPU graph's memory may hold.
 """
+
+import pytest
 
 from libs.engine import SamplingParams
 from tests.models import tiny_engine
@@ -121,3 +124,44 @@ def test_greedy_decode_steps_take_the_graphs_argmax_unless_the_logits_are_proces
         assert all(given) if name == "plain" else not any(given), (name, given)
         eng.close()
     assert ref[0].token_ids == [4321] * 6  # the bias decided every token of the first request
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's numpy on the NaN rows
+@pytest.mark.parametrize("tma", [False, True], ids=["row-loads", "tma"])
+def test_prefill_graph_padding_rows_never_reach_the_real_rows(tma, monkeypatch):
+    """A prefill graph's token bucket has rows past the last sequence, which no attention
+    kernel writes: on a GPU they hold whatever the graph's memory held, and from the next
+    layer on so do their K and V. On two H200s that was NaN, and a TP=2 engine sampled
+    token 0 at every position: the fresh prompts' attention kernel loaded those rows in a
+    TMA box and met them in P @ V. Here the Triton attention runs in the interpreter (TMA
+    boxes as Hopper takes them, or row loads) on the emulated graph layouts, with
+    attention's padding rows set to NaN after every prefill: the tokens equal the plain
+    engine's."""
+    from kernels.attention import triton_prefill
+    from libs.model.attention import triton_backend
+
+    monkeypatch.setattr(triton_prefill, "_use_tma", lambda q, k, v: tma)
+    prompts = [list(range(100, 106)), list(range(300, 321)), list(range(500, 503))]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    ref = tiny_engine(num_blocks=64).generate(prompts, params)
+    eng = tiny_engine(num_blocks=64, max_num_batched_tokens=64)
+    backend = triton_backend()
+    prefill = backend._prefill
+    poisoned = []
+
+    def prefill_with_garbage_padding(q, k_cache, v_cache, tables, starts, lens, scale, new_kv=None):
+        out = prefill(q, k_cache, v_cache, tables, starts, lens, scale, new_kv)
+        end = int(starts[-1])
+        if end < out.shape[0]:
+            out[end:] = float("nan")
+            poisoned.append(out.shape[0] - end)
+        return out
+
+    backend._prefill = prefill_with_garbage_padding
+    for layer in eng.runner.model.layers:
+        layer.self_attn.backend = backend
+    eng.enable_graphs(emulate=True)
+    got = eng.generate(prompts, params)
+    assert poisoned and eng.runner.graphs.replays["prefill"] > 0  # padded buckets ran
+    assert [r.token_ids for r in got] == [r.token_ids for r in ref]
+    eng.close()
