@@ -35,6 +35,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 HOPPER = GPUTarget("cuda", 90, 32)
+HOPPER_SHARED_BYTES = 227 * 1024  # the most shared memory a block may take on an H100 / H200
 
 
 def tools_available() -> bool:

@@ -8,7 +8,8 @@ and this test, which the
 conftest moves to the end of the run, compiles a sample of them for sm_90 here, without a
 GPU (tests/sm90_compile.py): per kernel the first variant launched of each combination
 of its boolean ``tl.constexpr`` flags (each code path), the last, and the one with the
-largest tiles. A compile error fails; spills are reported. (tests/unit/test_fp8_sm90_compile.py
+largest tiles. A compile error fails, and so does a variant that needs more shared memory
+than a Hopper block has (it builds, but does not launch); spills are reported. (tests/unit/test_fp8_sm90_compile.py
 checks the FP8 kernels' PTX in more detail.) In a run with the integration tests the build
 starts in the background, at the lowest CPU priority, when they start (tests/conftest.py).
 """
@@ -43,3 +44,5 @@ def test_recorded_kernels_build_for_hopper():
     print(f"{len(built)} variants of {len(kernels)} kernels built for sm_90 ({len(triton_launches.LAUNCHES)} distinct launched); spills: {spills}")
     errors = [(f"{j['module']}.{j['kernel']}", j["constexprs"], r["error"]) for j, r in built if "error" in r]
     assert not errors, errors
+    too_big = [(f"{j['module']}.{j['kernel']}", j["constexprs"], r["shared"]) for j, r in built if r["shared"] > sm90_compile.HOPPER_SHARED_BYTES]
+    assert not too_big, too_big  # built, but it would not launch (as fp32 prefill attention once did on an H200)
