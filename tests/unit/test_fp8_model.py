@@ -35,6 +35,7 @@ from tests.models import tiny_loaded
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPT = "The capital of Japan is"
+CLI_THREADS = 1  # the CLI's torch threads (two torch processes share 2 cores here); the reference matches it
 
 
 def randn(*shape: int, seed: int) -> torch.Tensor:
@@ -122,7 +123,7 @@ def cli_run():
     the model in its own process while the module's other tests run)."""
     script = Path(sys.executable).parent / "tidepool"
     cmd = [str(script)] if script.exists() else [sys.executable, "-m", "libs.cli"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
+    env = {**os.environ, "OMP_NUM_THREADS": str(CLI_THREADS), "OMP_WAIT_POLICY": "PASSIVE"}
     args = ["generate", "--device", "cpu", "--quantization", "fp8", "--prompt", PROMPT, "--max-tokens", "12", "--temperature", "0", "--json"]
     proc = subprocess.Popen([*cmd, *args], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     yield proc
@@ -191,11 +192,11 @@ def test_cli_generates_with_fp8_weights(cli_run, fp8_engine):
     out, err = cli_run.communicate(timeout=600)
     assert cli_run.returncode == 0, err
     got = json.loads(out)
-    # The reference runs at the CLI's one thread: a sum's order follows the thread count,
-    # and an activation one fp32 ulp apart can round to the next e4m3 value. On this prompt
-    # two threads turn greedy's 7th token from " government" to " Alps" (a near-tie).
+    # The reference runs at the CLI's thread count: a sum's order follows it, and an
+    # activation one fp32 ulp apart can round to the next e4m3 value. On this prompt two
+    # threads instead of one turn greedy's 7th token from " government" to " Alps" (a near-tie).
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch.set_num_threads(CLI_THREADS)
     try:
         expected = fp8_engine.generate(PROMPT, SamplingParams(temperature=0, max_tokens=12))[0]
     finally:
